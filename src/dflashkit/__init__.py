@@ -1,0 +1,3 @@
+"""dflashkit: train, check and run DFlash block-diffusion drafters for speculative decoding."""
+
+__version__ = "0.1.0"

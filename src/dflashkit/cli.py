@@ -1,0 +1,83 @@
+"""The one `dflashkit` command. Each subcommand's handler imports what it needs lazily, so that
+`dflashkit doctor` starts fast and a missing optional piece only affects the command that uses it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from dflashkit import __version__
+from dflashkit.errors import DflashkitError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from dflashkit.runtime import doctor
+    from dflashkit.runtime import fingerprint as fpmod
+
+    console = Console()
+    if args.diff:
+        return doctor.show_diff(args.diff[0], args.diff[1], console)
+    fp = fpmod.collect()
+    if args.json:
+        doctor.write_json(fp, args.json)
+    elif args.check:
+        doctor.show_brief(fp, console)
+    else:
+        doctor.show(fp, console)
+    if args.check:
+        return doctor.run_check(Console(stderr=args.json == "-"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflashkit",
+        description="Train, check and run DFlash block-diffusion drafters for speculative decoding.",
+    )
+    p.add_argument("--version", action="version", version=f"dflashkit {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("doctor", help="environment fingerprint, diff and self-checks")
+    d.add_argument("--json", metavar="PATH", help="write the fingerprint as JSON to PATH ('-' for stdout)")
+    d.add_argument(
+        "--diff",
+        nargs=2,
+        metavar=("A", "B"),
+        help="compare two fingerprints (files or run/checkpoint folders); exit 1 on a critical change",
+    )
+    d.add_argument("--check", action="store_true", help="run live self-tests and show known issues")
+    d.set_defaults(handler=_doctor)
+
+    for register in _extra_commands():
+        register(sub)
+    return p
+
+
+def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """Subcommands defined beside the modules they drive (added as the toolkit grows)."""
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except DflashkitError as e:
+        if os.environ.get("DFLASHKIT_TRACEBACK"):
+            raise
+        print(f"dflashkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dflashkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

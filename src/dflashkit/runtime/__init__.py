@@ -1,0 +1,1 @@
+"""Runtime services: environment fingerprint (doctor), self-checks, compile safety."""
