@@ -59,9 +59,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Modules that define further subcommands beside the code they drive. Each has
+# `register(subparsers)`, which adds its parsers with `set_defaults(handler=...)` and imports heavy
+# dependencies only inside the handlers.
+COMMAND_MODULES = (
+    "dflashkit.model.commands",  # init, convert
+    "dflashkit.data.commands",  # prepare, capture
+    "dflashkit.train.commands",  # train
+    "dflashkit.infer.commands",  # eval, generate
+)
+
+
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
-    """Subcommands defined beside the modules they drive (added as the toolkit grows)."""
-    return []
+    import importlib
+
+    found = []
+    for name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name.startswith(e.name):
+                continue  # that part of the toolkit is not there yet
+            raise
+        found.append(mod.register)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

