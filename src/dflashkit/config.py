@@ -1,0 +1,197 @@
+"""One typed run config: YAML file + dotted command-line overrides (``train.lr=3e-4``).
+
+Unknown keys are errors (with the valid keys listed), values are type-checked by pydantic, and every
+problem ends in one `ConfigError` line that says where and what to do. The cross-checks between data
+manifest, drafter and target (block size, mask token, layer ids, vocabulary, template) happen when a
+run starts, in `dflashkit.train.trainer`, where all three are known.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dflashkit.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetSection(Section):
+    path: str = "embedded"  # "embedded" or a transformers model folder
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+
+
+class DataSection(Section):
+    dir: str = "runs/embedded/data"  # the prepared dataset folder (made by `dflashkit prepare`)
+    source: str = "chitchat"  # used when the folder must be prepared first
+    format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
+    max_prompts: int = Field(400, ge=1)
+    val_fraction: float = Field(0.1, gt=0, lt=1)
+    max_new_tokens: int = Field(128, ge=1)
+    batch_size: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    enable_thinking: bool = False
+    seed: int = 0
+
+
+class DrafterSection(Section):
+    layers: int = Field(1, ge=1)
+    block_size: int = Field(8, ge=2)
+    num_target_layers: int = Field(3, ge=1)
+    target_layer_ids: list[int] | None = None  # default: round(1 + i*(L-4)/(n-1))
+    mask_token_id: int | None = None  # default: the target's documented mask token
+    init: str | None = None  # start from an existing drafter checkpoint (z-lab layout)
+    sliding_window: int | None = None
+
+
+class TrainSection(Section):
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1)  # overrides epochs when set
+    batch_size: int = Field(1, ge=1)  # packed rows per micro-batch
+    grad_accum: int = Field(1, ge=1)
+    max_len: int = Field(512, ge=16)  # tokens per packed row
+    num_anchors: int = Field(64, ge=1)  # blocks per row
+    lr: float = Field(6e-4, gt=0)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)
+    gamma: float | None = None  # position decay; default 7 for B=16, scaled with B otherwise
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: float = Field(0.5, ge=0, le=1)
+    labels: Literal["target", "dataset"] = "target"
+    chunk_blocks: int = Field(32, ge=1)  # blocks per loss chunk (full-vocab logits never all at once)
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(100, ge=1)
+    save_every: int = Field(100, ge=1)
+    keep_last: int = Field(2, ge=1)
+    seed: int = 0
+    autocast: Literal["auto", "bf16", "off"] = "auto"  # auto: bf16 on GPU, off on CPU
+    tensorboard: bool = False
+
+
+class AttentionSection(Section):
+    backend: Literal["auto", "flex", "sdpa", "eager"] = "auto"  # auto: flex on GPU, sdpa on CPU
+    dense_budget_gib: float = Field(4.0, gt=0)
+
+
+class RunSection(Section):
+    out_dir: str = "runs/embedded"
+    device: str = "auto"  # auto: cuda if available, else cpu
+    allow_env_drift: bool = False
+
+
+class EvalSection(Section):
+    max_prompts: int = Field(16, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0)
+
+
+class RunConfig(Section):
+    target: TargetSection = TargetSection()
+    data: DataSection = DataSection()
+    drafter: DrafterSection = DrafterSection()
+    train: TrainSection = TrainSection()
+    attention: AttentionSection = AttentionSection()
+    eval: EvalSection = EvalSection()
+    run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        d, t = self.drafter, self.train
+        if t.max_len < 2 * d.block_size:
+            raise ValueError(f"train.max_len ({t.max_len}) must be at least 2 x drafter.block_size ({d.block_size})")
+        if d.target_layer_ids is not None and len(d.target_layer_ids) != d.num_target_layers:
+            raise ValueError(
+                f"drafter.target_layer_ids has {len(d.target_layer_ids)} ids but drafter.num_target_layers is "
+                f"{d.num_target_layers}; make them agree (or drop target_layer_ids for the default spacing)"
+            )
+        return self
+
+    def decay_gamma(self) -> float:
+        """gamma for exp(-(k-1)/gamma): 7 for B=16 (the published recipe), scaled linearly with B otherwise."""
+        if self.train.gamma is not None:
+            return self.train.gamma
+        return 7.0 * (self.drafter.block_size - 1) / 15
+
+
+def _format_validation_error(e: ValidationError, where: str) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown key '{loc}'{_valid_keys_hint(err['loc'])}")
+        else:
+            parts.append(f"{loc}: {err['msg']}")
+    return f"{where}: " + "; ".join(parts)
+
+
+def _valid_keys_hint(loc: tuple[Any, ...]) -> str:
+    model: type[BaseModel] = RunConfig
+    for key in loc[:-1]:
+        field = model.model_fields.get(str(key))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return ""
+        model = field.annotation
+    return f" (valid keys here: {', '.join(model.model_fields)})"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``train.lr=3e-4`` -> (["train", "lr"], 0.0003). Values are read as YAML scalars/lists."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not of the form section.key=value (e.g. train.lr=3e-4)")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if len(path) < 2:
+        raise ConfigError(f"override '{text}' must name a section and a key (e.g. train.lr=3e-4)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': cannot read the value ({e})") from None
+    return path, value
+
+
+def _set_dotted(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for key in path[:-1]:
+        nxt = node.setdefault(key, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {'.'.join(path)}: '{key}' is a value, not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or the defaults when path is None) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        p = Path(path)
+        where = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist (ready configs are in configs/)")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p} must hold a mapping of sections (target, data, drafter, train, ...)")
+        data = loaded
+    for text in overrides or []:
+        key_path, value = parse_override(text)
+        _set_dotted(data, key_path, value)
+        where = f"{where} + overrides"
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, where)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
