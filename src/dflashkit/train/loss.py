@@ -1,0 +1,154 @@
+"""The DFlash training loss: cross-entropy through the frozen target lm_head on block slots 1..B-1.
+
+Per slot k of a block, the loss is CE_k = -log softmax(hidden_k @ W^T)[label_k], weighted per slot:
+
+- "decay" (the paper's): w_k = exp(-(k - 1) / gamma), gamma = 7 for B = 16.
+- "dpace": weights from the chance of reaching each later slot. q_k = exp(-CE_k) (detached);
+  s_k = (1 - alpha) q_k + alpha on trained slots and 1 elsewhere; P_k = prod_{i <= k} s_i;
+  w_k = sum_{m >= k} P_m mask_m.
+
+loss = sum(mask * w * CE) / sum(mask * w).
+
+Memory: full-vocabulary logits for every slot ([b * N * B, V], several GB at the paper's shapes) never exist at
+once. The slots are processed in chunks of `chunk_blocks` blocks under activation checkpointing: the forward
+keeps only per-slot CE and argmax, and the backward recomputes one chunk's logits at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from dflashkit.train.metrics import per_position_counts
+
+Weighting = Literal["decay", "dpace"]
+
+# Auto chunk size: at most this many logits (fp32: 256 MiB) per chunk.
+LOGITS_PER_CHUNK = 1 << 26
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """What one loss call returns.
+
+    loss:                 scalar, weighted_sum / weight_sum (differentiable).
+    weighted_sum:         scalar, sum(mask * w * CE) (differentiable), for normalising across ranks.
+    weight_sum:           scalar, sum(mask * w) (no gradient).
+    ce:                   [b, N*B] float32, per-slot cross-entropy (detached).
+    predictions:          [b, N*B] long, argmax of the drafter's logits per slot.
+    per_position_correct: [B] long, slots with prediction == label among trained ones, per slot index.
+    per_position_count:   [B] long, trained slots per slot index.
+    """
+
+    loss: Tensor
+    weighted_sum: Tensor
+    weight_sum: Tensor
+    ce: Tensor
+    predictions: Tensor
+    per_position_correct: Tensor
+    per_position_count: Tensor
+
+
+def decay_weights(block_size: int, gamma: float, device: torch.device | None = None) -> Tensor:
+    """Slot weights [B]: exp(-(k - 1) / gamma) for k >= 1, and 0 for slot 0."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def dpace_weights(ce: Tensor, mask: Tensor, alpha: float) -> Tensor:
+    """D-PACE slot weights [..., B] from per-slot CE [..., B] and mask [..., B] (no gradient)."""
+    q = torch.exp(-ce.detach().float())
+    s = torch.where(mask, (1 - alpha) * q + alpha, torch.ones_like(q))
+    reach = torch.cumprod(s, dim=-1)  # P_k
+    tail = reach * mask  # P_m * mask_m
+    return tail.flip(-1).cumsum(-1).flip(-1)  # w_k = sum_{m >= k}
+
+
+def slot_logits(hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
+    """Logits [..., V] in fp32 for hidden [..., H]: hidden @ W^T in the head's dtype, then upcast for the CE."""
+    return F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight).float()
+
+
+def _chunk_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-slot CE and argmax for one chunk: hidden [n, H], labels [n] -> ([n] float32, [n] long)."""
+    logits = slot_logits(hidden, lm_head_weight)
+    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+
+
+def auto_chunk_blocks(batch: int, block_size: int, vocab: int) -> int:
+    """Blocks per chunk so that one chunk's logits hold at most LOGITS_PER_CHUNK values."""
+    return max(1, LOGITS_PER_CHUNK // (batch * block_size * vocab))
+
+
+def chunked_ce(
+    hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_size: int, chunk_blocks: int
+) -> tuple[Tensor, Tensor]:
+    """Per-slot CE [b, N*B] float32 and argmax [b, N*B] long, computed `chunk_blocks` blocks at a time.
+
+    hidden: [b, N*B, H]; lm_head_weight: [V, H]; labels: [b, N*B] long (in range everywhere).
+    Each chunk runs under activation checkpointing, so neither pass holds more than one chunk's logits.
+    """
+    b, q_len, H = hidden.shape
+    step = chunk_blocks * block_size
+    ces, preds = [], []
+    for start in range(0, q_len, step):
+        h = hidden[:, start : start + step].reshape(-1, H)
+        y = labels[:, start : start + step].reshape(-1)
+        if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
+            ce, pred = checkpoint(
+                _chunk_ce, h, lm_head_weight, y, use_reentrant=False, preserve_rng_state=False
+            )
+        else:
+            ce, pred = _chunk_ce(h, lm_head_weight, y)
+        ces.append(ce.view(b, -1))
+        preds.append(pred.view(b, -1))
+    return torch.cat(ces, dim=1), torch.cat(preds, dim=1)
+
+
+def dflash_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    block_size: int,
+    gamma: float = 7.0,
+    weighting: Weighting = "decay",
+    dpace_alpha: float = 0.5,
+    chunk_blocks: int | None = None,
+) -> LossOutput:
+    """The weighted block cross-entropy (see the module docstring).
+
+    hidden:         [b, N*B, H], the drafter's output (after its final norm) for every block slot.
+    lm_head_weight: [V, H], the frozen target lm_head.
+    labels, mask:   [b, N*B] from `block_labels` (slot 0 is never trained).
+    chunk_blocks:   blocks per chunk of logits; None picks it from LOGITS_PER_CHUNK.
+    """
+    b, q_len, _ = hidden.shape
+    if q_len % block_size:
+        raise ValueError(f"hidden has {q_len} slots, not a multiple of block_size {block_size}")
+    if weighting not in ("decay", "dpace"):
+        raise ValueError(f"unknown loss weighting {weighting!r}; choose 'decay' or 'dpace'")
+    if chunk_blocks is None:
+        chunk_blocks = auto_chunk_blocks(b, block_size, lm_head_weight.shape[0])
+    ce, predictions = chunked_ce(hidden, lm_head_weight, labels, block_size, chunk_blocks)
+
+    mask = mask.bool()
+    blocks = (b, q_len // block_size, block_size)
+    if weighting == "decay":
+        w = decay_weights(block_size, gamma, hidden.device).expand(blocks)
+    else:
+        w = dpace_weights(ce.view(blocks), mask.view(blocks), dpace_alpha)
+    w = (w * mask.view(blocks)).reshape(b, q_len)
+    weighted_sum = (w * ce).sum()
+    weight_sum = w.sum()
+    loss = weighted_sum / weight_sum.clamp_min(math.ulp(1.0))
+    correct, count = per_position_counts(predictions, labels, mask, block_size)
+    return LossOutput(loss, weighted_sum, weight_sum, ce.detach(), predictions, correct, count)

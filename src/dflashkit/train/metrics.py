@@ -1,0 +1,90 @@
+"""Training metrics that predict serving: per-position accuracy and the exact block acceptance length.
+
+At serving, a block drafted from anchor a is accepted slot by slot from slot 1 while each draft token equals
+the target's token; the first mismatch ends it, and the target adds one bonus token. The acceptance length of
+a block is therefore tau = 1 + (number of leading correct slots from slot 1). `acceptance_stats` measures this
+exactly on training blocks (a block also stops at its first untrained slot, e.g. past the end of the
+response). The "product of marginals" estimate 1 + sum_k prod_{i <= k} acc_i, which assumes slots fail
+independently, is reported beside it for comparison; it is not what serving measures.
+
+Stats are sums and counts (long tensors) so that they add across batches (`add_stats`) and ranks
+(`all_reduce_stats`); `finalize_stats` turns a sum into plain numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def per_position_counts(
+    predictions: Tensor, labels: Tensor, mask: Tensor, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """Correct and trained slot counts per slot index: [b, N*B] x3 -> ([B] long, [B] long)."""
+    b = predictions.shape[0]
+    mask = mask.bool().view(b, -1, block_size)
+    hits = (predictions == labels).view(b, -1, block_size) & mask
+    return hits.sum((0, 1)), mask.sum((0, 1))
+
+
+def acceptance_stats(
+    predictions: Tensor, labels: Tensor, mask: Tensor, block_valid: Tensor, block_size: int
+) -> dict[str, Tensor]:
+    """Summable acceptance statistics of one batch.
+
+    predictions, labels, mask: [b, N*B] (mask from `block_labels`); block_valid: [b, N] bool.
+    Returns long tensors:
+      per_position_correct [B], per_position_count [B]: per slot index (slot 0 is always 0);
+      blocks []: valid blocks; accept_length_sum []: sum of their acceptance lengths;
+      accept_length_hist [B + 1]: number of valid blocks per acceptance length (index = length, 1..B).
+    """
+    b = predictions.shape[0]
+    correct, count = per_position_counts(predictions, labels, mask, block_size)
+    hits = ((predictions == labels) & mask.bool()).view(b, -1, block_size)[:, :, 1:]
+    leading = torch.cumprod(hits.long(), dim=-1).sum(-1)  # [b, N] correct slots before the first miss
+    lengths = (1 + leading)[block_valid.bool()]
+    hist = torch.bincount(lengths, minlength=block_size + 1)
+    return {
+        "per_position_correct": correct,
+        "per_position_count": count,
+        "blocks": torch.tensor(lengths.numel(), device=predictions.device),
+        "accept_length_sum": lengths.sum(),
+        "accept_length_hist": hist,
+    }
+
+
+def add_stats(total: dict[str, Tensor] | None, new: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Sum of two stats dicts (`total` may be None for the first batch). Returns a new dict."""
+    if total is None:
+        return {k: v.clone() for k, v in new.items()}
+    return {k: total[k] + new[k] for k in total}
+
+
+def all_reduce_stats(stats: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Sum stats over all ranks in place (a no-op without an initialised process group). Returns `stats`."""
+    if dist.is_available() and dist.is_initialized():
+        for v in stats.values():
+            dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    return stats
+
+
+def finalize_stats(stats: dict[str, Tensor]) -> dict[str, float | list[float]]:
+    """Plain numbers from summed stats.
+
+    per_position_accuracy: list over slots 1..B-1 (nan where a slot was never trained);
+    acceptance_length:     exact mean tau over valid blocks (nan with no blocks);
+    marginal_acceptance_length: 1 + sum_k prod_{i <= k} acc_i (the independence estimate);
+    accept_length_fraction: list over lengths 1..B, the fraction of blocks that accepted exactly that many.
+    """
+    correct = stats["per_position_correct"][1:].double()
+    count = stats["per_position_count"][1:].double()
+    acc = correct / count  # nan where count == 0
+    blocks = int(stats["blocks"])
+    hist = stats["accept_length_hist"][1:].double()
+    return {
+        "per_position_accuracy": acc.tolist(),
+        "acceptance_length": float(stats["accept_length_sum"]) / blocks if blocks else float("nan"),
+        "marginal_acceptance_length": 1.0 + float(torch.cumprod(acc.nan_to_num(0.0), 0).sum()),
+        "accept_length_fraction": (hist / blocks).tolist() if blocks else [float("nan")] * hist.numel(),
+    }

@@ -1,0 +1,249 @@
+"""Training state that survives a crash: random-number streams, atomic checkpoint folders, resume.
+
+A checkpoint is a folder `<root>/step-00001000/` written through `atomic_dir`: everything goes into a
+temporary folder beside it, every file is fsynced, and one rename publishes it. A crash (an exception, or
+the process dying) before that rename leaves the previous checkpoints as they were. `<root>/latest` is a
+small text file naming the newest complete checkpoint, replaced atomically after the rename;
+`rotate_checkpoints` keeps the last k. Typical use by the trainer:
+
+    with atomic_dir(root / step_dir_name(step)) as tmp:
+        save_model(tmp, ...)                                   # the drafter in the z-lab layout
+        save_training_state(tmp, optimizer, scheduler, step, data_cursor, capture_rng(gens), extra)
+    write_latest(root, step_dir_name(step))
+    rotate_checkpoints(root, keep_last=3)
+
+The training state is two files: `training_state.pt` (optimizer, scheduler and RNG tensors; loads with
+torch.load(weights_only=True)) and `training_state.json` (step, data cursor, extra: human-readable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflashkit.errors import CheckpointError
+
+STATE_TENSORS = "training_state.pt"
+STATE_JSON = "training_state.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random-number streams
+
+
+def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
+    """Snapshot of every random stream: python `random`, numpy (if installed), torch CPU, every CUDA device,
+    and each named torch.Generator in `generators`. Contains only plain types and tensors."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+    }
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generator] | None = None) -> None:
+    """Put every random stream back as `capture_rng` saw it.
+
+    CUDA streams are restored for the devices present both then and now. A named generator must be in the
+    snapshot (a missing one is an error: its stream would silently start over).
+    """
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch_cpu"])
+    cuda_states = state["torch_cuda"]
+    if cuda_states and torch.cuda.is_available():
+        for i, s in enumerate(cuda_states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, device=i)
+    for name, g in (generators or {}).items():
+        if name not in state["generators"]:
+            raise CheckpointError(
+                f"the checkpoint has no random state for generator {name!r}; resume from a "
+                "checkpoint saved by the same training setup"
+            )
+        g.set_state(state["generators"][name])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Atomic checkpoint folders
+
+
+def step_dir_name(step: int) -> str:
+    """Folder name of the checkpoint at `step`: step-00001000 (sorts by step)."""
+    return f"step-{step:08d}"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            _fsync_path(Path(dirpath) / f)
+        _fsync_path(Path(dirpath))
+
+
+@contextmanager
+def atomic_dir(final_path: str | Path) -> Iterator[Path]:
+    """Yield a temporary folder beside `final_path`; on success fsync it and rename it to `final_path`.
+
+    If the body raises, the temporary folder is removed and nothing at `final_path` changes. An existing
+    `final_path` is replaced: moved aside, the new folder renamed in, then the old one deleted.
+    """
+    final_path = Path(final_path)
+    final_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final_path.name}.tmp-", dir=final_path.parent))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        old = None
+        if final_path.exists():
+            old = final_path.with_name(f".{final_path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+            os.rename(final_path, old)
+        os.rename(tmp, final_path)
+        _fsync_path(final_path.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_latest(root: str | Path, name: str) -> None:
+    """Point `<root>/latest` at checkpoint folder `name` (atomic replace of a one-line text file)."""
+    root = Path(root)
+    if not (root / name).is_dir():
+        raise CheckpointError(f"cannot mark {root / name} as latest: it is not a checkpoint folder")
+    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_path(root)
+
+
+def read_latest(root: str | Path) -> Path | None:
+    """The checkpoint folder `<root>/latest` names, or None when there is no checkpoint yet."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{pointer} names {path.name}, which does not exist; point it at an existing "
+            "step-* folder or delete it to start over"
+        )
+    return path
+
+
+def rotate_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` step-* folders (never the one `latest` names), and leftovers of
+    interrupted saves (.step-*.tmp-* / .old-*). Returns the deleted paths."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
+    root = Path(root)
+    latest = read_latest(root)
+    steps = sorted(
+        (p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), key=lambda p: p.name
+    )
+    doomed = [p for p in steps[:-keep_last] if p != latest]
+    doomed += [p for p in root.iterdir() if p.is_dir() and re.match(r"^\.step-\d+\.(tmp|old)-", p.name)]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Optimizer, scheduler, progress
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What `load_training_state` returns besides the optimizer and scheduler it fills in place."""
+
+    step: int
+    data_cursor: Any
+    rng: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def save_training_state(
+    directory: str | Path,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    step: int,
+    data_cursor: Any,
+    rng: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Write the training state into `directory` (normally the temporary folder of `atomic_dir`).
+
+    data_cursor and extra must be JSON-serialisable (e.g. {"epoch": 2, "index": 5120}).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    progress = {"step": step, "data_cursor": data_cursor, "extra": dict(extra or {})}
+    text = json.dumps(progress, indent=2)  # fails before anything is written if not serialisable
+    tensors = {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": dict(rng),
+    }
+    torch.save(tensors, directory / STATE_TENSORS)
+    (directory / STATE_JSON).write_text(text + "\n")
+
+
+def load_training_state(
+    directory: str | Path, optimizer: torch.optim.Optimizer, scheduler: Any | None = None
+) -> TrainingState:
+    """Load the state in `directory`: fills `optimizer` and `scheduler` in place, returns the rest.
+
+    Call `restore_rng(state.rng, generators)` afterwards to resume the random streams.
+    """
+    directory = Path(directory)
+    if not (directory / STATE_TENSORS).exists() or not (directory / STATE_JSON).exists():
+        raise CheckpointError(
+            f"{directory} holds no training state ({STATE_TENSORS} and {STATE_JSON}); "
+            "point the resume path at a step-* folder written by `dflashkit train`"
+        )
+    progress = json.loads((directory / STATE_JSON).read_text())
+    tensors = torch.load(directory / STATE_TENSORS, map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(tensors["optimizer"])
+    if scheduler is not None:
+        if tensors["scheduler"] is None:
+            raise CheckpointError(f"{directory} was saved without a scheduler; resume with the same schedule")
+        scheduler.load_state_dict(tensors["scheduler"])
+    return TrainingState(progress["step"], progress["data_cursor"], tensors["rng"], progress["extra"])

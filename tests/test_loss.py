@@ -1,0 +1,217 @@
+"""The weighted block loss: against a naive unchunked reference, D-PACE by hand, and memory evidence."""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflashkit.train import loss as loss_mod
+from dflashkit.train.loss import decay_weights, dflash_loss, dpace_weights
+
+b, N, B, H, V = 2, 7, 4, 8, 100
+
+
+def _inputs(seed: int = 0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, N * B, H, generator=g, dtype=dtype).requires_grad_()
+    weight = torch.randn(V, H, generator=g, dtype=dtype)
+    labels = torch.randint(0, V, (b, N * B), generator=g)
+    mask = torch.rand(b, N * B, generator=g) > 0.3
+    mask.view(b, N, B)[:, :, 0] = False  # slot 0 is never trained
+    return hidden, weight, labels, mask
+
+
+def _reference(hidden, weight, labels, mask, weighting, gamma=7.0, alpha=0.5):
+    """Naive: full logits at once, weights from explicit loops over slots."""
+    logits = (hidden @ weight.T).float()
+    ce = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view(b, N, B)
+    m = mask.view(b, N, B).float()
+    w = torch.zeros(b, N, B)
+    for r in range(b):
+        for j in range(N):
+            if weighting == "decay":
+                for k in range(1, B):
+                    w[r, j, k] = math.exp(-(k - 1) / gamma)
+            else:
+                q = torch.exp(-ce[r, j].detach())
+                s = [float((1 - alpha) * q[k] + alpha) if m[r, j, k] else 1.0 for k in range(B)]
+                P = [math.prod(s[: k + 1]) for k in range(B)]
+                for k in range(B):
+                    w[r, j, k] = sum(P[mm] * float(m[r, j, mm]) for mm in range(k, B))
+    w = w * m
+    return (w * ce).sum() / w.sum(), logits.argmax(-1)
+
+
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+@pytest.mark.parametrize("chunk_blocks", [1, 3, N])
+def test_chunked_loss_matches_the_naive_reference(weighting, chunk_blocks):
+    hidden, weight, labels, mask = _inputs()
+    out = dflash_loss(hidden, weight, labels, mask, B, weighting=weighting, chunk_blocks=chunk_blocks)
+    (g_out,) = torch.autograd.grad(out.loss, hidden)
+    ref, ref_pred = _reference(hidden, weight, labels, mask, weighting)
+    (g_ref,) = torch.autograd.grad(ref, hidden)
+    torch.testing.assert_close(out.loss, ref.to(out.loss.dtype), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_out, g_ref, rtol=1e-4, atol=1e-7)
+    assert torch.equal(out.predictions, ref_pred)
+    assert torch.allclose(out.loss, out.weighted_sum / out.weight_sum)
+
+
+def test_gradients_reach_an_unfrozen_head_equally_chunked_or_not():
+    hidden, weight, labels, mask = _inputs(1)
+    weight.requires_grad_()
+    grads = []
+    for chunk in (2, N):
+        out = dflash_loss(hidden, weight, labels, mask, B, weighting="dpace", chunk_blocks=chunk)
+        grads.append(torch.autograd.grad(out.loss, (hidden, weight)))
+    for a, c in zip(*grads, strict=True):
+        torch.testing.assert_close(a, c)
+
+
+def test_frozen_head_gets_no_gradient():
+    hidden, weight, labels, mask = _inputs(2, dtype=torch.float32)
+    dflash_loss(hidden, weight, labels, mask, B, chunk_blocks=2).loss.backward()
+    assert weight.grad is None and hidden.grad is not None
+    # untrained slots get exactly zero gradient
+    assert torch.all(hidden.grad[~mask] == 0) and hidden.grad[mask].abs().sum() > 0
+
+
+def test_decay_weights_by_hand():
+    w = decay_weights(4, gamma=7.0)
+    torch.testing.assert_close(w, torch.tensor([0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7)]))
+
+
+def test_dpace_weights_by_hand():
+    ce = torch.tensor([[5.0, math.log(2), math.log(4), 0.0]])  # q = [., 1/2, 1/4, 1]
+    mask = torch.tensor([[False, True, True, True]])
+    # s = [1, 0.75, 0.625, 1]; P = [1, 0.75, 0.46875, 0.46875]
+    # w_k = sum_{m >= k} P_m mask_m = [1.6875, 1.6875, 0.9375, 0.46875]
+    torch.testing.assert_close(
+        dpace_weights(ce, mask, alpha=0.5), torch.tensor([[1.6875, 1.6875, 0.9375, 0.46875]])
+    )
+    # an untrained slot in the middle neither counts nor breaks the chain
+    mask = torch.tensor([[False, True, False, True]])
+    # s = [1, 0.75, 1, 1]; P = [1, .75, .75, .75]; w = [1.5, 1.5, .75, .75]
+    torch.testing.assert_close(dpace_weights(ce, mask, alpha=0.5), torch.tensor([[1.5, 1.5, 0.75, 0.75]]))
+
+
+def test_empty_mask_gives_zero_loss_and_zero_gradient():
+    hidden, weight, labels, _ = _inputs(3)
+    out = dflash_loss(hidden, weight, labels, torch.zeros(b, N * B, dtype=torch.bool), B, chunk_blocks=2)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and torch.all(hidden.grad == 0)
+    assert out.per_position_count.sum() == 0
+
+
+def test_per_position_counts_and_ce():
+    hidden, weight, labels, mask = _inputs(4)
+    out = dflash_loss(hidden, weight, labels, mask, B, chunk_blocks=3)
+    hits = ((out.predictions == labels) & mask).view(b, N, B)
+    assert out.per_position_correct.tolist() == hits.sum((0, 1)).tolist()
+    assert out.per_position_count.tolist() == mask.view(b, N, B).sum((0, 1)).tolist()
+    ref_ce = F.cross_entropy((hidden @ weight.T).float().reshape(-1, V), labels.reshape(-1), reduction="none")
+    torch.testing.assert_close(out.ce, ref_ce.view(b, -1).detach())
+    assert out.ce.dtype == torch.float32 and not out.ce.requires_grad
+
+
+def test_bf16_head_computes_the_ce_in_fp32():
+    hidden, weight, labels, mask = _inputs(5, dtype=torch.float32)
+    out = dflash_loss(hidden, weight.bfloat16(), labels, mask, B, chunk_blocks=2)
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+    ref, _ = _reference(hidden.detach().bfloat16(), weight.bfloat16(), labels, mask, "decay")
+    torch.testing.assert_close(out.loss, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_rejects_bad_arguments():
+    hidden, weight, labels, mask = _inputs()
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        dflash_loss(hidden, weight, labels, mask, 5)
+    with pytest.raises(ValueError, match="weighting"):
+        dflash_loss(hidden, weight, labels, mask, B, weighting="flat")
+
+
+# ------------------------------------------------------------------------------------------ memory evidence
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any op produces (forward and backward), ignoring views of `skip`."""
+
+    def __init__(self, skip: torch.Tensor):
+        super().__init__()
+        self.skip_ptr = skip.untyped_storage().data_ptr()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != self.skip_ptr:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _largest_tensor(chunk_blocks: int) -> int:
+    hidden, weight, labels, mask = _inputs(6, dtype=torch.float32)
+    with LargestOutput(weight) as probe:
+        out = dflash_loss(hidden, weight, labels, mask, B, weighting="dpace", chunk_blocks=chunk_blocks)
+        out.loss.backward()
+    return probe.largest
+
+
+def test_no_op_ever_makes_more_than_one_chunk_of_logits():
+    full = b * N * B * V
+    assert _largest_tensor(chunk_blocks=2) == b * 2 * B * V  # forward, recompute and backward alike
+    assert _largest_tensor(chunk_blocks=N) == full  # the probe does see full logits when they exist
+
+
+def _saved_for_backward(weight: torch.Tensor, run) -> int:
+    """Elements autograd keeps for the backward pass (distinct storages, the head itself excluded)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr != weight.untyped_storage().data_ptr():
+            storages[ptr] = max(storages.get(ptr, 0), t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    out.loss.backward()
+    return sum(storages.values())
+
+
+def test_forward_keeps_no_logits_for_the_backward():
+    hidden, weight, labels, mask = _inputs(7, dtype=torch.float32)
+    full = b * N * B * V
+
+    def run():
+        return dflash_loss(hidden, weight, labels, mask, B, weighting="dpace", chunk_blocks=2)
+
+    kept = _saved_for_backward(weight, run)
+    assert kept < full / 4  # hidden slices, labels, weights: no [*, V] tensor
+    # Without checkpointing, every chunk's log-softmax would stay alive until the backward.
+    with mock.patch.object(loss_mod, "checkpoint", lambda fn, *args, **kw: fn(*args)):
+        assert _saved_for_backward(weight, run) >= full
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_stays_below_full_logits():
+    dev = torch.device("cuda")
+    bb, NN, BB, HH, VV = 1, 512, 16, 1024, 151936  # full fp32 logits: 5.0 GB
+    hidden = torch.randn(bb, NN * BB, HH, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(VV, HH, device=dev, dtype=torch.bfloat16) * 0.02
+    labels = torch.randint(0, VV, (bb, NN * BB), device=dev)
+    mask = torch.ones(bb, NN * BB, dtype=torch.bool, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = dflash_loss(hidden, weight, labels, mask, BB, weighting="dpace", chunk_blocks=8)
+    out.loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    full_logits = bb * NN * BB * VV * 4
+    assert peak < full_logits / 4, f"peak {peak / 2**30:.2f} GiB vs full logits {full_logits / 2**30:.2f} GiB"
