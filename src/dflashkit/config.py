@@ -72,6 +72,7 @@ class TrainSection(Section):
     save_every: int = Field(100, ge=1)
     keep_last: int = Field(2, ge=1)
     seed: int = 0
+    cache_features: bool = False  # keep each training row's target features after its first pass (small data)
     autocast: Literal["auto", "bf16", "off"] = "auto"  # auto: bf16 on GPU, off on CPU
     tensorboard: bool = False
 
@@ -106,7 +107,9 @@ class RunConfig(Section):
     def _cross_checks(self) -> RunConfig:
         d, t = self.drafter, self.train
         if t.max_len < 2 * d.block_size:
-            raise ValueError(f"train.max_len ({t.max_len}) must be at least 2 x drafter.block_size ({d.block_size})")
+            raise ValueError(
+                f"train.max_len ({t.max_len}) must be at least 2 x drafter.block_size ({d.block_size})"
+            )
         if d.target_layer_ids is not None and len(d.target_layer_ids) != d.num_target_layers:
             raise ValueError(
                 f"drafter.target_layer_ids has {len(d.target_layer_ids)} ids but drafter.num_target_layers is "
@@ -136,7 +139,11 @@ def _valid_keys_hint(loc: tuple[Any, ...]) -> str:
     model: type[BaseModel] = RunConfig
     for key in loc[:-1]:
         field = model.model_fields.get(str(key))
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        if (
+            field is None
+            or not isinstance(field.annotation, type)
+            or not issubclass(field.annotation, BaseModel)
+        ):
             return ""
         model = field.annotation
     return f" (valid keys here: {', '.join(model.model_fields)})"

@@ -60,7 +60,11 @@ def show_diff(a_path: str, b_path: str, console: Console) -> int:
     if not changes:
         console.print(f"[green]identical environments[/] ({a_path} vs {b_path})")
         return 0
-    table = Table(title=f"environment diff: {a_path} -> {b_path}")
+    return show_diff_changes(changes, a_path, b_path, console)
+
+
+def show_diff_changes(changes: list[fpmod.Change], a_name: str, b_name: str, console: Console) -> int:
+    table = Table(title=f"environment diff: {a_name} -> {b_name}")
     table.add_column("", width=8)
     table.add_column("entry", style="cyan")
     table.add_column("A", overflow="fold")

@@ -1,0 +1,58 @@
+"""`dflashkit train --dry-run`: check config, data manifest, target and drafter together, without
+loading the target's weights or training, and print the plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from dflashkit.config import RunConfig
+from dflashkit.errors import ConfigError
+
+
+def dry_run(cfg: RunConfig, console: Any) -> dict[str, Any]:
+    from dflashkit.data.dataset import read_manifest
+    from dflashkit.model.config import config_for_target, default_target_layer_ids
+    from dflashkit.target.hf import default_mask_token_id, identity_of_folder, load_target_config
+    from dflashkit.train.trainer import check_data_matches_target, resolve_backend, resolve_device
+
+    device = resolve_device(cfg)
+    backend = resolve_backend(cfg, device)
+    target_cfg = load_target_config(cfg.target.path)
+    ident = identity_of_folder(cfg.target.path)
+    d = cfg.drafter
+    ids = d.target_layer_ids or default_target_layer_ids(
+        int(target_cfg.num_hidden_layers), d.num_target_layers
+    )
+    mask_id = (
+        d.mask_token_id
+        if d.mask_token_id is not None
+        else default_mask_token_id(cfg.target.path, ident["vocab_size"])
+    )
+    dc = config_for_target(
+        target_cfg, num_layers=d.layers, block_size=d.block_size, mask_token_id=mask_id, target_layer_ids=ids
+    )
+    data_dir = Path(cfg.data.dir)
+    manifest = read_manifest(data_dir)
+    check_data_matches_target(manifest, ident, dc, str(data_dir))
+    if cfg.drafter.init and not Path(cfg.drafter.init).is_dir():
+        raise ConfigError(f"drafter.init={cfg.drafter.init} is not a checkpoint folder")
+    plan = {
+        "device": str(device),
+        "attention backend": backend,
+        "target": f"{ident['name']} ({ident['architecture']}, {ident['num_layers']} layers, hidden {ident['hidden_size']})",
+        "drafter": f"{dc.num_hidden_layers} layers, block {dc.block_size}, target layers {dc.target_layer_ids}, mask id {dc.mask_token_id}",
+        "data": f"{data_dir}: {manifest.get('counts', {})}",
+        "train": f"lr {cfg.train.lr}, {cfg.train.num_anchors} anchors x {cfg.train.max_len} tokens, batch {cfg.train.batch_size} x accum {cfg.train.grad_accum}",
+        "loss": f"{cfg.train.loss_weighting}, gamma {cfg.decay_gamma():.2f}, labels from {cfg.train.labels}",
+        "out": cfg.run.out_dir,
+    }
+    table = Table(title="dflashkit train --dry-run: everything checks out")
+    table.add_column("", style="cyan")
+    table.add_column("plan", overflow="fold")
+    for k, v in plan.items():
+        table.add_row(k, v)
+    console.print(table)
+    return plan

@@ -1,0 +1,536 @@
+"""Training a DFlash drafter on one process (CPU or one GPU), features from the in-process target.
+
+Read top to bottom: `train()` sets a run up (`setup_run`), then loops over optimizer steps; each step
+packs rows, runs the frozen target for context features and labels (`target_pass`), draws anchors,
+runs the drafter over every block (`block_step`), and takes the chunked, position-weighted loss.
+Metrics are the exact block acceptance length and per-position accuracy, on training batches and on
+held-out data; the best checkpoint is the one with the highest validation acceptance length.
+
+A run folder holds:
+    config.yaml  fingerprint.json  metrics.jsonl
+    checkpoints/step-000100/  (z-lab drafter + training state + run config + fingerprint; atomic)
+    checkpoints/latest        (name of the newest complete checkpoint)
+    best/                     (z-lab drafter with the best validation acceptance length)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dflashkit.attention.masks import BlockLayout
+from dflashkit.config import RunConfig, dump_config
+from dflashkit.errors import ConfigError, DataError, DeviceError, EnvironmentDriftError
+from dflashkit.model.checkpoint import load_drafter, write_drafter
+from dflashkit.model.config import DrafterConfig, config_for_target
+from dflashkit.model.drafter import DFlashDrafter, build_block_masks
+from dflashkit.runtime import fingerprint as fpmod
+from dflashkit.target.hf import TargetModel, default_mask_token_id
+from dflashkit.train import state as st
+from dflashkit.train.anchors import (
+    block_inputs,
+    block_labels,
+    block_positions,
+    pack_sequences,
+    sample_anchors,
+)
+from dflashkit.train.loss import LossOutput, dflash_loss
+from dflashkit.train.metrics import acceptance_stats, add_stats, finalize_stats
+
+CHECKPOINTS = "checkpoints"
+BEST = "best"
+
+
+# --------------------------------------------------------------------------------------------------
+# Resolving "auto" settings
+
+
+def resolve_device(cfg: RunConfig) -> torch.device:
+    want = cfg.run.device
+    if want == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(want)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"run.device={want} but this machine has no CUDA GPU; use run.device=cpu or auto")
+    return dev
+
+
+def resolve_backend(cfg: RunConfig, device: torch.device) -> str:
+    backend = cfg.attention.backend
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex" and device.type == "cpu":
+        raise ConfigError(
+            "attention.backend=flex cannot train on the CPU (flex has no CPU backward); use sdpa"
+        )
+    return backend
+
+
+def target_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
+    if cfg.target.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.target.dtype)
+
+
+def autocast_context(cfg: RunConfig, device: torch.device):
+    use = cfg.train.autocast == "bf16" or (cfg.train.autocast == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use else nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------
+# Data: packed rows
+
+
+@dataclass
+class Rows:
+    """Packed training rows: input_ids, loss_mask, doc_ids, position_ids, each [rows, max_len]."""
+
+    input_ids: Tensor
+    loss_mask: Tensor
+    doc_ids: Tensor
+    position_ids: Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def take(self, idx: list[int], device: torch.device) -> Rows:
+        return Rows(
+            *(t[idx].to(device) for t in (self.input_ids, self.loss_mask, self.doc_ids, self.position_ids))
+        )
+
+
+def pack_rows(records: list[dict[str, Any]], max_len: int, pad_token_id: int) -> Rows:
+    if not records:
+        raise DataError("the dataset split is empty; prepare more prompts (data.max_prompts)")
+    return Rows(*pack_sequences(records, max_len, pad_token_id))
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """The row order of one epoch: a seeded permutation, so a cursor (epoch, index) resumes exactly."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_rows, generator=g).tolist()
+
+
+# --------------------------------------------------------------------------------------------------
+# One step
+
+
+@dataclass
+class StepOutput:
+    loss: LossOutput
+    stats: dict[str, Tensor]
+    layout: BlockLayout
+
+
+def target_pass(target: TargetModel, rows: Rows, layer_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Context features [b, T, n*H] and the target's argmax labels [b, T] for packed rows.
+
+    Documents packed in one row must not see each other: the target runs with per-document
+    positions and a block-diagonal causal mask.
+    """
+    T = rows.input_ids.shape[1]
+    dev = rows.input_ids.device
+    same_doc = rows.doc_ids[:, :, None] == rows.doc_ids[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    # Padding rows see themselves only (keeps softmax finite; they are never supervised).
+    allowed = (same_doc & causal)[:, None] | torch.eye(T, dtype=torch.bool, device=dev)
+    return target.features(
+        rows.input_ids, allowed, layer_ids, position_ids=rows.position_ids, labels="argmax"
+    )
+
+
+def block_step(
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    rows: Rows,
+    features: Tensor,
+    argmax: Tensor,
+    cfg: RunConfig,
+    backend: str,
+    generator: torch.Generator,
+    autocast: Any,
+) -> StepOutput:
+    """Anchors -> blocks -> drafter -> chunked weighted loss, for one micro-batch."""
+    dc = drafter.config
+    B = dc.block_size
+    layout = sample_anchors(rows.loss_mask, rows.doc_ids, cfg.train.num_anchors, B, generator)
+    ids = block_inputs(rows.input_ids, layout, dc.mask_token_id)
+    positions = block_positions(rows.position_ids, layout)
+    labels, label_mask = block_labels(
+        layout, argmax, rows.input_ids, rows.loss_mask, use_dataset_tokens=cfg.train.labels == "dataset"
+    )
+    masks = build_block_masks(dc, layout, backend)
+    with autocast:
+        hidden = drafter(features, target.embed(ids), rows.position_ids, positions, masks, backend)
+        out = dflash_loss(
+            hidden,
+            target.lm_head_weight(),
+            labels,
+            label_mask,
+            B,
+            gamma=cfg.decay_gamma(),
+            weighting=cfg.train.loss_weighting,
+            dpace_alpha=cfg.train.dpace_alpha,
+            chunk_blocks=cfg.train.chunk_blocks,
+        )
+    stats = acceptance_stats(out.predictions, labels, label_mask, layout.block_valid, B)
+    return StepOutput(out, stats, layout)
+
+
+# --------------------------------------------------------------------------------------------------
+# Schedule
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
+    warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+# --------------------------------------------------------------------------------------------------
+# Run setup
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    out_dir: Path
+    device: torch.device
+    backend: str
+    target: TargetModel
+    drafter: DFlashDrafter
+    train_rows: Rows
+    val_rows: Rows
+    manifest: dict[str, Any]
+    total_steps: int
+    cached: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+
+def drafter_config(cfg: RunConfig, target: TargetModel) -> DrafterConfig:
+    d = cfg.drafter
+    mask_id = d.mask_token_id
+    if mask_id is None:
+        mask_id = default_mask_token_id(cfg.target.path, target.vocab_size)
+    dc = config_for_target(
+        target.config,
+        num_layers=d.layers,
+        block_size=d.block_size,
+        mask_token_id=mask_id,
+        target_layer_ids=d.target_layer_ids,
+    )
+    if d.num_target_layers != len(dc.target_layer_ids):
+        from dflashkit.model.config import default_target_layer_ids
+
+        ids = d.target_layer_ids or default_target_layer_ids(target.num_layers, d.num_target_layers)
+        dc = dc.model_copy(update={"target_layer_ids": ids})
+    if d.sliding_window is not None:
+        dc = dc.model_copy(
+            update={
+                "sliding_window": d.sliding_window,
+                "layer_types": ["sliding_attention"] * dc.num_hidden_layers,
+            }
+        )
+    return dc
+
+
+def check_data_matches_target(
+    manifest: dict[str, Any], ident: dict[str, Any], dc: DrafterConfig, where: str
+) -> None:
+    """The data, the drafter and the target must belong together: one clear error if they do not."""
+    data_target = manifest.get("target", {})
+    for key in ("hidden_size", "num_layers", "vocab_size"):
+        if key in data_target and data_target[key] != ident.get(key):
+            raise ConfigError(
+                f"{where} was prepared with a target of {key}={data_target[key]}, but this target has "
+                f"{key}={ident.get(key)}; prepare the data again with this target"
+            )
+    if data_target.get("hash") and ident.get("hash") and data_target["hash"] != ident["hash"]:
+        raise ConfigError(
+            f"{where} was prepared with another target ({data_target.get('name')}, hash "
+            f"{str(data_target['hash'])[:12]}) than {ident['name']} (hash {str(ident['hash'])[:12]}); "
+            "prepare the data again with this target"
+        )
+    if not 0 <= dc.mask_token_id < ident["vocab_size"]:
+        raise ConfigError(
+            f"mask_token_id {dc.mask_token_id} is outside the target's vocabulary ({ident['vocab_size']})"
+        )
+
+
+def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
+    from dflashkit.data.dataset import load_dataset, read_manifest
+
+    device = resolve_device(cfg)
+    backend = resolve_backend(cfg, device)
+    data_dir = Path(cfg.data.dir)
+    manifest = read_manifest(data_dir)
+    target = TargetModel.load(cfg.target.path, dtype=target_dtype(cfg, device), device=device)
+    dc = drafter_config(cfg, target)
+    check_data_matches_target(manifest, target.identity(), dc, str(data_dir))
+    if cfg.drafter.init:
+        drafter = load_drafter(cfg.drafter.init, target, dtype=torch.float32, device=device)
+    else:
+        torch.manual_seed(cfg.train.seed)
+        drafter = DFlashDrafter(dc).to(device)
+    pad = int(getattr(target.config, "pad_token_id", None) or 0)
+    train_records = load_dataset(data_dir, "train") if load_data else []
+    val_records = load_dataset(data_dir, "val") if load_data else []
+    train_rows = pack_rows(train_records, cfg.train.max_len, pad) if load_data else _empty_rows()
+    val_rows = pack_rows(val_records, cfg.train.max_len, pad) if load_data else _empty_rows()
+    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    if cfg.train.max_steps is not None:
+        total = cfg.train.max_steps
+    else:
+        total = max(1, math.ceil(cfg.train.epochs * len(train_rows) / per_step))
+    return Run(
+        cfg, Path(cfg.run.out_dir), device, backend, target, drafter, train_rows, val_rows, manifest, total
+    )
+
+
+def _empty_rows() -> Rows:
+    z = torch.zeros(0, 1, dtype=torch.long)
+    return Rows(z, z.bool(), z, z)
+
+
+# --------------------------------------------------------------------------------------------------
+# Features: online (the target runs every step) or cached once per row
+
+
+def features_for(run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tensor, Tensor]:
+    layer_ids = run.drafter.config.target_layer_ids
+    if not run.cfg.train.cache_features or split != "train":
+        return target_pass(run.target, rows, layer_ids)
+    missing = [i for i in idx if i not in run.cached]
+    if missing:
+        sub = run.train_rows.take(missing, run.device)
+        feats, argmax = target_pass(run.target, sub, layer_ids)
+        for j, i in enumerate(missing):
+            run.cached[i] = (feats[j], argmax[j])
+    feats = torch.stack([run.cached[i][0] for i in idx])
+    argmax = torch.stack([run.cached[i][1] for i in idx])
+    return feats, argmax
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation on held-out rows
+
+
+@torch.no_grad()
+def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
+    """Exact acceptance length on validation rows, with anchors from a fixed seed (comparable across evals)."""
+    cfg = run.cfg
+    drafter = run.drafter
+    was_training = drafter.training
+    drafter.eval()
+    g = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 7919)
+    n = len(run.val_rows) if max_rows is None else min(max_rows, len(run.val_rows))
+    total: dict[str, Tensor] | None = None
+    loss_sum = 0.0
+    weight_sum = 0.0
+    bs = cfg.train.batch_size
+    for start in range(0, n, bs):
+        idx = list(range(start, min(n, start + bs)))
+        rows = run.val_rows.take(idx, run.device)
+        feats, argmax = features_for(run, "val", idx, rows)
+        out = block_step(
+            drafter, run.target, rows, feats, argmax, cfg, run.backend, g, autocast_context(cfg, run.device)
+        )
+        total = add_stats(total, {k: v.cpu() for k, v in out.stats.items()})
+        loss_sum += float(out.loss.weighted_sum)
+        weight_sum += float(out.loss.weight_sum)
+    drafter.train(was_training)
+    result: dict[str, Any] = finalize_stats(total) if total is not None else {}
+    result["loss"] = loss_sum / weight_sum if weight_sum else float("nan")
+    result["blocks"] = int(total["blocks"]) if total is not None else 0
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(
+    run: Run, optimizer, scheduler, step: int, cursor: dict[str, int], generator, extra
+) -> Path:
+    """Atomically write drafter + training state + run config + fingerprint as checkpoints/step-N."""
+    root = run.out_dir / CHECKPOINTS
+    name = st.step_dir_name(step)
+    with st.atomic_dir(root / name) as tmp:
+        write_drafter(run.drafter, tmp, dtype=torch.float32)
+        st.save_training_state(
+            tmp, optimizer, scheduler, step, cursor, st.capture_rng({"anchors": generator}), extra
+        )
+        (tmp / "run_config.yaml").write_text(dump_config(run.cfg))
+        fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)
+    st.write_latest(root, name)
+    st.rotate_checkpoints(root, run.cfg.train.keep_last)
+    return root / name
+
+
+def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
+    with st.atomic_dir(run.out_dir / BEST) as tmp:
+        write_drafter(run.drafter, tmp)  # bf16 z-lab layout: what serving loads
+        (tmp / "metrics.json").write_text(json.dumps({"step": step, **metrics}, indent=2) + "\n")
+        fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)
+
+
+def check_env_drift(ckpt: Path, allow: bool, console: Any) -> None:
+    """Resuming in a changed environment shows the diff, and refuses a critical change unless allowed."""
+    saved = fpmod.load(ckpt)
+    changes = fpmod.diff(saved, fpmod.collect())
+    if not changes:
+        return
+    from dflashkit.runtime.doctor import show_diff_changes
+
+    show_diff_changes(changes, str(ckpt), "this environment", console)
+    if fpmod.has_critical(changes) and not allow:
+        keys = ", ".join(c.key for c in changes if c.critical)
+        raise EnvironmentDriftError(
+            f"the checkpoint {ckpt} was written in another environment (critical: {keys}); resume there, or "
+            "pass --allow-env-drift (run.allow_env_drift=true) to continue anyway"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    best_acceptance_length: float
+    final_val: dict[str, Any]
+    out_dir: Path
+    losses: list[float]
+
+
+def _log(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(
+    cfg: RunConfig, *, resume: bool = False, console: Any = None, stop_after: int | None = None
+) -> TrainResult:
+    """Train a drafter as the config says. ``stop_after`` ends the loop early after that many steps
+    (as an interruption would), leaving the checkpoints for ``resume``."""
+    from rich.console import Console
+
+    from dflashkit.train.progress import TrainProgress
+
+    console = console or Console()
+    run = setup_run(cfg)
+    out = run.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    tc = cfg.train
+    drafter = run.drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(run.total_steps, tc.warmup_ratio, tc.min_lr_ratio)
+    )
+    generator = torch.Generator(device="cpu").manual_seed(tc.seed)
+    step = 0
+    cursor = {"epoch": 0, "index": 0}
+    best = float("-inf")
+    metrics_path = out / "metrics.jsonl"
+
+    latest = st.read_latest(out / CHECKPOINTS) if resume else None
+    if resume and latest is None:
+        console.print(f"[yellow]no checkpoint in {out / CHECKPOINTS}: starting from scratch[/]")
+    if latest is not None:
+        check_env_drift(latest, cfg.run.allow_env_drift, console)
+        resumed = load_drafter(latest, run.target, dtype=torch.float32, device=run.device)
+        drafter.load_state_dict(resumed.state_dict())
+        state = st.load_training_state(latest, optimizer, scheduler)
+        st.restore_rng(state.rng, {"anchors": generator})
+        step, cursor = state.step, dict(state.data_cursor)
+        best = float(state.extra.get("best_acceptance_length", best))
+        console.print(f"resumed from {latest} at step {step}")
+    else:
+        (out / "config.yaml").write_text(dump_config(cfg))
+        fpmod.save(fpmod.collect(), out / fpmod.FINGERPRINT_FILE)
+        if metrics_path.exists():
+            metrics_path.unlink()
+
+    autocast = autocast_context(cfg, run.device)
+    order = epoch_order(len(run.train_rows), tc.seed, cursor["epoch"])
+    losses: list[float] = []
+    window: dict[str, Tensor] | None = None
+    t0 = time.perf_counter()
+    last_val: dict[str, Any] = {}
+    with TrainProgress(run.total_steps, step, console) as progress:
+        while step < run.total_steps:
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for _ in range(tc.grad_accum):
+                if cursor["index"] >= len(order):
+                    cursor = {"epoch": cursor["epoch"] + 1, "index": 0}
+                    order = epoch_order(len(run.train_rows), tc.seed, cursor["epoch"])
+                idx = order[cursor["index"] : cursor["index"] + tc.batch_size]
+                cursor["index"] += tc.batch_size
+                rows = run.train_rows.take(idx, run.device)
+                feats, argmax = features_for(run, "train", idx, rows)
+                out_step = block_step(
+                    drafter, run.target, rows, feats, argmax, cfg, run.backend, generator, autocast
+                )
+                (out_step.loss.loss / tc.grad_accum).backward()
+                step_loss += float(out_step.loss.loss) / tc.grad_accum
+                window = add_stats(window, {k: v.cpu() for k, v in out_step.stats.items()})
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            losses.append(step_loss)
+            if not math.isfinite(step_loss):
+                raise ConfigError(
+                    f"the loss became {step_loss} at step {step}; lower train.lr or check the data"
+                )
+
+            record: dict[str, Any] | None = None
+            if step % tc.log_every == 0 or step == run.total_steps:
+                m = finalize_stats(window) if window is not None else {}
+                record = {
+                    "step": step,
+                    "loss": step_loss,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "acceptance_length": m.get("acceptance_length"),
+                    "per_position_accuracy": m.get("per_position_accuracy"),
+                    "seconds": round(time.perf_counter() - t0, 2),
+                }
+                window = None
+            if step % tc.eval_every == 0 or step == run.total_steps:
+                last_val = evaluate(run)
+                record = (record or {"step": step}) | {"val": last_val}
+                if last_val["acceptance_length"] > best:
+                    best = last_val["acceptance_length"]
+                    save_best(run, step, last_val)
+            if record is not None:
+                _log(metrics_path, record)
+            if (
+                step % tc.save_every == 0
+                or step == run.total_steps
+                or (stop_after is not None and step >= stop_after)
+            ):
+                save_checkpoint(
+                    run, optimizer, scheduler, step, cursor, generator, {"best_acceptance_length": best}
+                )
+            progress.update(step, step_loss, record, best)
+            if stop_after is not None and step >= stop_after:
+                break
+    return TrainResult(step, time.perf_counter() - t0, best, last_val, out, losses)
