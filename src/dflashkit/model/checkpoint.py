@@ -1,0 +1,524 @@
+"""Drafter checkpoints: the z-lab layout (what serving engines load) and the speculators layout.
+
+z-lab layout (a folder):
+- ``config.json``: a Qwen3 config (``model_type "qwen3"``) with ``architectures ["DFlashDraftModel"]``,
+  ``auto_map``, top-level ``block_size`` and ``num_target_layers``, ``dflash_config {mask_token_id,
+  target_layer_ids}``, ``layer_types`` / ``sliding_window`` / ``use_sliding_window``,
+  ``tie_word_embeddings false``, RoPE as both ``rope_parameters`` (transformers 5) and top-level
+  ``rope_theta`` / ``rope_scaling`` (transformers 4), ``dtype`` and ``torch_dtype``;
+- ``model.safetensors``: the body only, no ``model.`` prefix, no embedding or lm_head (``fc.weight``,
+  ``hidden_norm.weight``, ``norm.weight``, ``layers.i.*``); bf16 by default.
+
+speculators layout: the same body weights (plus, when a target is given, ``embed_tokens.weight`` and
+``lm_head.weight`` copied from it); ``config.json`` with ``speculators_model_type "dflash"``,
+``architectures ["DFlashSpeculator"]``, the Qwen3 keys under ``transformer_layer_config``,
+``aux_hidden_state_layer_ids`` = z-lab id + 1, ``block_size``, ``mask_token_id``, ``draft_vocab_size``
+and ``speculators_config {algorithm, proposal_methods, default_proposal_method, verifier}``.
+
+Reading accepts ``block_size`` inside ``dflash_config``, transformers-4 and -5 RoPE keys, ``dtype`` or
+``torch_dtype``, and sharded safetensors. Keys this toolkit does not interpret are carried through.
+Every write goes to a temporary folder beside the destination, is fsynced, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from dflashkit.errors import CheckpointError
+from dflashkit.model.config import DrafterConfig, rope_from_dict, validation_message
+from dflashkit.model.drafter import DFlashDrafter, Rotary
+
+Layout = Literal["zlab", "speculators"]
+LAYOUTS: tuple[str, ...] = ("zlab", "speculators")
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+NAMED_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+# Weights a speculators checkpoint may carry beside the body; the target's own are used instead.
+SPECULATORS_TARGET_WEIGHTS = (
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "verifier_lm_head.weight",
+    "verifier_norm.weight",
+)
+
+# config.json keys that the z-lab reader interprets and the writer regenerates; others are carried.
+_ZLAB_KEYS = {
+    "architectures",
+    "auto_map",
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "hidden_act",
+    "attention_bias",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "block_size",
+    "num_target_layers",
+    "dflash_config",
+    "layer_types",
+    "sliding_window",
+    "use_sliding_window",
+    "dtype",
+    "torch_dtype",
+    "dflashkit_target",
+}
+# Top-level speculators keys the reader interprets (the Qwen3 keys live in transformer_layer_config).
+_SPECULATORS_KEYS = {
+    "architectures",
+    "speculators_model_type",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "block_size",
+    "aux_hidden_state_layer_ids",
+    "mask_token_id",
+    "sliding_window_non_causal",
+    "speculators_config",
+    "dtype",
+    "torch_dtype",
+    "dflashkit_target",
+}
+
+
+class TargetShape(Protocol):
+    """What a checkpoint is cross-checked against (dflashkit.target.hf.TargetModel has these)."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+
+# --- config.json <-> DrafterConfig ----------------------------------------------------------------
+
+
+def qwen3_body(config: DrafterConfig, dtype_name: str) -> dict[str, Any]:
+    """The Qwen3 config keys of the drafter body, extras first so that owned keys win."""
+    scaling = dict(config.rope_scaling) if config.rope_scaling else None
+    d: dict[str, Any] = {k: v for k, v in config.extra.items() if k != "dflash_config"}
+    d.update(
+        model_type="qwen3",
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        hidden_act="silu",
+        attention_bias=False,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={"rope_theta": config.rope_theta, **(scaling or {"rope_type": "default"})},
+        rope_theta=config.rope_theta,
+        rope_scaling=scaling,
+        layer_types=list(config.layer_types or []),
+        sliding_window=config.sliding_window,
+        use_sliding_window=config.has_sliding_layers,
+        tie_word_embeddings=False,
+        num_target_layers=config.num_target_layers,
+        dtype=dtype_name,
+        torch_dtype=dtype_name,
+    )
+    return d
+
+
+def zlab_config_dict(config: DrafterConfig, dtype_name: str = "bfloat16") -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    }
+    d.update(qwen3_body(config, dtype_name))
+    d["block_size"] = config.block_size
+    d["dflash_config"] = {
+        **config.extra.get("dflash_config", {}),
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+    }
+    if config.target is not None:
+        d["dflashkit_target"] = config.target
+    return d
+
+
+def speculators_config_dict(config: DrafterConfig, dtype_name: str = "bfloat16") -> dict[str, Any]:
+    body = qwen3_body(config, dtype_name)
+    if "dflash_config" in config.extra:
+        body["dflash_config"] = config.extra["dflash_config"]
+    target = config.target or {}
+    d: dict[str, Any] = {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": body,
+        "draft_vocab_size": config.vocab_size,
+        "block_size": config.block_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        # Our blocks are bidirectional on every layer, sliding ones included (as at inference).
+        "sliding_window_non_causal": True,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": target.get("path") or target.get("name"),
+                "architectures": [target["architecture"]] if target.get("architecture") else [],
+            },
+        },
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
+    if config.target is not None:
+        d["dflashkit_target"] = config.target
+    return d
+
+
+def config_from_zlab(d: Mapping[str, Any], where: str = "config.json") -> DrafterConfig:
+    dflash = dict(d.get("dflash_config") or {})
+    block_size = d.get("block_size", dflash.get("block_size"))
+    if block_size is None:
+        raise CheckpointError(f"{where}: no block_size (looked at the top level and in dflash_config)")
+    for key in ("mask_token_id", "target_layer_ids"):
+        if key not in dflash:
+            raise CheckpointError(f"{where}: dflash_config has no {key}")
+    extra = {k: v for k, v in d.items() if k not in _ZLAB_KEYS}
+    dflash_extra = {
+        k: v for k, v in dflash.items() if k not in ("mask_token_id", "target_layer_ids", "block_size")
+    }
+    if dflash_extra:
+        extra["dflash_config"] = dflash_extra
+    return _config_from_qwen3(
+        d,
+        where,
+        block_size=block_size,
+        mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        target=d.get("dflashkit_target"),
+        extra=extra,
+    )
+
+
+def config_from_speculators(d: Mapping[str, Any], where: str = "config.json") -> DrafterConfig:
+    body = dict(d.get("transformer_layer_config") or {})
+    if not body:
+        raise CheckpointError(f"{where}: no transformer_layer_config")
+    if d.get("projector_type", "dflash") != "dflash":
+        raise CheckpointError(
+            f"{where}: projector_type {d['projector_type']!r} is not supported (only 'dflash')"
+        )
+    if d.get("draft_vocab_size", body.get("vocab_size")) != body.get("vocab_size"):
+        raise CheckpointError(
+            f"{where}: a pruned draft vocabulary (draft_vocab_size {d['draft_vocab_size']} vs "
+            f"{body.get('vocab_size')}) is not supported"
+        )
+    ids = d.get("aux_hidden_state_layer_ids")
+    if not ids:
+        raise CheckpointError(f"{where}: no aux_hidden_state_layer_ids")
+    for key in ("block_size", "mask_token_id"):
+        if d.get(key) is None:
+            raise CheckpointError(f"{where}: no {key}")
+    extra = {k: v for k, v in body.items() if k not in _ZLAB_KEYS}
+    if body.get("dflash_config"):
+        extra["dflash_config"] = dict(body["dflash_config"])
+    return _config_from_qwen3(
+        body,
+        where,
+        block_size=d["block_size"],
+        mask_token_id=d["mask_token_id"],
+        target_layer_ids=[i - 1 for i in ids],
+        target=d.get("dflashkit_target"),
+        extra=extra,
+    )
+
+
+def _config_from_qwen3(d: Mapping[str, Any], where: str, **dflash: Any) -> DrafterConfig:
+    """Common part of both readers: the Qwen3 keys of the body, checked for what we do not implement."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses silu)")
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise CheckpointError(f"{where}: attention/MLP biases are not supported (DFlash layers have none)")
+    if d.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(
+            f"{where}: partial_rotary_factor {d['partial_rotary_factor']} is not supported (RoPE on the full head)"
+        )
+    missing = [
+        k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in d
+    ]
+    if missing:
+        raise CheckpointError(f"{where}: missing {', '.join(missing)}")
+    if "num_target_layers" not in d:
+        raise CheckpointError(
+            f"{where}: no num_target_layers (the layer count of the target it was made for)"
+        )
+    heads = d["num_attention_heads"]
+    layer_types = d.get("layer_types")
+    if layer_types is None and d.get("use_sliding_window"):
+        first_sliding = d.get("max_window_layers", 0)
+        layer_types = [
+            "sliding_attention" if i >= first_sliding else "full_attention"
+            for i in range(d["num_hidden_layers"])
+        ]
+    theta, scaling = rope_from_dict(dict(d))
+    try:
+        return DrafterConfig(
+            hidden_size=d["hidden_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            intermediate_size=d["intermediate_size"],
+            vocab_size=d["vocab_size"],
+            num_target_layers=d["num_target_layers"],
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            layer_types=layer_types,
+            sliding_window=d.get("sliding_window"),
+            **dflash,
+        )
+    except ValidationError as e:
+        raise CheckpointError(f"{where}: {validation_message(e)}") from None
+
+
+def detect_layout(d: Mapping[str, Any], where: str = "config.json") -> Layout:
+    if d.get("speculators_model_type") is not None:
+        if d["speculators_model_type"] != "dflash":
+            raise CheckpointError(
+                f"{where}: a {d['speculators_model_type']!r} speculator, not a DFlash drafter"
+            )
+        return "speculators"
+    if "dflash_config" in d or "DFlashDraftModel" in (d.get("architectures") or []):
+        return "zlab"
+    raise CheckpointError(
+        f"{where}: not a DFlash drafter config (no dflash_config or speculators_model_type)"
+    )
+
+
+# --- reading and writing folders ------------------------------------------------------------------
+
+
+def read_checkpoint(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], Layout]:
+    """The config, the raw tensors (as stored) and the layout of a checkpoint folder."""
+    folder = Path(path)
+    cfg_path = folder / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{folder} is not a drafter checkpoint: {CONFIG_FILE} is missing")
+    try:
+        d = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    layout = detect_layout(d, str(cfg_path))
+    config = (
+        config_from_zlab(d, str(cfg_path)) if layout == "zlab" else config_from_speculators(d, str(cfg_path))
+    )
+    return config, read_tensors(folder), layout
+
+
+def read_tensors(folder: Path) -> dict[str, Tensor]:
+    if (folder / WEIGHTS_FILE).is_file():
+        return load_file(str(folder / WEIGHTS_FILE))
+    if (folder / INDEX_FILE).is_file():
+        index = json.loads((folder / INDEX_FILE).read_text())
+        tensors: dict[str, Tensor] = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            tensors.update(load_file(str(folder / shard)))
+        return tensors
+    raise CheckpointError(f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE}")
+
+
+def body_tensors(config: DrafterConfig, tensors: Mapping[str, Tensor], where: str) -> dict[str, Tensor]:
+    """The drafter body's tensors, checked against the names and shapes the config implies."""
+    if "t2d" in tensors or "d2t" in tensors:
+        raise CheckpointError(f"{where}: a pruned draft vocabulary (t2d/d2t) is not supported")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(config).state_dict().items()}
+    body = {k: v for k, v in tensors.items() if k not in SPECULATORS_TARGET_WEIGHTS}
+    missing = sorted(set(expected) - set(body))
+    unexpected = sorted(set(body) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {_few(unexpected)}")
+        raise CheckpointError(f"{where}: weights do not match the config: {'; '.join(parts)}")
+    for name, shape in expected.items():
+        if tuple(body[name].shape) != shape:
+            raise CheckpointError(
+                f"{where}: {name} has shape {list(body[name].shape)}, the config implies {list(shape)}"
+            )
+    return body
+
+
+def _few(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def load_drafter(
+    path: str | Path,
+    target: TargetShape | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+) -> DFlashDrafter:
+    """Load a drafter from a z-lab or speculators folder; with a target, check that it fits it."""
+    config, tensors, _ = read_checkpoint(path)
+    if target is not None:
+        check_target(config, target, where=str(path))
+        device = device if device is not None else getattr(target, "device", None)
+    body = body_tensors(config, tensors, str(path))
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    drafter.load_state_dict({k: v.to(dtype) for k, v in body.items()}, assign=True, strict=True)
+    drafter.rotary = Rotary(config)  # RoPE tables are not stored; rebuild them off the meta device
+    return drafter.to(device or "cpu")
+
+
+def check_target(config: DrafterConfig, target: TargetShape, where: str = "drafter") -> None:
+    problems = config.target_mismatches(
+        hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
+    )
+    if problems:
+        raise CheckpointError(
+            f"{where} was made for another target ({'; '.join(problems)}); use a drafter made for this target "
+            "or make one with `dflashkit init`"
+        )
+
+
+def write_checkpoint(
+    folder: str | Path,
+    config: DrafterConfig,
+    tensors: Mapping[str, Tensor],
+    layout: Layout = "zlab",
+) -> None:
+    """Write config.json and model.safetensors into an existing folder (use inside atomic_directory)."""
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"unknown checkpoint layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    folder = Path(folder)
+    dtypes = {t.dtype for k, t in tensors.items() if k not in SPECULATORS_TARGET_WEIGHTS}
+    dtype_name = DTYPE_NAMES.get(dtypes.pop(), "float32") if len(dtypes) == 1 else "float32"
+    d = (
+        zlab_config_dict(config, dtype_name)
+        if layout == "zlab"
+        else speculators_config_dict(config, dtype_name)
+    )
+    (folder / CONFIG_FILE).write_text(json.dumps(d, indent=2, sort_keys=False) + "\n")
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        str(folder / WEIGHTS_FILE),
+        {"format": "pt"},
+    )
+
+
+@contextlib.contextmanager
+def atomic_directory(dst: str | Path) -> Iterator[Path]:
+    """Yield a temporary folder beside ``dst``; when the block ends, fsync it and rename it to ``dst``.
+
+    If ``dst`` exists it is replaced whole. On an error the temporary folder is removed and ``dst``
+    is untouched, so a reader never sees a half-written checkpoint.
+    """
+    dst = Path(dst)
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError(f"{dst} exists and is not a folder")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file():
+                _fsync(f)
+        _fsync(tmp)
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+        _fsync(dst.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_drafter(
+    drafter: DFlashDrafter,
+    dst: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    layout: Layout = "zlab",
+) -> Path:
+    """Atomically write the drafter to ``dst`` (z-lab layout, bf16 by default)."""
+    with atomic_directory(dst) as tmp:
+        write_drafter(drafter, tmp, dtype=dtype, layout=layout)
+    return Path(dst)
+
+
+def write_drafter(
+    drafter: DFlashDrafter,
+    folder: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    layout: Layout = "zlab",
+) -> None:
+    """Write the drafter into an existing folder, e.g. one from ``atomic_directory`` that also gets
+    training state."""
+    tensors = {k: v.to(dtype) for k, v in drafter.state_dict().items()}
+    write_checkpoint(folder, drafter.config, tensors, layout)
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, to: Layout, target: Any = None) -> Path:
+    """Rewrite a checkpoint in the other layout; tensors are copied bit for bit.
+
+    With a target (a TargetModel) a speculators checkpoint also gets the target's embed_tokens and
+    lm_head, which speculators' own loader expects.
+    """
+    if to not in LAYOUTS:
+        raise CheckpointError(f"unknown checkpoint layout {to!r}; choose one of {', '.join(LAYOUTS)}")
+    config, tensors, _ = read_checkpoint(src)
+    body = body_tensors(config, tensors, str(src))
+    if target is not None:
+        check_target(config, target, where=str(src))
+        if config.target is None:
+            config = config.model_copy(update={"target": target.identity()})
+    if to == "speculators" and target is not None:
+        dtype = next(iter(body.values())).dtype
+        with torch.no_grad():
+            body["embed_tokens.weight"] = target.embed_weight().to(dtype)
+            body["lm_head.weight"] = target.lm_head_weight().to(dtype)
+    with atomic_directory(dst) as tmp:
+        write_checkpoint(tmp, config, body, to)
+    return Path(dst)

@@ -1,0 +1,109 @@
+"""`dflashkit init` (an untrained drafter for a target) and `dflashkit convert` (z-lab <-> speculators)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("init", help="write an untrained drafter checkpoint shaped for a target")
+    p.add_argument(
+        "--target", default="embedded", help="'embedded' (default) or the path of an HF model folder"
+    )
+    p.add_argument("--out", required=True, type=Path, help="checkpoint folder to write (z-lab layout)")
+    p.add_argument("--layers", type=int, default=5, help="draft layers (default 5)")
+    p.add_argument(
+        "--block-size", type=int, default=16, help="slots per block: the anchor + B-1 drafted tokens"
+    )
+    p.add_argument(
+        "--target-layer-ids",
+        help="comma-separated target layers to read (default: as many as draft layers, evenly spaced)",
+    )
+    p.add_argument(
+        "--mask-token-id", type=int, help="mask token id (default: chosen from the target's tokenizer)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
+    p.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype on disk"
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it already exists")
+    p.set_defaults(handler=_init)
+
+    c = sub.add_parser(
+        "convert", help="convert a drafter checkpoint between the z-lab and speculators layouts"
+    )
+    c.add_argument("src", type=Path, help="checkpoint folder to read (either layout)")
+    c.add_argument("dst", type=Path, help="checkpoint folder to write")
+    c.add_argument("--to", required=True, choices=("zlab", "speculators"), help="layout to write")
+    c.add_argument(
+        "--target",
+        help="'embedded' or an HF model folder: checked against the drafter; for --to speculators its "
+        "embed_tokens and lm_head are included",
+    )
+    c.add_argument("--force", action="store_true", help="replace DST if it already exists")
+    c.set_defaults(handler=_convert)
+
+
+def _refuse_existing(path: Path, force: bool) -> None:
+    from dflashkit.errors import CheckpointError
+
+    if path.exists() and any(path.iterdir()) and not force:
+        raise CheckpointError(f"{path} already exists; choose another folder or pass --force to replace it")
+
+
+def _init(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflashkit.errors import ConfigError
+    from dflashkit.model.checkpoint import save_drafter
+    from dflashkit.model.config import config_for_target
+    from dflashkit.model.drafter import DFlashDrafter
+    from dflashkit.target.hf import default_mask_token_id, identity_of_folder, load_target_config
+
+    _refuse_existing(args.out, args.force)
+    hf_config = load_target_config(args.target)
+    ids = None
+    if args.target_layer_ids:
+        try:
+            ids = [int(x) for x in args.target_layer_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(
+                f"--target-layer-ids must be integers separated by commas, got {args.target_layer_ids!r}"
+            ) from None
+    mask = args.mask_token_id
+    if mask is None:
+        mask = default_mask_token_id(args.target, int(hf_config.vocab_size))
+    config = config_for_target(
+        hf_config,
+        num_layers=args.layers,
+        block_size=args.block_size,
+        mask_token_id=mask,
+        target_layer_ids=ids,
+        target=identity_of_folder(args.target),
+    )
+    torch.manual_seed(args.seed)
+    drafter = DFlashDrafter(config)
+    drafter.reset_parameters(seed=args.seed)
+    save_drafter(drafter, args.out, dtype=getattr(torch, args.dtype))
+    n = sum(p.numel() for p in drafter.parameters())
+    print(
+        f"wrote {args.out}: {config.num_hidden_layers} layers, block size {config.block_size}, "
+        f"hidden {config.hidden_size}, target layers {config.target_layer_ids} of {config.num_target_layers}, "
+        f"mask token {config.mask_token_id}, {n / 1e6:.1f}M parameters ({args.dtype})"
+    )
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from dflashkit.model.checkpoint import convert_checkpoint
+
+    _refuse_existing(args.dst, args.force)
+    target = None
+    if args.target:
+        from dflashkit.target.hf import TargetModel
+
+        target = TargetModel.load(args.target)
+    convert_checkpoint(args.src, args.dst, args.to, target=target)
+    print(f"wrote {args.dst} ({args.to} layout)")
+    return 0

@@ -1,0 +1,339 @@
+"""The target model: an HF causal LM (Llama, Qwen2, Qwen3, ...) seen through what DFlash needs from it.
+
+- ``features``: the context features, i.e. the outputs of decoder layers ``layer_ids`` (HF
+  ``hidden_states[id + 1]``) concatenated in id order, plus the target's argmax labels (or logits).
+  The outputs are captured with forward hooks on the decoder layers, so only the needed layers are
+  kept, and the last layer's output is its raw output (HF's last ``hidden_states`` entry is after the
+  final norm; a hook sees the layer itself).
+- ``embed`` / ``lm_head``: the frozen embedding and output head the drafter shares.
+- ``forward_step`` with a ``TargetCache``: the decode loop's prefill and verify passes, returning
+  logits and features of the new positions; ``TargetCache.crop(n)`` keeps the first n positions.
+- ``identity()``: name, architecture, shape and a hash of config and weights, for manifests and checks.
+
+The model is frozen (eval mode, no gradients) and runs in fp32 or bf16 on the CPU or a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from dflashkit.errors import ConfigError, DflashkitError
+
+Labels = Literal["argmax", "logits", "none"]
+
+EMBEDDED = "embedded"
+_SAMPLE = 1 << 20  # bytes hashed at the start, middle and end of each weight file
+
+
+def resolve_target(spec: str | Path) -> tuple[Path, str]:
+    """(folder, display name) of a target given as "embedded" or as a path to an HF model folder."""
+    if str(spec) == EMBEDDED:
+        from dflashkit.target.embedded import NAME, embedded_dir
+
+        return embedded_dir(), f"{NAME} (embedded)"
+    folder = Path(spec).expanduser()
+    if not (folder / "config.json").is_file():
+        raise DflashkitError(
+            f"target {str(spec)!r} is not an HF model folder (no config.json there); "
+            "pass 'embedded' or the path of a folder saved with save_pretrained"
+        )
+    return folder, folder.name
+
+
+def load_target_config(spec: str | Path) -> Any:
+    """The HF config of a target, without loading its weights."""
+    from transformers import AutoConfig
+
+    folder, _ = resolve_target(spec)
+    return AutoConfig.from_pretrained(folder)
+
+
+def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
+    """The mask token for a target: the embedded target's documented choice; otherwise the tokenizer's
+    mask token, a ``<|MASK|>`` token, or the first embedding row past the tokenizer (a row the target
+    never produces, as for Qwen3's 151669)."""
+    if str(spec) == EMBEDDED:
+        from dflashkit.target.embedded import MASK_TOKEN_ID
+
+        return MASK_TOKEN_ID
+    from transformers import AutoTokenizer
+
+    folder, _ = resolve_target(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the tokenizer of {folder} ({e}); pass --mask-token-id") from None
+    if tok.mask_token_id is not None:
+        return int(tok.mask_token_id)
+    mask = tok.convert_tokens_to_ids("<|MASK|>")
+    if isinstance(mask, int) and mask != tok.unk_token_id:
+        return mask
+    if len(tok) < vocab_size:
+        return len(tok)
+    raise ConfigError(
+        f"{folder}: the tokenizer has no mask token and no free embedding row; pass --mask-token-id "
+        "with an id of a special token the target never produces"
+    )
+
+
+def target_hash(folder: Path) -> str:
+    """sha256 of config.json and of each weight file's name, size and first, middle and last MiB.
+
+    Sampling keeps this fast on multi-GB targets; any retrained or re-quantised weights change it.
+    """
+    h = hashlib.sha256()
+    h.update((folder / "config.json").read_bytes())
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+    for p in files:
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with open(p, "rb") as f:
+            for offset in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+                f.seek(offset)
+                h.update(f.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def _module_hash(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    h.update(model.config.to_json_string().encode())  # type: ignore[union-attr]
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class TargetCache:
+    """The target's K/V cache for the decode loop. ``crop(n)`` keeps the first n positions.
+
+    Wraps transformers' DynamicCache but crops it with a negative count, the one form every
+    transformers 5 release accepts.
+    """
+
+    def __init__(self, config: Any):
+        from transformers import DynamicCache
+
+        try:
+            self.hf = DynamicCache(config=config)
+        except TypeError:
+            self.hf = DynamicCache()
+
+    def __len__(self) -> int:
+        return int(self.hf.get_seq_length())
+
+    def crop(self, n: int) -> None:
+        if not 0 <= n <= len(self):
+            raise ValueError(f"cannot crop a target cache of {len(self)} positions to {n}")
+        if n < len(self):
+            self.hf.crop(n - len(self))
+
+
+class TargetModel:
+    """A frozen HF causal LM with the accessors DFlash needs. Build with ``TargetModel.load``."""
+
+    def __init__(self, model: nn.Module, *, name: str, path: Path | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.config = model.config
+        self.name = name
+        self.path = path
+        self.decoder = model.get_decoder()
+        layers = getattr(self.decoder, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise DflashkitError(
+                f"{name}: unsupported architecture {type(model).__name__} (no decoder .layers to read features from)"
+            )
+        self.layers = layers
+        self._identity: dict[str, Any] | None = None
+        # Hooks stay registered; each call says per thread which layers it wants, so that threads that
+        # share the model do not see each other's captures.
+        self._capture = threading.local()
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_hook(self._hook(i))
+        forward_params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+
+    @classmethod
+    def load(
+        cls,
+        spec: str | Path = EMBEDDED,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> TargetModel:
+        """Load "embedded" (SmolLM2-135M-Instruct, offline) or an HF model folder."""
+        from transformers import AutoModelForCausalLM
+
+        folder, name = resolve_target(spec)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        device = torch.device(device)
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if device.type != "cpu":
+            kwargs["device_map"] = str(device)  # load straight onto the GPU
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        return cls(model.to(device), name=name, path=folder)
+
+    # --- shape ---------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    # --- frozen pieces the drafter shares ------------------------------------------------------
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Token embeddings [..., H]."""
+        return self.model.get_input_embeddings()(ids)
+
+    def lm_head(self, h: Tensor) -> Tensor:
+        """Logits [..., V] of hidden states h (the drafter's output is already normed)."""
+        head = self.model.get_output_embeddings()
+        return head(h.to(head.weight.dtype))
+
+    def embed_weight(self) -> Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def lm_head_weight(self) -> Tensor:
+        return self.model.get_output_embeddings().weight
+
+    # --- features ------------------------------------------------------------------------------
+
+    def _hook(self, i: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            wanted = getattr(self._capture, "wanted", None)
+            if wanted is not None and i in wanted:
+                wanted[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @contextlib.contextmanager
+    def _capturing(self, layer_ids: Sequence[int]) -> Iterator[dict[int, Tensor | None]]:
+        if not layer_ids:
+            raise ValueError("layer_ids must name at least one target layer")
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"layer ids {bad} are out of range for a target with {self.num_layers} layers")
+        wanted: dict[int, Tensor | None] = {i: None for i in layer_ids}
+        self._capture.wanted = wanted
+        try:
+            yield wanted
+        finally:
+            self._capture.wanted = None
+
+    @staticmethod
+    def _concat(wanted: dict[int, Tensor | None]) -> Tensor:
+        return torch.cat([wanted[i] for i in sorted(wanted)], dim=-1)  # type: ignore[misc]
+
+    @torch.no_grad()
+    def features(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        layer_ids: Sequence[int] | None = None,
+        *,
+        position_ids: Tensor | None = None,
+        labels: Labels = "argmax",
+        chunk: int = 1024,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Context features [b, T, n*H] (layer outputs of ``layer_ids``, in id order) and the target's
+        argmax labels [b, T] (``labels="argmax"``, computed ``chunk`` positions at a time so the
+        [b, T, V] logits never exist), its logits [b, T, V] (``"logits"``) or None (``"none"``)."""
+        if layer_ids is None:
+            raise ValueError("layer_ids is required (the drafter config's target_layer_ids)")
+        with self._capturing(layer_ids) as wanted:
+            out = self.decoder(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            )
+        feats = self._concat(wanted)
+        if labels == "none":
+            return feats, None
+        last = out.last_hidden_state  # after the final norm, as the lm_head expects
+        if labels == "logits":
+            return feats, self.lm_head(last)
+        if labels != "argmax":
+            raise ValueError(f"labels must be 'argmax', 'logits' or 'none', got {labels!r}")
+        pieces = [self.lm_head(last[:, s : s + chunk]).argmax(-1) for s in range(0, last.shape[1], chunk)]
+        return feats, torch.cat(pieces, dim=1)
+
+    # --- decode loop ---------------------------------------------------------------------------
+
+    def new_cache(self) -> TargetCache:
+        return TargetCache(self.config)
+
+    @torch.no_grad()
+    def forward_step(
+        self, input_ids: Tensor, cache: TargetCache, layer_ids: Sequence[int], *, all_logits: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """Run new tokens [b, t] after the ``len(cache)`` cached positions; extend the cache.
+
+        Returns logits [b, t, V] (or [b, 1, V] for the last position when ``all_logits`` is False,
+        e.g. for a prefill) and the features [b, t, n*H] of the new positions.
+        """
+        start = len(cache)
+        b, t = input_ids.shape
+        positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
+        kwargs = {self._cache_kwarg: cache.hf, "logits_to_keep": 0 if all_logits else 1}
+        with self._capturing(layer_ids) as wanted:
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
+        return out.logits, self._concat(wanted)
+
+    # --- identity ------------------------------------------------------------------------------
+
+    def identity(self) -> dict[str, Any]:
+        """Name/path, architecture, shape and a hash of config + weights (cached after the first call)."""
+        if self._identity is None:
+            archs = getattr(self.config, "architectures", None) or [type(self.model).__name__]
+            self._identity = {
+                "name": self.name,
+                "path": str(self.path) if self.path else None,
+                "architecture": archs[0],
+                "model_type": getattr(self.config, "model_type", None),
+                "hidden_size": self.hidden_size,
+                "num_layers": self.num_layers,
+                "vocab_size": self.vocab_size,
+                "hash": target_hash(self.path) if self.path else _module_hash(self.model),
+            }
+        return dict(self._identity)
+
+
+def identity_of_folder(spec: str | Path) -> dict[str, Any]:
+    """A target's identity from its folder alone (config and files), without loading the weights.
+    Equal to ``TargetModel.load(spec).identity()``."""
+    folder, name = resolve_target(spec)
+    cfg = json.loads((folder / "config.json").read_text())
+    hf = load_target_config(spec)
+    return {
+        "name": name,
+        "path": str(folder),
+        "architecture": (cfg.get("architectures") or ["unknown"])[0],
+        "model_type": cfg.get("model_type"),
+        "hidden_size": int(hf.hidden_size),
+        "num_layers": int(hf.num_hidden_layers),
+        "vocab_size": int(hf.vocab_size),
+        "hash": target_hash(folder),
+    }
