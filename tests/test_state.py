@@ -93,6 +93,23 @@ def test_atomic_dir_replaces_an_existing_folder(tmp_path):
     assert (final / "a.txt").read_text() == "new"
 
 
+def test_a_failed_rename_puts_the_old_folder_back(tmp_path):
+    final = tmp_path / "step-00000001"
+    with atomic_dir(final) as tmp:
+        (tmp / "a.txt").write_text("old")
+    real_rename = state_mod.os.rename
+
+    def rename(src, dst):
+        if ".tmp-" in str(src):
+            raise OSError("rename failed")
+        real_rename(src, dst)
+
+    failing = mock.patch.object(state_mod.os, "rename", rename)
+    with failing, pytest.raises(OSError, match="rename failed"), atomic_dir(final) as tmp:
+        (tmp / "a.txt").write_text("new")
+    assert (final / "a.txt").read_text() == "old" and _leftovers(tmp_path) == []
+
+
 def test_latest_pointer(tmp_path):
     assert read_latest(tmp_path) is None
     with pytest.raises(CheckpointError):

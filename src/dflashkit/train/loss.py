@@ -2,7 +2,7 @@
 
 Per slot k of a block, the loss is CE_k = -log softmax(hidden_k @ W^T)[label_k], weighted per slot:
 
-- "decay" (the paper's): w_k = exp(-(k - 1) / gamma), gamma = 7 for B = 16.
+- "decay" (the paper's): w_k = exp(-(k - 1) / gamma); gamma = 7 for B = 16 (5 for B = 10, 4 for B = 8).
 - "dpace": weights from the chance of reaching each later slot. q_k = exp(-CE_k) (detached);
   s_k = (1 - alpha) q_k + alpha on trained slots and 1 elsewhere; P_k = prod_{i <= k} s_i;
   w_k = sum_{m >= k} P_m mask_m.
@@ -145,8 +145,8 @@ def dflash_loss(
     if weighting == "decay":
         w = decay_weights(block_size, gamma, hidden.device).expand(blocks)
     else:
-        w = dpace_weights(ce.view(blocks), mask.view(blocks), dpace_alpha)
-    w = (w * mask.view(blocks)).reshape(b, q_len)
+        w = dpace_weights(ce.view(blocks), mask.reshape(blocks), dpace_alpha)
+    w = (w * mask.reshape(blocks)).reshape(b, q_len)
     weighted_sum = (w * ce).sum()
     weight_sum = w.sum()
     loss = weighted_sum / weight_sum.clamp_min(math.ulp(1.0))

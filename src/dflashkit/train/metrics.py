@@ -23,8 +23,8 @@ def per_position_counts(
 ) -> tuple[Tensor, Tensor]:
     """Correct and trained slot counts per slot index: [b, N*B] x3 -> ([B] long, [B] long)."""
     b = predictions.shape[0]
-    mask = mask.bool().view(b, -1, block_size)
-    hits = (predictions == labels).view(b, -1, block_size) & mask
+    mask = mask.bool().reshape(b, -1, block_size)
+    hits = (predictions == labels).reshape(b, -1, block_size) & mask
     return hits.sum((0, 1)), mask.sum((0, 1))
 
 
@@ -41,7 +41,7 @@ def acceptance_stats(
     """
     b = predictions.shape[0]
     correct, count = per_position_counts(predictions, labels, mask, block_size)
-    hits = ((predictions == labels) & mask.bool()).view(b, -1, block_size)[:, :, 1:]
+    hits = ((predictions == labels) & mask.bool()).reshape(b, -1, block_size)[:, :, 1:]
     leading = torch.cumprod(hits.long(), dim=-1).sum(-1)  # [b, N] correct slots before the first miss
     lengths = (1 + leading)[block_valid.bool()]
     hist = torch.bincount(lengths, minlength=block_size + 1)

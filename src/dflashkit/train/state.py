@@ -127,17 +127,28 @@ def atomic_dir(final_path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_tree(tmp)
-        old = None
-        if final_path.exists():
-            old = final_path.with_name(f".{final_path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-            os.rename(final_path, old)
-        os.rename(tmp, final_path)
-        _fsync_path(final_path.parent)
-        if old is not None:
-            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _publish(tmp, final_path)
+
+
+def _publish(tmp: Path, final_path: Path) -> None:
+    """Rename `tmp` to `final_path`; an existing `final_path` is moved aside first and back if that fails."""
+    old = None
+    if final_path.exists():
+        old = final_path.with_name(f".{final_path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+        os.rename(final_path, old)
+    try:
+        os.rename(tmp, final_path)
+    except BaseException:
+        if old is not None:
+            os.rename(old, final_path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_path(final_path.parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def write_latest(root: str | Path, name: str) -> None:
