@@ -55,6 +55,11 @@ class RMSNorm(nn.Module):
 def rope_inverse_frequencies(config: DrafterConfig) -> tuple[Tensor, float]:
     """(inv_freq [head_dim/2], attention_scaling). Plain RoPE here; scaled variants are computed by
     transformers' own functions so that they match the target's exactly."""
+    with torch.device("cpu"):  # tables are computed on the CPU even while a model is built on "meta"
+        return _inverse_frequencies(config)
+
+
+def _inverse_frequencies(config: DrafterConfig) -> tuple[Tensor, float]:
     d = config.head_dim
     if config.rope_type == "default":
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
