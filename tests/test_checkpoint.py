@@ -348,3 +348,20 @@ def test_init_on_the_embedded_target_then_draft_save_load(tmp_path, capsys):
     assert logits.shape == (1, 4, 49152) and torch.isfinite(logits).all()
     again = load_drafter(save_drafter(drafter, tmp_path / "saved"), target)
     assert torch.equal(one_block(again), logits)
+
+    # speculators layout with the target's embedding and head, which our loader leaves aside
+    spec = convert_checkpoint(out, tmp_path / "spec", "speculators", target=target)
+    w = load_file(str(spec / "model.safetensors"))
+    assert torch.equal(w["embed_tokens.weight"], target.embed_weight().to(torch.bfloat16))
+    verifier = json.loads((spec / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["architectures"] == ["LlamaForCausalLM"] and verifier["name_or_path"]
+    assert torch.equal(one_block(load_drafter(spec, target)), logits)
+
+
+def test_drafter_for_another_target_is_refused(zlab_dir):
+    from dflashkit.target.hf import TargetModel
+
+    with pytest.raises(
+        CheckpointError, match=r"hidden size: drafter 32, target 576.*vocabulary: drafter 101, target 49152"
+    ):
+        load_drafter(zlab_dir, TargetModel.load("embedded"))

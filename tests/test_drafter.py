@@ -370,6 +370,13 @@ def test_config_validation_errors(over, message):
         tiny_config(**over)
 
 
+def test_updated_config_is_validated_again():
+    config = tiny_config()
+    assert config.updated(block_size=8).block_size == 8
+    with pytest.raises(ConfigError, match="out of range"):
+        config.updated(target_layer_ids=[1, 9])
+
+
 def test_target_mismatches_name_both_values():
     config = tiny_config()
     assert config.target_mismatches(hidden_size=32, num_layers=6, vocab_size=97) == []

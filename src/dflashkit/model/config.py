@@ -145,6 +145,10 @@ class DrafterConfig(BaseModel):
     def layer_type(self, i: int) -> LayerType:
         return (self.layer_types or ["full_attention"] * self.num_hidden_layers)[i]
 
+    def updated(self, **changes: Any) -> DrafterConfig:
+        """A copy with some fields changed, validated again (``model_copy`` would skip the checks)."""
+        return make_config(**{**self.model_dump(), **changes})
+
     def target_mismatches(self, *, hidden_size: int, num_layers: int, vocab_size: int) -> list[str]:
         """Reasons this drafter cannot run on a target of the given shape (empty when it can)."""
         out = []
