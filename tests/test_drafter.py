@@ -384,3 +384,44 @@ def test_target_mismatches_name_both_values():
     assert "drafter 32, target 64" in problems[0]
     assert "drafter 97, target 100" in problems[1]
     assert "made for 6, target has 4" in problems[2]
+
+
+@pytest.mark.slow
+def test_flex_backend_matches_sdpa_on_cpu():
+    """The drafter through the compiled flex path (one compile, forward only on the CPU)."""
+    from dflashkit.runtime.compile import unfreeze
+
+    unfreeze()  # another test may have frozen the compiled shapes
+    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    d = random_drafter(config)
+    feats, embeds, ctx_pos, blk_pos = training_inputs(config, ANCHORS, DOCS)
+    layout = BlockLayout(ANCHORS, torch.ones_like(ANCHORS, dtype=torch.bool), DOCS, config.block_size)
+    with torch.no_grad():
+        flex = d(feats, embeds, ctx_pos, blk_pos, build_block_masks(config, layout, "flex"), "flex")
+        sdpa = d(feats, embeds, ctx_pos, blk_pos, reference_masks(config, layout, "sdpa"), "sdpa")
+    torch.testing.assert_close(flex, sdpa, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_flex_forward_and_backward_match_sdpa_on_gpu():
+    from dflashkit.runtime.compile import unfreeze
+
+    unfreeze()
+    config = tiny_config(
+        hidden_size=128, head_dim=32, layer_types=["sliding_attention", "full_attention"], sliding_window=3
+    )
+    layout = BlockLayout(
+        ANCHORS.cuda(), torch.ones_like(ANCHORS, dtype=torch.bool).cuda(), DOCS.cuda(), config.block_size
+    )
+    inputs = [t.cuda() for t in training_inputs(config, ANCHORS, DOCS)]
+    grads = {}
+    outs = {}
+    for backend in ("flex", "sdpa"):
+        d = random_drafter(config).cuda()
+        masks = build_block_masks(config, layout, backend)
+        outs[backend] = d(*inputs, masks, backend)
+        outs[backend].square().mean().backward()
+        grads[backend] = {n: p.grad for n, p in d.named_parameters()}
+    torch.testing.assert_close(outs["flex"], outs["sdpa"], rtol=1e-3, atol=1e-3)
+    for n in grads["sdpa"]:
+        torch.testing.assert_close(grads["flex"][n], grads["sdpa"][n], rtol=1e-3, atol=1e-3)

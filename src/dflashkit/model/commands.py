@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _refuse_existing(path: Path, force: bool) -> None:
     from dflashkit.errors import CheckpointError
 
-    if path.exists() and any(path.iterdir()) and not force:
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
         raise CheckpointError(f"{path} already exists; choose another folder or pass --force to replace it")
 
 
