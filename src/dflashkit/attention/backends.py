@@ -3,11 +3,14 @@
 - ``eager``: explicit softmax, the reference (fp32 math).
 - ``sdpa``: ``scaled_dot_product_attention`` with the dense boolean mask (the CPU default for small shapes).
 - ``flex``: compiled flex_attention with a BlockMask (the GPU default), only ever through
-  ``dflashkit.runtime.compile`` (one compiled entry, never a silent dense path).
+  ``dflashkit.runtime.compile`` (one compiled entry, never a silent dense path). The BlockMask is built
+  from the anchors at tile level (``dflashkit.attention.block_mask``), never from a dense mask.
 
 Shapes: q [batch, Hq, Q, D]; k, v [batch, Hkv, KV, D] with Hq a multiple of Hkv.
-A mask of None means "every query sees every key" (the inference path: one block over its context).
+A mask of None means "every query sees every key" (the inference path: one block over its context);
+flex and sdpa then both run sdpa without a mask (a fused kernel, no score matrix).
 Rows that see nothing (padding blocks) return zeros, with zero gradient, in every backend.
+Dense paths (eager always, sdpa with a mask) pass ``preflight_dense`` first: no silent 50 GiB matrices.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def build_mask(
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "flex":
-        from dflashkit.runtime.compile import flex_block_mask
+        from dflashkit.attention.block_mask import flex_block_mask
 
         return AttentionMask(
             "flex", block=flex_block_mask(layout, window=window, causal_in_block=causal_in_block)
@@ -90,12 +93,19 @@ def attention(
         scale = q.shape[-1] ** -0.5
     if mask is not None and mask.backend != backend:
         raise ValueError(f"mask was built for backend {mask.backend!r} but attention runs {backend!r}")
+    if backend == "flex":
+        if mask is None:
+            return sdpa_attention(q, k, v, None, scale)
+        from dflashkit.runtime.compile import flex_attention_entry
+
+        return flex_attention_entry(q, k, v, mask.block, scale=scale)
+    if backend == "eager" or mask is not None:
+        from dflashkit.runtime.compile import preflight_dense
+
+        batch, heads, q_len = q.shape[:3]
+        preflight_dense(batch, heads, q_len, k.shape[2], what=f"{backend} attention")
     if backend == "eager":
         return eager_attention(q, k, v, mask, scale)
     if backend == "sdpa":
         return sdpa_attention(q, k, v, mask, scale)
-    if backend == "flex":
-        from dflashkit.runtime.compile import flex_attention_entry
-
-        return flex_attention_entry(q, k, v, None if mask is None else mask.block, scale=scale)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -67,8 +67,11 @@ def dflash_mask_mod(layout: BlockLayout, window: int | None = None, causal_in_bl
     # Index tensors for the anchor's document; clamp keeps padding anchors in range (they are invalid).
     anchor_doc = torch.gather(docs, 1, anchors.clamp(0, S - 1))
 
+    N = layout.num_blocks
+
     def mask_mod(b, h, q_idx, kv_idx):
-        j = q_idx // B
+        # Kernels may evaluate padded rows and keys of edge tiles: clamp every index used to gather.
+        j = torch.clamp(q_idx // B, max=N - 1)
         k = q_idx % B
         a = anchors[b, j]
         ok = valid[b, j]
@@ -84,6 +87,9 @@ def dflash_mask_mod(layout: BlockLayout, window: int | None = None, causal_in_bl
             sees_block = sees_block & (kb % B <= k)
         return ok & (sees_ctx | sees_block)
 
+    # Names the mask family for the compile runtime's shape keys (window and in-block causality are
+    # constants of the compiled graph).
+    mask_mod.kind = f"dflash(window={window}, causal_in_block={causal_in_block})"  # type: ignore[attr-defined]
     return mask_mod
 
 

@@ -1,0 +1,347 @@
+"""The compile runtime: warm-up then no compiles, threads that never see a dense path, the FX-flag
+race, recompile-limit exhaustion, shape buckets, the dense pre-flight and the portable compile cache.
+
+One compile (the doctor's shape, shared with test_backends and the doctor checks) warms the module."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+import torch.fx._symbolic_trace as fx_st
+import torch.nn.attention.flex_attention as fa_mod
+from torch._dynamo.utils import counters
+
+from dflashkit.attention.backends import attention, build_mask
+from dflashkit.attention.block_mask import flex_block_mask
+from dflashkit.attention.checks import DOCTOR_SHAPE
+from dflashkit.attention.masks import BlockLayout, dense_mask
+from dflashkit.errors import DflashkitError
+from dflashkit.runtime import compile as rc
+
+SHAPE = DOCTOR_SHAPE  # batch 1, 4/2 heads, head_dim 16, context 3072, 64 anchors, B 16, fp32
+
+
+def cache_entries() -> int:
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(rc._flex_or_die.__code__))
+
+
+@pytest.fixture(scope="module")
+def warm():
+    rc.reset_runtime()
+    records = rc.warmup([SHAPE], ["cpu"], slack=0)
+    yield records
+    rc.reset_runtime()
+
+
+@pytest.fixture
+def frozen(warm):
+    """Each test starts frozen (warm-up done) and leaves it frozen."""
+    if not rc.is_frozen():
+        rc.warmup([SHAPE], ["cpu"], slack=0)
+    yield
+    if not rc.is_frozen():
+        rc.warmup([SHAPE], ["cpu"], slack=0)
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def in_thread(fn):
+    """Run fn in a new thread; return its result or the exception it raised."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed back to the test
+            box["value"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    return box["value"]
+
+
+def step(seed: int) -> torch.Tensor:
+    layout = rc.example_layout(SHAPE, seed=seed)
+    q, k, v = rc.example_inputs(SHAPE, seed=seed)
+    return rc.flex_attention_entry(q, k, v, flex_block_mask(layout))
+
+
+def test_warmup_compiles_each_shape_once_and_sizes_the_limit(warm):
+    assert [(r.device, r.shape, r.backward) for r in warm] == [("cpu", SHAPE, False)]  # no CPU backward
+    state = rc.runtime_state()
+    assert state["frozen"] and state["limit_passed_as_keyword"] == rc.recompile_limit_reaches_threads()
+    assert state["recompile_limit"] == state["compiled_shapes"] == cache_entries()
+
+
+def test_warm_steps_with_new_anchors_do_not_compile(frozen):
+    graphs = counters["stats"]["unique_graphs"]
+    layout = rc.example_layout(SHAPE, seed=42)
+    layout.block_valid[0, -3:] = False
+    q, k, v = rc.example_inputs(SHAPE, seed=42)
+    out = rc.flex_attention_entry(q, k, v, flex_block_mask(layout))
+    ref = attention(q, k, v, build_mask(layout, "eager"), backend="eager")
+    assert rel_err(out, ref) < 1e-5
+    for seed in range(3):
+        step(seed)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_unwarmed_shape_raises_naming_device_and_shape(frozen):
+    q, k, v = rc.example_inputs(SHAPE)
+    with pytest.raises(rc.CompileAfterWarmupError, match=r"device cpu, float32, q \[1, 2, 1024, 16\]"):
+        rc.flex_attention_entry(q[:, :2], k, v, flex_block_mask(rc.example_layout(SHAPE)))
+
+
+def test_torch_recompile_error_after_warmup_becomes_ours(frozen):
+    """Past our own shape check (here: called directly), torch's fail_on_recompile stance fires; we
+    re-raise it as CompileAfterWarmupError."""
+    q, k, v = rc.example_inputs(SHAPE)
+    q = q[:, :2]
+    bm = flex_block_mask(rc.example_layout(SHAPE))
+    key = rc.shape_key(q, k, v, bm, 0.25)
+    with pytest.raises(rc.CompileAfterWarmupError, match="would compile after warm-up"):
+        rc._run(q, k, v, bm, 0.25, key)
+
+
+def test_shape_buckets_pad_into_a_warmed_bucket(frozen):
+    g = torch.Generator().manual_seed(9)
+    S, N, Bs = 2500, 50, SHAPE.block_size
+    docs = torch.zeros(1, S, dtype=torch.long)
+    docs[0, 1200:] = 1
+    raw = BlockLayout(
+        torch.randint(0, S - Bs, (1, N), generator=g).sort(dim=1).values,
+        torch.ones(1, N, dtype=torch.bool),
+        docs,
+        Bs,
+    )
+    buckets = dict(context_buckets=(1024, 3072), anchor_buckets=(32, 64))
+    padded = rc.bucket_layout(raw, **buckets)
+    assert (padded.context_len, padded.num_blocks) == (3072, 64)
+    # Padding changes no visibility of the real rows, and the padded keys and rows see nothing.
+    m_raw, m_pad = dense_mask(raw)[0, 0], dense_mask(padded)[0, 0]
+    Q = raw.q_len
+    assert torch.equal(m_pad[:Q, :S], m_raw[:, :S])
+    assert torch.equal(m_pad[:Q, 3072 : 3072 + Q], m_raw[:, S:])
+    assert not m_pad[:, S:3072].any() and not m_pad[Q:].any()
+
+    q = torch.randn(1, SHAPE.q_heads, Q, SHAPE.head_dim, generator=g)
+    k = torch.randn(1, SHAPE.kv_heads, S + Q, SHAPE.head_dim, generator=g)
+    v = torch.randn(1, SHAPE.kv_heads, S + Q, SHAPE.head_dim, generator=g)
+    qp = rc.pad_to(q, 2, padded.q_len)
+    kp, vp = (rc.pad_keys(x, S, padded.context_len, padded.q_len) for x in (k, v))
+    out = rc.flex_attention_entry(qp, kp, vp, flex_block_mask(padded))[:, :, :Q]
+    ref = attention(q, k, v, build_mask(raw, "eager"), backend="eager")
+    assert rel_err(out, ref) < 1e-5
+    with pytest.raises(rc.ShapeBucketError, match="context length 3500 is larger than the largest bucket"):
+        rc.bucket_layout(rc.pad_layout(raw, 3500, N), **buckets)
+
+
+def test_bucket_helpers():
+    assert rc.pick_bucket(1, (512, 256)) == 256 and rc.pick_bucket(257, (512, 256)) == 512
+    with pytest.raises(rc.ShapeBucketError):
+        rc.pick_bucket(513, (512, 256), "anchor count")
+    x = torch.arange(6).view(1, 6)
+    assert rc.pad_to(x, 1, 8, -1).tolist() == [[0, 1, 2, 3, 4, 5, -1, -1]]
+    assert rc.pad_keys(x, 2, 4, 6, dim=1).tolist() == [[0, 1, 0, 0, 2, 3, 4, 5, 0, 0]]
+
+
+def test_concurrent_threads_step_while_new_shapes_appear(frozen):
+    """Four threads step warm attention (fresh anchors each step, raw lengths padded into the warm bucket)
+    while a fifth brings new shapes and a sixth keeps grabbing the FX-tracing flag, as a concurrent
+    compile or export would: zero errors, zero compiles, every new shape either runs in a warmed bucket
+    or fails loudly."""
+    graphs, compiled_before = counters["stats"]["unique_graphs"], rc.runtime_state()["compiled_shapes"]
+    waits = rc.runtime_state()["fx_waits"]
+    buckets = dict(context_buckets=(SHAPE.context_len,), anchor_buckets=(SHAPE.num_blocks,))
+    errors, outcomes, steps = [], [], [0] * 4
+    stop = threading.Event()
+
+    def stepper(i):
+        g = torch.Generator().manual_seed(i)
+        try:
+            while not stop.is_set() or steps[i] < 5:
+                S = int(torch.randint(2049, SHAPE.context_len + 1, (1,), generator=g))
+                N = int(torch.randint(33, SHAPE.num_blocks + 1, (1,), generator=g))
+                raw = BlockLayout(
+                    torch.randint(0, S - 16, (1, N), generator=g).sort(dim=1).values,
+                    torch.ones(1, N, dtype=torch.bool),
+                    torch.zeros(1, S, dtype=torch.long),
+                    16,
+                )
+                lay = rc.bucket_layout(raw, **buckets)
+                q, k, v = rc.example_inputs(SHAPE, seed=i)
+                out = rc.flex_attention_entry(q, k, v, flex_block_mask(lay))
+                if not torch.isfinite(out).all():
+                    errors.append(f"thread {i}: non-finite")
+                steps[i] += 1
+        except Exception as e:
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    def new_shapes():
+        q, k, v = rc.example_inputs(SHAPE)
+        trials = [
+            ("bucketed", lambda: rc.bucket_layout(rc.example_layout(SHAPE), **buckets)),
+            (
+                "too long",
+                lambda: rc.pad_layout(rc.example_layout(SHAPE), SHAPE.context_len + 128, SHAPE.num_blocks),
+            ),
+        ]
+        for name, make in trials:
+            try:
+                rc.flex_attention_entry(q, k, v, flex_block_mask(rc.bucket_layout(make(), **buckets)))
+                outcomes.append((name, "ran"))
+            except DflashkitError as e:
+                outcomes.append((name, type(e).__name__))
+        try:  # a shape nobody warmed (other head count)
+            rc.flex_attention_entry(q[:, :1], k[:, :1], v[:, :1], flex_block_mask(rc.example_layout(SHAPE)))
+            outcomes.append(("unwarmed heads", "ran"))
+        except DflashkitError as e:
+            outcomes.append(("unwarmed heads", type(e).__name__))
+
+    def flag_grabber():
+        while not stop.is_set():
+            old = fx_st._is_fx_tracing_flag
+            fx_st._is_fx_tracing_flag = True  # what make_fx does in a concurrent compile
+            time.sleep(0.02)
+            fx_st._is_fx_tracing_flag = old
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=stepper, args=(i,)) for i in range(4)]
+    threads += [threading.Thread(target=new_shapes), threading.Thread(target=flag_grabber)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not fx_st._is_fx_tracing_flag
+    assert errors == []
+    assert min(steps) >= 5
+    assert rc.runtime_state()["fx_waits"] > waits  # the flag was met, waited out, and the call ran compiled
+    assert outcomes == [
+        ("bucketed", "ran"),
+        ("too long", "ShapeBucketError"),
+        ("unwarmed heads", "CompileAfterWarmupError"),
+    ]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert rc.runtime_state()["compiled_shapes"] == compiled_before
+
+
+def test_fx_flag_held_by_another_thread_then_released_runs_compiled(frozen):
+    """The story's error (another thread inside make_fx): our entry waits for the flag and then runs the
+    compiled kernel; the sentinel proves it was not the dense path."""
+    waits = rc.runtime_state()["fx_waits"]
+    fx_st._is_fx_tracing_flag = True
+    try:
+        t = threading.Timer(0.3, lambda: setattr(fx_st, "_is_fx_tracing_flag", False))
+        t.start()
+        t0 = time.monotonic()
+        out = in_thread(lambda: step(1))
+        t.join()
+    finally:
+        fx_st._is_fx_tracing_flag = False
+    assert isinstance(out, torch.Tensor), out
+    assert time.monotonic() - t0 >= 0.25
+    assert rc.runtime_state()["fx_waits"] == waits + 1
+    assert rel_err(out, step(1)) == 0
+
+
+def test_fx_flag_held_too_long_raises_a_clear_error(frozen, monkeypatch):
+    monkeypatch.setattr(rc, "FX_WAIT_S", 0.2)
+    fx_st._is_fx_tracing_flag = True
+    try:
+        err = in_thread(lambda: step(2))
+    finally:
+        fx_st._is_fx_tracing_flag = False
+    assert isinstance(err, rc.ConcurrentTraceError), err
+    assert "FX-tracing flag" in str(err) and "\n" not in str(err)
+
+
+def test_silent_fallback_settings_never_run_dense(frozen):
+    """error_on_nested_fx_trace=False (per thread in torch >= 2.12) makes torch call the uncompiled
+    function while the FX flag is held; suppress_errors-like stances do the same. The sentinel raises."""
+    shown = set(fa_mod._WARNINGS_SHOWN)
+
+    def with_silent_setting():
+        with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+            return step(3)
+
+    fx_st._is_fx_tracing_flag = True
+    try:
+        err = in_thread(with_silent_setting)
+    finally:
+        fx_st._is_fx_tracing_flag = False
+    assert isinstance(err, rc.DenseFallbackError), err
+    assert "outside torch.compile" in str(err)
+
+    torch.compiler.set_stance("force_eager")
+    try:
+        with pytest.raises(rc.DenseFallbackError):
+            step(4)
+    finally:
+        torch.compiler.set_stance("fail_on_recompile")
+    assert set(fa_mod._WARNINGS_SHOWN) == shown  # flex's dense-path warning never fired
+
+
+def test_recompile_limit_exhaustion_is_detected_in_any_thread(frozen):
+    """Warm-up sized the limit to exactly the compiled shapes (slack 0). Unfrozen, a new shape would
+    make torch run the dense path; in a worker thread (whose module-level config is the default 8)
+    it raises instead, without compiling."""
+    assert rc.runtime_state()["recompile_limit"] == cache_entries()
+    rc.unfreeze()
+    q, k, v = rc.example_inputs(SHAPE)
+    t0 = time.monotonic()
+    err = in_thread(
+        lambda: rc.flex_attention_entry(
+            q[:, :1], k[:, :1], v[:, :1], flex_block_mask(rc.example_layout(SHAPE))
+        )
+    )
+    assert isinstance(err, rc.DenseFallbackError), err
+    assert "recompile limit (" in str(err) and time.monotonic() - t0 < 5
+    assert cache_entries() == rc.runtime_state()["recompile_limit"]
+
+
+def test_preflight_budget_from_argument_and_environment(monkeypatch):
+    monkeypatch.delenv(rc.DENSE_BUDGET_ENV, raising=False)
+    assert rc.dense_budget_gib() == rc.DEFAULT_DENSE_BUDGET_GIB
+    assert rc.preflight_dense(1, 1, 1024, 1024, what="x") == 4 * 2**20
+    # The story's shape: one 16-head layer at 16k is 16 GiB of fp32 scores per copy.
+    with pytest.raises(
+        rc.DenseBudgetError, match=r"1x16x16384x16384 score matrix \(16.0 GiB > budget 4 GiB\)"
+    ):
+        rc.preflight_dense(1, 16, 16384, 16384, what="sdpa attention")
+    assert rc.preflight_dense(1, 16, 16384, 16384, what="x", budget_gib=20) == 16 * 2**30
+    monkeypatch.setenv(rc.DENSE_BUDGET_ENV, "0.001")
+    with pytest.raises(rc.DenseBudgetError):
+        rc.preflight_dense(1, 1, 1024, 1024, what="x")
+    monkeypatch.setenv(rc.DENSE_BUDGET_ENV, "lots")
+    with pytest.raises(DflashkitError, match="is not a number of GiB"):
+        rc.dense_budget_gib()
+
+
+def test_portable_compile_cache_round_trip_and_refusal(warm, tmp_path):
+    path = rc.save_compile_cache(tmp_path / "flex.cache")
+    info = rc.load_compile_cache(path)
+    assert sum(len(v) for v in info.artifacts.values()) > 0
+
+    header, data = rc.read_compile_cache(path)
+    assert header["key"]["torch.git_version"] == torch.version.git_version
+    other = dict(header, key=dict(header["key"], **{"torch.git_version": "70d99e99" + "0" * 32}))
+    foreign = tmp_path / "foreign.cache"
+    foreign.write_bytes(json.dumps(other).encode() + b"\n" + data)
+    with pytest.raises(rc.CompileCacheError, match="another environment .*torch.git_version"):
+        rc.load_compile_cache(foreign)
+
+    (tmp_path / "junk.cache").write_bytes(b"not a cache")
+    with pytest.raises(rc.CompileCacheError, match="not a dflashkit compile cache"):
+        rc.load_compile_cache(tmp_path / "junk.cache")
+    (tmp_path / "short.cache").write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(rc.CompileCacheError, match="truncated"):
+        rc.load_compile_cache(tmp_path / "short.cache")
