@@ -1,0 +1,340 @@
+"""`prepare_dataset`: prompts in, a tokenized training dataset folder out. And the loaders training uses.
+
+Steps: read the source, de-duplicate, select (seeded shuffle, max count) and split off validation;
+have the target answer every prompt (`regenerate`, resumable); render each conversation with the
+target's chat template and mark the assistant tokens (`chat.encode_chat`); write the folder.
+
+The folder (`out`):
+    generations.jsonl       the regeneration cache (append-only; what a restart resumes from)
+    generation.json         target, template and sampling identity of the cache (a restart must match)
+    train.safetensors       tokenized records: flat input_ids (int32) and loss_mask (uint8), offsets
+    validation.safetensors  (int64, n+1 entries) and the record ids (JSON, in the file's metadata)
+    fingerprint.json        the environment it was made in
+    manifest.json           written last: target and template identity, settings, counts
+
+`load_dataset(dir, split)` returns the records of one split; `read_manifest(dir)` the manifest.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflashkit.data.sources import Prompt, load_prompts, select_prompts, split_prompts
+from dflashkit.errors import ConfigError, DataError
+
+MANIFEST_FILE = "manifest.json"
+CACHE_FILE = "generations.jsonl"
+GENERATION_FILE = "generation.json"
+SPLITS = ("train", "validation")
+KIND = "dflashkit-dataset"
+SCHEMA = 1
+
+
+class PrepareSettings(BaseModel):
+    """Everything `prepare_dataset` needs. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    out: Path
+    target: str = "embedded"  # "embedded" or a transformers folder
+    source: str = "chitchat"  # "chitchat", "mtbench" or a file
+    format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
+    max_prompts: int | None = Field(1000, ge=1)  # None: every prompt of the source
+    val_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    max_turns: int | None = Field(None, ge=1)  # user turns kept per conversation; None: all
+    max_new_tokens: int = Field(256, ge=1)
+    max_prompt_tokens: int = Field(1024, ge=1)
+    batch_size: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 0
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = "auto"
+    skip_malformed: bool = False
+    enable_thinking: bool = False
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Atomically: a crash never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _check_generation_identity(path: Path, identity: dict[str, Any]) -> None:
+    """The cache in `path`'s folder holds replies made under `identity`, or the folder is new."""
+    if not path.is_file():
+        _write_json(path, identity)
+        return
+    recorded = json.loads(path.read_text())
+    diffs = []
+    for section in sorted(set(recorded) | set(identity)):
+        old, new = recorded.get(section, {}), identity.get(section, {})
+        diffs += [
+            f"{section}.{k}: {old.get(k)!r} vs {new.get(k)!r}"
+            for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)
+        ]
+    if diffs:
+        raise ConfigError(
+            f"{path.parent} holds replies generated differently ({'; '.join(diffs)}); use another --out "
+            "folder, or delete this one to start over"
+        )
+
+
+def _generation_identity(
+    settings: PrepareSettings, target: dict[str, Any], template: dict[str, Any]
+) -> dict[str, Any]:
+    """What a cached reply depends on (batch size and device change speed, not the replies' meaning)."""
+    return {
+        "target": {k: target[k] for k in ("config_sha256", "vocab_sha256")},
+        "template": template,
+        "sampling": {
+            "max_new_tokens": settings.max_new_tokens,
+            "max_prompt_tokens": settings.max_prompt_tokens,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "seed": settings.seed,
+            "dtype": settings.dtype,
+        },
+    }
+
+
+def write_split(path: Path, ids: list[str], input_ids: list[list[int]], loss_masks: list[list[int]]) -> None:
+    """One split as a safetensors file: flat tokens and masks, record offsets, ids in the metadata."""
+    import torch
+    from safetensors.torch import save_file
+
+    lengths = [len(x) for x in input_ids]
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    flat_ids = [t for x in input_ids for t in x]
+    flat_mask = [m for x in loss_masks for m in x]
+    tensors = {
+        "input_ids": torch.tensor(flat_ids, dtype=torch.int32),
+        "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
+        "offsets": offsets,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"ids": json.dumps(ids), "schema": str(SCHEMA)})
+    os.replace(tmp, path)
+
+
+def prepare_dataset(
+    settings: PrepareSettings,
+    *,
+    on_batch: Callable[[int, int], None] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Build (or resume building) the dataset folder `settings.out`; returns its manifest.
+    `on_batch(done, total)` is called after each regenerated batch is safely on disk."""
+    from dflashkit import __version__
+    from dflashkit.data.chat import template_identity
+    from dflashkit.data.regenerate import (
+        GenerationSettings,
+        eos_token_ids,
+        load_target,
+        read_cache,
+        regenerate,
+        target_identity,
+    )
+    from dflashkit.runtime import fingerprint
+
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    source = load_prompts(
+        settings.source, settings.format, skip_malformed=settings.skip_malformed, max_turns=settings.max_turns
+    )
+    if not source.prompts:
+        raise DataError(
+            f"{settings.source}: no prompts found ({source.records} records read); check the source"
+        )
+    selected = select_prompts(source.prompts, settings.max_prompts, settings.seed)
+    train, validation = split_prompts(selected, settings.val_fraction)
+
+    model, tokenizer = load_target(settings.target, dtype=settings.dtype, device=settings.device)
+    target = target_identity(settings.target, model, tokenizer)
+    template = template_identity(tokenizer, settings.enable_thinking)
+    _check_generation_identity(out / GENERATION_FILE, _generation_identity(settings, target, template))
+
+    gen = GenerationSettings(
+        max_new_tokens=settings.max_new_tokens,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        seed=settings.seed,
+        batch_size=settings.batch_size,
+        enable_thinking=settings.enable_thinking,
+    )
+    stats = regenerate(
+        selected, model, tokenizer, out / CACHE_FILE, gen, on_batch=on_batch, progress=progress
+    )
+
+    cache, _ = read_cache(out / CACHE_FILE)
+    eos_ids = eos_token_ids(model, tokenizer)
+    counts = dict.fromkeys(
+        (
+            "prompt_too_long",
+            "unsupervised",
+            "truncated_replies",
+            "unmasked_turns",
+            "new_tokens",
+            "tokens",
+            "supervised_tokens",
+        ),
+        0,
+    )
+    splits: dict[str, Any] = {}
+    for name, prompts in (("train", train), ("validation", validation)):
+        ids, input_ids, masks = _encode_split(
+            prompts, cache, tokenizer, settings.enable_thinking, eos_ids, counts
+        )
+        write_split(out / f"{name}.safetensors", ids, input_ids, masks)
+        splits[name] = {
+            "file": f"{name}.safetensors",
+            "records": len(ids),
+            "tokens": sum(len(x) for x in input_ids),
+            "supervised_tokens": sum(sum(m) for m in masks),
+        }
+    fingerprint.save(fingerprint.collect(), out)
+
+    manifest = {
+        "kind": KIND,
+        "schema": SCHEMA,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "dflashkit_version": __version__,
+        "target": target,
+        "template": template,
+        "settings": settings.model_dump(mode="json"),
+        "source": {"format": source.format, **source.counts()},
+        "counts": {
+            "prompts": len(selected),
+            "records": sum(s["records"] for s in splits.values()),
+            "generated": stats.generated,
+            "cached": stats.cached,
+            "torn_lines": stats.torn_lines,
+            "skipped": counts["prompt_too_long"] + counts["unsupervised"],
+            **counts,
+        },
+        "splits": splits,
+        "generation": {
+            "eos_token_ids": eos_ids,
+            "device": str(next(model.parameters()).device),
+            "batches": stats.batches,
+            "new_tokens": stats.new_tokens,
+            "seconds": round(stats.seconds, 3),
+            "new_tokens_per_second": round(stats.tokens_per_second, 2),
+        },
+    }
+    _write_json(out / MANIFEST_FILE, manifest)
+    return manifest
+
+
+def _encode_split(
+    prompts: list[Prompt],
+    cache: dict[str, dict[str, Any]],
+    tokenizer: Any,
+    enable_thinking: bool,
+    eos_ids: list[int],
+    counts: dict[str, int],
+) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    from dflashkit.data.chat import encode_chat
+
+    ids: list[str] = []
+    input_ids: list[list[int]] = []
+    masks: list[list[int]] = []
+    for p in prompts:
+        rec = cache[p.id]
+        if rec.get("skipped"):
+            counts[rec["skipped"]] += 1
+            continue
+        enc = encode_chat(
+            tokenizer,
+            rec["messages"],
+            enable_thinking=enable_thinking,
+            finished=rec["finished"],
+            eos_ids=eos_ids,
+        )
+        if not any(enc.loss_mask):
+            counts["unsupervised"] += 1
+            continue
+        counts["truncated_replies"] += sum(not f for f in rec["finished"])
+        counts["new_tokens"] += sum(len(r) for r in rec["reply_ids"])
+        counts["unmasked_turns"] += enc.assistant_turns - enc.masked_turns
+        counts["tokens"] += len(enc.input_ids)
+        counts["supervised_tokens"] += sum(enc.loss_mask)
+        ids.append(p.id)
+        input_ids.append(enc.input_ids)
+        masks.append(enc.loss_mask)
+    return ids, input_ids, masks
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a finished dataset folder (DataError when it is missing or not a dataset)."""
+    folder = Path(path)
+    file = folder / MANIFEST_FILE
+    if not file.is_file():
+        hint = (
+            "resume it with the same `dflashkit prepare` command"
+            if (folder / CACHE_FILE).is_file()
+            else "make one with `dflashkit prepare`"
+        )
+        raise DataError(f"{folder} holds no finished dataset (no {MANIFEST_FILE}); {hint}")
+    try:
+        manifest = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{file}:{e.lineno}: invalid JSON ({e.msg}); run `dflashkit prepare` again") from None
+    if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
+        raise DataError(f"{file} is not a dflashkit dataset manifest")
+    if manifest.get("schema") != SCHEMA:
+        raise DataError(
+            f"{file} has schema {manifest.get('schema')}, this dflashkit reads {SCHEMA}; prepare it again"
+        )
+    return manifest
+
+
+@dataclass(frozen=True)
+class TokenizedRecord:
+    """One conversation: token ids (LongTensor [T]) and the loss mask (BoolTensor [T], True on the
+    assistant's tokens)."""
+
+    id: str
+    input_ids: Any
+    loss_mask: Any
+
+
+def load_dataset(
+    path: str | os.PathLike[str], split: Literal["train", "validation"] = "train"
+) -> list[TokenizedRecord]:
+    """The records of one split of a finished dataset folder, in the order they were written."""
+    from safetensors import safe_open
+
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    file = folder / manifest["splits"][split]["file"]
+    if not file.is_file():
+        raise DataError(f"{file} is missing; run `dflashkit prepare` again to rebuild it")
+    with safe_open(str(file), framework="pt") as f:
+        ids = json.loads(f.metadata()["ids"])
+        input_ids = f.get_tensor("input_ids").long()
+        loss_mask = f.get_tensor("loss_mask").bool()
+        offsets = f.get_tensor("offsets").tolist()
+    if len(offsets) != len(ids) + 1 or offsets[-1] != input_ids.numel():
+        raise DataError(f"{file} is inconsistent (offsets vs records); run `dflashkit prepare` again")
+    return [
+        TokenizedRecord(rid, input_ids[offsets[i] : offsets[i + 1]], loss_mask[offsets[i] : offsets[i + 1]])
+        for i, rid in enumerate(ids)
+    ]
