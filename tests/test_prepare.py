@@ -26,6 +26,7 @@ from dflashkit.data.regenerate import (
 )
 from dflashkit.data.sources import make_prompt
 from dflashkit.errors import ConfigError, DataError
+from dflashkit.target.hf import identity_of_folder
 
 PROMPTS = [
     "What is the capital of France?",
@@ -91,8 +92,7 @@ def target() -> tuple[Any, Any]:
 def test_prepare_writes_manifest_and_records(full_run: tuple[Path, dict[str, Any]]) -> None:
     out, manifest = full_run
     assert read_manifest(out) == manifest
-    assert manifest["target"]["name"] == "embedded" and manifest["target"]["model_type"] == "llama"
-    assert len(manifest["target"]["config_sha256"]) == 64
+    assert manifest["target"] == identity_of_folder("embedded")  # what training checks data against
     assert manifest["template"]["enable_thinking"] is False
     assert manifest["settings"]["max_new_tokens"] == 8
     counts = manifest["counts"]

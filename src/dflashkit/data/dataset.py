@@ -95,7 +95,7 @@ def _generation_identity(
 ) -> dict[str, Any]:
     """What a cached reply depends on (batch size and device change speed, not the replies' meaning)."""
     return {
-        "target": {k: target[k] for k in ("config_sha256", "vocab_sha256")},
+        "target": {"hash": target["hash"]},
         "template": template,
         "sampling": {
             "max_new_tokens": settings.max_new_tokens,
@@ -144,9 +144,9 @@ def prepare_dataset(
         load_target,
         read_cache,
         regenerate,
-        target_identity,
     )
     from dflashkit.runtime import fingerprint
+    from dflashkit.target.hf import identity_of_folder
 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,7 +161,7 @@ def prepare_dataset(
     train, validation = split_prompts(selected, settings.val_fraction)
 
     model, tokenizer = load_target(settings.target, dtype=settings.dtype, device=settings.device)
-    target = target_identity(settings.target, model, tokenizer)
+    target = identity_of_folder(settings.target)
     template = template_identity(tokenizer, settings.enable_thinking)
     _check_generation_identity(out / GENERATION_FILE, _generation_identity(settings, target, template))
 

@@ -1,7 +1,7 @@
 """Regeneration: the target answers every prompt itself, so the drafter learns the target's own
 distribution (self-distillation).
 
-The target is loaded with plain transformers. Prompts are rendered with the chat template, sorted by
+The target is loaded with plain transformers (AutoModelForCausalLM: generation is all it does here). Prompts are rendered with the chat template, sorted by
 length, cut into fixed batches, left-padded and answered with `model.generate` (greedy by default,
 temperature / top-p sampling with a per-batch seed otherwise), stopping at EOS or `max_new_tokens`.
 Multi-turn prompts are answered round by round, each round on the target's own earlier replies.
@@ -29,33 +29,26 @@ from dflashkit.data.sources import Prompt
 from dflashkit.errors import ConfigError, DataError, DflashkitError
 
 DTYPES = ("bfloat16", "float16", "float32")
-EMBEDDED = "embedded"
 
 
 # --- the target -------------------------------------------------------------------------------
 
 
-def target_dir(target: str) -> str:
-    """Where transformers loads the target from: the embedded model's folder for "embedded", else the
-    given folder (or a hub id already in the local cache)."""
-    if target == EMBEDDED:
-        from dflashkit.target.embedded import embedded_dir
-
-        return str(embedded_dir())
-    return target
-
-
 def load_target(target: str, *, dtype: str = "bfloat16", device: str = "auto") -> tuple[Any, Any]:
-    """(model, tokenizer) for generation, in eval mode on `device` ("auto": CUDA when present)."""
+    """(model, tokenizer) for generation, in eval mode on `device` ("auto": CUDA when present).
+    `target` is "embedded" or a transformers model folder; its identity (for manifests) is
+    `dflashkit.target.hf.identity_of_folder(target)`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from dflashkit.target.hf import resolve_target
 
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = target_dir(target)
+    path, _name = resolve_target(target)
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -69,42 +62,6 @@ def load_target(target: str, *, dtype: str = "bfloat16", device: str = "auto") -
         hf_logging.enable_progress_bar()
     model.to(device).eval()
     return model, tokenizer
-
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(
-        json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()
-    ).hexdigest()
-
-
-# Config entries that depend on how the model was loaded, not on which model it is.
-_VOLATILE_CONFIG_KEYS = {"dtype", "torch_dtype", "transformers_version", "use_cache"}
-
-
-def target_identity(target: str, model: Any, tokenizer: Any) -> dict[str, Any]:
-    """What identifies the target: its name and folder, architecture, and hashes of its config and
-    vocabulary. Stored in manifests; two runs agree on the target when the hashes agree."""
-    config = {
-        k: v
-        for k, v in model.config.to_dict().items()
-        if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
-    }
-    identity = {
-        "name": target,
-        "path": target_dir(target),
-        "model_type": config.get("model_type"),
-        "architectures": config.get("architectures"),
-        "num_hidden_layers": config.get("num_hidden_layers"),
-        "hidden_size": config.get("hidden_size"),
-        "vocab_size": config.get("vocab_size"),
-        "config_sha256": _sha256_json(config),
-        "vocab_sha256": _sha256_json(sorted(tokenizer.get_vocab().items())),
-    }
-    if target == EMBEDDED:
-        from dflashkit.target.embedded import NAME
-
-        identity["model"] = NAME
-    return identity
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
