@@ -74,18 +74,16 @@ def dflash_mask_mod(layout: BlockLayout, window: int | None = None, causal_in_bl
         j = torch.clamp(q_idx // B, max=N - 1)
         k = q_idx % B
         a = anchors[b, j]
-        ok = valid[b, j]
-        is_ctx = kv_idx < S
-        s = torch.clamp(kv_idx, max=S - 1)
-        ctx_doc = docs[b, s]
-        sees_ctx = is_ctx & (kv_idx < a) & (ctx_doc == anchor_doc[b, j]) & (ctx_doc >= 0)
+        ctx_doc = docs[b, torch.clamp(kv_idx, max=S - 1)]
+        sees_ctx = (kv_idx < S) & (kv_idx < a) & (ctx_doc == anchor_doc[b, j]) & (ctx_doc >= 0)
         if window is not None:
             sees_ctx = sees_ctx & (a + k - kv_idx < window)
-        kb = torch.clamp(kv_idx - S, min=0)
-        sees_block = (~is_ctx) & (kb // B == j)
-        if causal_in_block:
-            sees_block = sees_block & (kb % B <= k)
-        return ok & (sees_ctx | sees_block)
+        # Block j's keys are S + j*B ... S + j*B + B - 1, and slot k's own key is S + q_idx. (Plain
+        # comparisons on kv_idx: a clamp or division of kv_idx breaks compiled create_block_mask.)
+        block_start = S + q_idx - k
+        block_end = S + q_idx + 1 if causal_in_block else block_start + B
+        sees_block = (kv_idx >= block_start) & (kv_idx < block_end)
+        return valid[b, j] & (sees_ctx | sees_block)
 
     # Names the mask family for the compile runtime's shape keys (window and in-block causality are
     # constants of the compiled graph).

@@ -463,14 +463,22 @@ def warmup(
             records.append(WarmupRecord(dev, shape, grad, time.perf_counter() - t0))
         _RT.warm_keys |= keys
         if freeze:
-            _freeze()
+            _set_frozen()
     return records
 
 
-def _freeze() -> None:
-    _RT.warm_keys |= _RT.compiled_keys
-    torch.compiler.set_stance("fail_on_recompile")
-    _RT.frozen = True
+def _set_frozen() -> None:
+    with COMPILE_LOCK:
+        _RT.warm_keys |= _RT.compiled_keys
+        torch.compiler.set_stance("fail_on_recompile")
+        _RT.frozen = True
+
+
+def freeze() -> None:
+    """End warm-up: every shape compiled so far is warm, any other raises CompileAfterWarmupError, and
+    torch's process-wide stance turns any other compile into an error. Use it after several
+    warmup(..., freeze=False) calls (e.g. one per device)."""
+    _set_frozen()
 
 
 def unfreeze() -> None:
