@@ -86,7 +86,14 @@ def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Dotted overrides (section.key=value) may sit anywhere among a command's options.
+    if extra:
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = list(args.overrides or []) + extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler: Handler = args.handler
     try:
         return handler(args)

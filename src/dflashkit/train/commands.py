@@ -38,10 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a drafter (config + dotted overrides, e.g. train.lr=3e-4)",
-        description="Train a DFlash drafter on one process. Overrides are section.key=value.",
+        description="Train a DFlash drafter on one process. Any section.key=value word overrides the config "
+        "(e.g. train.lr=3e-4 drafter.layers=2).",
     )
     p.add_argument("--config", "-c", help="YAML run config (configs/embedded.yaml is the default job)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 drafter.layers=2")
     p.add_argument("--out", help="run folder (same as run.out_dir=...)")
     p.add_argument(
         "--resume", action="store_true", help="continue exactly from the run folder's latest checkpoint"
@@ -54,4 +54,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="resume even when torch/CUDA/triton/GPU changed since the checkpoint",
     )
-    p.set_defaults(handler=_train)
+    p.set_defaults(handler=_train, overrides=[])  # section.key=value words anywhere (cli.main collects them)

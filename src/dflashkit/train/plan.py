@@ -14,26 +14,19 @@ from dflashkit.errors import ConfigError
 
 def dry_run(cfg: RunConfig, console: Any) -> dict[str, Any]:
     from dflashkit.data.dataset import read_manifest
-    from dflashkit.model.config import config_for_target, default_target_layer_ids
-    from dflashkit.target.hf import default_mask_token_id, identity_of_folder, load_target_config
-    from dflashkit.train.trainer import check_data_matches_target, resolve_backend, resolve_device
+    from dflashkit.target.hf import identity_of_folder, load_target_config
+    from dflashkit.train.trainer import (
+        check_data_matches_target,
+        drafter_config,
+        resolve_backend,
+        resolve_device,
+    )
 
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)
     target_cfg = load_target_config(cfg.target.path)
     ident = identity_of_folder(cfg.target.path)
-    d = cfg.drafter
-    ids = d.target_layer_ids or default_target_layer_ids(
-        int(target_cfg.num_hidden_layers), d.num_target_layers
-    )
-    mask_id = (
-        d.mask_token_id
-        if d.mask_token_id is not None
-        else default_mask_token_id(cfg.target.path, ident["vocab_size"])
-    )
-    dc = config_for_target(
-        target_cfg, num_layers=d.layers, block_size=d.block_size, mask_token_id=mask_id, target_layer_ids=ids
-    )
+    dc = drafter_config(cfg, target_cfg, ident)
     data_dir = Path(cfg.data.dir)
     manifest = read_manifest(data_dir)
     check_data_matches_target(manifest, ident, dc, str(data_dir))

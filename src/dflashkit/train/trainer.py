@@ -107,10 +107,12 @@ class Rows:
         )
 
 
-def pack_rows(records: list[dict[str, Any]], max_len: int, pad_token_id: int) -> Rows:
+def pack_rows(records: list[Any], max_len: int, pad_token_id: int) -> Rows:
+    """Pack tokenized records (with .input_ids and .loss_mask) into rows of max_len tokens."""
     if not records:
         raise DataError("the dataset split is empty; prepare more prompts (data.max_prompts)")
-    return Rows(*pack_sequences(records, max_len, pad_token_id))
+    plain = [{"input_ids": r.input_ids, "loss_mask": r.loss_mask} for r in records]
+    return Rows(*pack_sequences(plain, max_len, pad_token_id))
 
 
 def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
@@ -220,29 +222,28 @@ class Run:
     cached: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
-def drafter_config(cfg: RunConfig, target: TargetModel) -> DrafterConfig:
+def drafter_config(
+    cfg: RunConfig, target_config: Any, identity: dict[str, Any] | None = None
+) -> DrafterConfig:
+    """The drafter's shape from the run config and the target's HF config (no weights needed)."""
+    from dflashkit.model.config import default_target_layer_ids
+
     d = cfg.drafter
-    mask_id = d.mask_token_id
-    if mask_id is None:
-        mask_id = default_mask_token_id(cfg.target.path, target.vocab_size)
+    L, vocab = int(target_config.num_hidden_layers), int(target_config.vocab_size)
+    mask_id = (
+        d.mask_token_id if d.mask_token_id is not None else default_mask_token_id(cfg.target.path, vocab)
+    )
     dc = config_for_target(
-        target.config,
+        target_config,
         num_layers=d.layers,
         block_size=d.block_size,
         mask_token_id=mask_id,
-        target_layer_ids=d.target_layer_ids,
+        target_layer_ids=d.target_layer_ids or default_target_layer_ids(L, d.num_target_layers),
+        target=identity,
     )
-    if d.num_target_layers != len(dc.target_layer_ids):
-        from dflashkit.model.config import default_target_layer_ids
-
-        ids = d.target_layer_ids or default_target_layer_ids(target.num_layers, d.num_target_layers)
-        dc = dc.model_copy(update={"target_layer_ids": ids})
     if d.sliding_window is not None:
-        dc = dc.model_copy(
-            update={
-                "sliding_window": d.sliding_window,
-                "layer_types": ["sliding_attention"] * dc.num_hidden_layers,
-            }
+        dc = dc.updated(
+            sliding_window=d.sliding_window, layer_types=["sliding_attention"] * dc.num_hidden_layers
         )
     return dc
 
@@ -278,7 +279,7 @@ def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
     data_dir = Path(cfg.data.dir)
     manifest = read_manifest(data_dir)
     target = TargetModel.load(cfg.target.path, dtype=target_dtype(cfg, device), device=device)
-    dc = drafter_config(cfg, target)
+    dc = drafter_config(cfg, target.config, target.identity())
     check_data_matches_target(manifest, target.identity(), dc, str(data_dir))
     if cfg.drafter.init:
         drafter = load_drafter(cfg.drafter.init, target, dtype=torch.float32, device=device)
@@ -287,7 +288,7 @@ def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
         drafter = DFlashDrafter(dc).to(device)
     pad = int(getattr(target.config, "pad_token_id", None) or 0)
     train_records = load_dataset(data_dir, "train") if load_data else []
-    val_records = load_dataset(data_dir, "val") if load_data else []
+    val_records = load_dataset(data_dir, "validation") if load_data else []
     train_rows = pack_rows(train_records, cfg.train.max_len, pad) if load_data else _empty_rows()
     val_rows = pack_rows(val_records, cfg.train.max_len, pad) if load_data else _empty_rows()
     per_step = cfg.train.batch_size * cfg.train.grad_accum
@@ -489,7 +490,7 @@ def train(
                     drafter, run.target, rows, feats, argmax, cfg, run.backend, generator, autocast
                 )
                 (out_step.loss.loss / tc.grad_accum).backward()
-                step_loss += float(out_step.loss.loss) / tc.grad_accum
+                step_loss += float(out_step.loss.loss.detach()) / tc.grad_accum
                 window = add_stats(window, {k: v.cpu() for k, v in out_step.stats.items()})
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))
             optimizer.step()

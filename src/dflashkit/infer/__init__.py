@@ -1,0 +1,1 @@
+"""Inference: the speculative draft/verify loop, the autoregressive baseline, evaluation."""

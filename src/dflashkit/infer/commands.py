@@ -1,0 +1,271 @@
+"""`dflashkit eval` and `dflashkit generate`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] | None]:
+    """Target, drafter, tokenizer, sampling settings and the dataset manifest (if any), from the flags
+    (and the run config's defaults when --config is given)."""
+    import torch
+
+    from dflashkit.data.dataset import read_manifest
+    from dflashkit.model.checkpoint import load_drafter
+    from dflashkit.target.hf import TargetModel
+
+    if args.config:
+        from dflashkit.config import load_config
+
+        cfg = load_config(args.config, list(getattr(args, "overrides", []) or []))
+        args.target = args.target or cfg.target.path
+        args.dtype = args.dtype or cfg.target.dtype
+        args.drafter = args.drafter or str(Path(cfg.run.out_dir) / "best")
+        args.data = args.data or cfg.data.dir
+        if getattr(args, "max_prompts", None) is None:
+            args.max_prompts = cfg.eval.max_prompts
+        if args.max_new_tokens is None:
+            args.max_new_tokens = cfg.eval.max_new_tokens
+        if args.temperature is None:
+            args.temperature = cfg.eval.temperature
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 128
+    if getattr(args, "max_prompts", 0) is None:
+        args.max_prompts = 80
+    if not args.drafter:
+        from dflashkit.errors import ConfigError
+
+        raise ConfigError(
+            "name the drafter checkpoint with --drafter DIR (or give --config of a training run)"
+        )
+    device = torch.device(
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    dtype_name = args.dtype or "auto"
+    dtype = (
+        (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if dtype_name == "auto"
+        else getattr(torch, dtype_name)
+    )
+    target = TargetModel.load(args.target or "embedded", dtype=dtype, device=device)
+    drafter = load_drafter(args.drafter, target, dtype=dtype, device=device).eval()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    manifest = read_manifest(args.data) if args.data else None
+    return target, drafter, tokenizer, dtype, manifest
+
+
+def _sampling(args: argparse.Namespace):
+    from dflashkit.infer.speculative import Sampling
+
+    return Sampling(temperature=args.temperature or 0.0, top_p=args.top_p, rule=args.rule, seed=args.seed)
+
+
+def _enable_thinking(args: argparse.Namespace, tokenizer: Any, manifest: dict[str, Any] | None) -> bool:
+    """The thinking-mode setting of the drafter's training data; a mismatch is refused."""
+    from dflashkit.data.chat import check_template_identity, template_identity
+
+    thinking = bool(args.enable_thinking)
+    if manifest is not None:
+        recorded = manifest.get("template", {})
+        if "enable_thinking" in recorded and not args.enable_thinking:
+            thinking = bool(recorded["enable_thinking"])
+        check_template_identity(
+            recorded, template_identity(tokenizer, thinking), f"dataset {args.data} vs this run"
+        )
+    return thinking
+
+
+def eval_prompts(args: argparse.Namespace, tokenizer: Any, thinking: bool) -> tuple[list[list[int]], str]:
+    """Token ids of the evaluation prompts, rendered with the chat template."""
+    from dflashkit.data.chat import generation_prompt_ids
+    from dflashkit.data.sources import load_prompts, read_mtbench, select_prompts
+
+    if args.prompts == "validation":
+        from dflashkit.data.dataset import load_dataset
+        from dflashkit.errors import ConfigError
+
+        if not args.data:
+            raise ConfigError("--prompts validation needs the dataset folder (--data DIR or --config)")
+        ids = []
+        for rec in load_dataset(args.data, "validation")[: args.max_prompts]:
+            supervised = rec.loss_mask.nonzero()
+            if len(supervised):  # the prompt is everything before the first assistant token
+                ids.append(rec.input_ids[: int(supervised[0])].tolist())
+        return ids, f"{args.data} (validation split)"
+    prompts = read_mtbench() if args.prompts == "mtbench" else load_prompts(args.prompts)
+    prompts = (
+        select_prompts(prompts, args.max_prompts, seed=0)
+        if args.prompts != "mtbench"
+        else prompts[: args.max_prompts]
+    )
+    out = [
+        generation_prompt_ids(
+            tokenizer, p.messages()[: (1 if p.system is None else 2)], enable_thinking=thinking
+        )
+        for p in prompts
+    ]
+    return out, args.prompts
+
+
+def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
+    from dflashkit.data.regenerate import eos_token_ids
+
+    return eos_token_ids(target.model, tokenizer)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from dflashkit.infer.evaluate import evaluate, write_report
+
+    console = Console()
+    target, drafter, tokenizer, _dtype, manifest = _load(args)
+    thinking = _enable_thinking(args, tokenizer, manifest)
+    prompt_ids, source = eval_prompts(args, tokenizer, thinking)
+    sampling = _sampling(args)
+    backend = "sdpa"
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"decoding {len(prompt_ids)} prompts", total=len(prompt_ids))
+        report = evaluate(
+            target,
+            drafter,
+            prompt_ids,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            eos_ids=_eos_ids(target, tokenizer),
+            baseline=not args.no_baseline,
+            check_lossless=args.check_lossless,
+            backend=backend,
+            progress=lambda i, g: bar.update(
+                task, advance=1, description=f"prompt {i + 1}: tau {g.mean_acceptance_length:.2f}"
+            ),
+            names=(str(args.drafter), target.name),
+        )
+    training_tau = None
+    metrics = Path(args.drafter) / "metrics.json"
+    if metrics.is_file():
+        training_tau = json.loads(metrics.read_text()).get("acceptance_length")
+    out_dir = Path(args.out or Path(args.drafter).parent / "eval")
+    js, png = write_report(report, out_dir, training_tau)
+
+    t = Table(
+        title=f"dflashkit eval: {len(prompt_ids)} prompts from {source}, T={sampling.temperature}, rule {sampling.rule}"
+    )
+    t.add_column("metric", style="cyan")
+    t.add_column("value", justify="right")
+    t.add_row("mean acceptance length (tau)", f"{report.mean_acceptance_length:.3f}")
+    if training_tau is not None:
+        gap = (report.mean_acceptance_length - training_tau) / training_tau
+        t.add_row("training metric (held-out, exact)", f"{training_tau:.3f} ({gap:+.1%} served vs trained)")
+    t.add_row("per-position acceptance", " ".join(f"{p:.2f}" for p in report.per_position_acceptance))
+    t.add_row("tau histogram (1..B)", " ".join(str(c) for c in report.accept_length_histogram[1:]))
+    t.add_row("speculative tokens/s", f"{report.spec_tokens_per_second:.1f}")
+    if report.ar_tokens_per_second:
+        t.add_row("autoregressive tokens/s", f"{report.ar_tokens_per_second:.1f}")
+        t.add_row("speedup", f"{report.speedup:.2f}x")
+    if args.check_lossless:
+        t.add_row("lossless (greedy spec == greedy target)", "[green]yes, every prompt and token[/]")
+    console.print(t)
+    console.print(f"wrote {js} and {png}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from dflashkit.data.chat import generation_prompt_ids
+    from dflashkit.infer.speculative import Stopper, speculative_generate
+
+    console = Console()
+    target, drafter, tokenizer, _dtype, manifest = _load(args)
+    thinking = _enable_thinking(args, tokenizer, manifest)
+    stopper = Stopper(_eos_ids(target, tokenizer), args.stop or [], tokenizer)
+    sampling = _sampling(args)
+
+    def one(text: str) -> None:
+        ids = generation_prompt_ids(tokenizer, [{"role": "user", "content": text}], enable_thinking=thinking)
+        g = speculative_generate(target, drafter, ids, args.max_new_tokens, sampling, stopper)
+        # show the accepted blocks: each round's tokens in alternating colours
+        pos, parts = 0, []
+        for i, tau in enumerate(g.accept_lengths):
+            chunk = g.tokens[pos : pos + tau]
+            pos += tau
+            colour = "green" if tau > 1 else "white"
+            parts.append(f"[{colour}{' on grey11' if i % 2 else ''}]{tokenizer.decode(chunk)}[/]")
+        if pos < len(g.tokens):
+            parts.append(tokenizer.decode(g.tokens[pos:]))
+        from rich.markup import escape
+
+        console.print("".join(p if p.startswith("[") else escape(p) for p in parts))
+        console.print(
+            f"[dim]{len(g.tokens)} tokens, mean acceptance length {g.mean_acceptance_length:.2f}, "
+            f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}[/]"
+        )
+
+    if args.prompt:
+        one(args.prompt)
+        return 0
+    console.print("interactive: type a prompt, empty line to quit")
+    while True:
+        try:
+            text = input("> ").strip()
+        except EOFError:
+            break
+        if not text:
+            break
+        one(text)
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", "-c", help="training run config: defaults for target, drafter (its best/), data"
+    )
+    p.add_argument("--drafter", help="drafter checkpoint folder (z-lab or speculators layout)")
+    p.add_argument("--target", help="'embedded' or an HF model folder (default: embedded)")
+    p.add_argument(
+        "--data", help="the drafter's dataset folder: its template settings are checked and reused"
+    )
+    p.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], help="target/drafter dtype (auto: bf16 on GPU)"
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--rule", choices=["exact", "rejection"], default="exact", help="acceptance rule when sampling"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-thinking", action="store_true")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    e = subparsers.add_parser("eval", help="acceptance length and speedup by decoding; --check-lossless")
+    _common(e)
+    e.add_argument(
+        "--prompts",
+        default="mtbench",
+        help="mtbench (default), validation (the dataset's held-out split) or a file",
+    )
+    e.add_argument("--max-prompts", type=int, default=None)
+    e.add_argument(
+        "--check-lossless", action="store_true", help="fail unless greedy speculative == greedy target"
+    )
+    e.add_argument("--no-baseline", action="store_true", help="skip the autoregressive baseline")
+    e.add_argument("--out", help="folder for eval.json and eval.png (default: beside the drafter)")
+    e.set_defaults(handler=_eval, overrides=[])  # section.key=value words anywhere: overrides of --config
+
+    g = subparsers.add_parser("generate", help="generate with a drafter, showing acceptance live")
+    _common(g)
+    g.add_argument("prompt", nargs="?", help="a prompt (interactive when absent)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.set_defaults(handler=_generate)
