@@ -210,8 +210,9 @@ def _fx_flag_held() -> bool:
 
 def _run(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask | None, scale: float, key: tuple) -> Tensor:
     """Call the compiled entry; turn torch's failures into ours (one line, what to do)."""
-    from torch._dynamo.exc import FailOnRecompileLimitHit
+    from torch._dynamo import exc as dynamo_exc
 
+    limit_hit = getattr(dynamo_exc, "FailOnRecompileLimitHit", None) or dynamo_exc.FailOnCacheLimitHit
     grad = key[5]
     gqa = q.shape[1] != k.shape[1]
     deadline = time.monotonic() + FX_WAIT_S
@@ -219,7 +220,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask | None, scale: f
         try:
             with contextlib.nullcontext() if grad else torch.no_grad():
                 return _compiled()(q, k, v, block_mask, scale, gqa)
-        except FailOnRecompileLimitHit:
+        except limit_hit:
             raise DenseFallbackError(
                 f"the recompile limit ({_RT.recompile_limit}) of dflashkit's flex_attention is spent at "
                 f"{describe_key(key)}; torch would now run the dense path: bucket shapes "
