@@ -26,7 +26,10 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
+# Run from a checkout without installing: make src/ importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from dflashkit.attention.block_mask import flex_block_mask

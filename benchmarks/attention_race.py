@@ -5,9 +5,9 @@ Two modes, N repetitions each:
 - plain: what the story's trainer did. Each thread has its own `torch.compile(flex_attention)`; thread 0
   compiles its shape, then steps it (building the mask with `create_block_mask` every step) while threads
   1..T-1 compile their new shapes concurrently.
-- ours: dflashkit's runtime. Every thread's shape is warmed serially under the compile lock (one
-  warmup() per device), then frozen; the same threads then step concurrently through
-  `flex_attention_entry` with the tile-level `flex_block_mask`.
+- ours: dflashkit's runtime. Each thread's length is padded into one of two buckets; every bucket is
+  warmed serially under the compile lock (one warmup() per device), then frozen; the same threads then
+  step concurrently through `flex_attention_entry` with the tile-level `flex_block_mask`.
 
 It prints a table (runs, runs with an error, the error messages) and writes JSON to $OUT if set.
 
@@ -18,6 +18,7 @@ It prints a table (runs, runs with an error, the error messages) and writes JSON
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,6 +30,9 @@ import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+# Run from a checkout without installing: make src/ importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 RESULT_PREFIX = "RESULT "
 
@@ -53,18 +57,25 @@ def child(args: argparse.Namespace) -> dict:
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     dtype = torch.float32 if args.smoke else torch.bfloat16
     backward = args.backward and not args.smoke
+    # Thread i's own (new) context length. Ours pads it into one of two buckets, so the run needs
+    # fewer compiles than threads.
     shapes = [
         rc.AttentionShape(
             batch=1,
             q_heads=args.heads,
             kv_heads=args.kv_heads,
             head_dim=args.head_dim,
-            context_len=args.context + 128 * i,  # thread i's own (new) shape
+            context_len=args.context + 128 * i,
             num_blocks=args.anchors,
             block_size=16,
             dtype=dtype,
         )
         for i in range(args.threads)
+    ]
+    context_buckets = (args.context, args.context + 128 * max(args.threads - 1, 1))
+    buckets = {"context_buckets": context_buckets, "anchor_buckets": (args.anchors,)}
+    bucket_shapes = [
+        dataclasses.replace(s, context_len=rc.pick_bucket(s.context_len, context_buckets)) for s in shapes
     ]
     device_of = [devices[i % len(devices)] for i in range(args.threads)]
 
@@ -73,19 +84,17 @@ def child(args: argparse.Namespace) -> dict:
     graphs_at_start = 0
     done = threading.Event()
 
-    def inputs(i: int, seed: int):
-        shape = shapes[i]
-        layout = rc.example_layout(shape, device_of[i], seed=seed)
-        q, k, v = rc.example_inputs(shape, device_of[i], requires_grad=backward, seed=seed)
-        return layout, q, k, v
-
     def run_step(i: int, fn, seed: int) -> None:
-        layout, q, k, v = inputs(i, seed)
-        if fn is None:  # ours
-            out = rc.flex_attention_entry(q, k, v, flex_block_mask(layout))
+        layout = rc.example_layout(shapes[i], device_of[i], seed=seed)
+        if fn is None:  # ours: pad to the warmed bucket, tile-level block mask
+            shape = bucket_shapes[i]
+            q, k, v = rc.example_inputs(shape, device_of[i], requires_grad=backward, seed=seed)
+            out = rc.flex_attention_entry(q, k, v, flex_block_mask(rc.bucket_layout(layout, **buckets)))
         else:  # plain: a fresh create_block_mask every step, as the story's trainer did
+            shape = shapes[i]
+            q, k, v = rc.example_inputs(shape, device_of[i], requires_grad=backward, seed=seed)
             bm = create_block_mask(
-                dflash_mask_mod(layout), 1, None, shapes[i].q_len, shapes[i].kv_len, device=device_of[i]
+                dflash_mask_mod(layout), 1, None, shape.q_len, shape.kv_len, device=device_of[i]
             )
             out = fn(q, k, v, block_mask=bm, enable_gqa=args.heads != args.kv_heads)
         if backward:
@@ -121,13 +130,9 @@ def child(args: argparse.Namespace) -> dict:
         run_step(0, fns[0], seed=0)  # thread 0 is warm before the others start
     else:
         fns = [None] * args.threads
-        for dev in devices:
-            rc.warmup(
-                [s for s, d in zip(shapes, device_of, strict=True) if d == dev],
-                [dev],
-                backward=backward,
-                freeze=False,
-            )
+        for dev in devices:  # each device's buckets, serially under the compile lock
+            mine = sorted({s for s, d in zip(bucket_shapes, device_of, strict=True) if d == dev}, key=str)
+            rc.warmup(mine, [dev], backward=backward, freeze=False)
         rc.freeze()
     warm_s = time.perf_counter() - t_start
     graphs_at_start = counters["stats"]["unique_graphs"]

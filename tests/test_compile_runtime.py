@@ -23,12 +23,6 @@ from dflashkit.runtime import compile as rc
 SHAPE = DOCTOR_SHAPE  # batch 1, 4/2 heads, head_dim 16, context 3072, 64 anchors, B 16, fp32
 
 
-def cache_entries() -> int:
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    return len(_debug_get_cache_entry_list(rc._flex_or_die.__code__))
-
-
 @pytest.fixture(scope="module")
 def warm():
     rc.reset_runtime()
@@ -76,8 +70,9 @@ def step(seed: int) -> torch.Tensor:
 def test_warmup_compiles_each_shape_once_and_sizes_the_limit(warm):
     assert [(r.device, r.shape, r.backward) for r in warm] == [("cpu", SHAPE, False)]  # no CPU backward
     state = rc.runtime_state()
-    assert state["frozen"] and state["limit_passed_as_keyword"] == rc.recompile_limit_reaches_threads()
-    assert state["recompile_limit"] == state["compiled_shapes"] == cache_entries()
+    assert state["frozen"] and state["compiled_graphs"] >= 1
+    if rc.recompile_limit_reaches_threads():  # else torch's process-wide limit (never lowered) applies
+        assert state["recompile_limit"] == state["compiled_graphs"]  # slack 0: no room for another
 
 
 def test_warm_steps_with_new_anchors_do_not_compile(frozen):
@@ -108,6 +103,25 @@ def test_torch_recompile_error_after_warmup_becomes_ours(frozen):
     key = rc.shape_key(q, k, v, bm, 0.25)
     with pytest.raises(rc.CompileAfterWarmupError, match="would compile after warm-up"):
         rc._run(q, k, v, bm, 0.25, key)
+
+
+def test_import_after_warmup_that_changes_guards_fails_loudly(frozen):
+    """Registering a pytree node (importing transformers does) changes a global Dynamo guards on: a warm
+    shape would recompile. After warm-up that is a clear error naming the guard, not a silent compile."""
+    import torch.utils._pytree as pytree
+
+    class Late:
+        pass
+
+    pytree.register_pytree_node(Late, lambda x: ([], None), lambda xs, ctx: Late())
+    try:
+        with pytest.raises(
+            rc.CompileAfterWarmupError, match="guard failed: .*SUPPORTED_NODES.*after all imports"
+        ):
+            step(0)
+    finally:
+        pytree._deregister_pytree_node(Late)
+    assert torch.isfinite(step(0)).all()  # the guard holds again
 
 
 def test_shape_buckets_pad_into_a_warmed_bucket(frozen):
@@ -294,7 +308,9 @@ def test_recompile_limit_exhaustion_is_detected_in_any_thread(frozen):
     """Warm-up sized the limit to exactly the compiled shapes (slack 0). Unfrozen, a new shape would
     make torch run the dense path; in a worker thread (whose module-level config is the default 8)
     it raises instead, without compiling."""
-    assert rc.runtime_state()["recompile_limit"] == cache_entries()
+    if not rc.recompile_limit_reaches_threads():
+        pytest.skip("this torch has no torch.compile(recompile_limit=): the limit is process-wide config")
+    assert rc.runtime_state()["recompile_limit"] == rc.compiled_graphs()
     rc.unfreeze()
     q, k, v = rc.example_inputs(SHAPE)
     t0 = time.monotonic()
@@ -305,7 +321,7 @@ def test_recompile_limit_exhaustion_is_detected_in_any_thread(frozen):
     )
     assert isinstance(err, rc.DenseFallbackError), err
     assert "recompile limit (" in str(err) and time.monotonic() - t0 < 5
-    assert cache_entries() == rc.runtime_state()["recompile_limit"]
+    assert rc.compiled_graphs() == rc.runtime_state()["recompile_limit"]
 
 
 def test_preflight_budget_from_argument_and_environment(monkeypatch):

@@ -112,11 +112,14 @@ def _config_reaches_threads(name: str, value: int) -> bool:
     return bool(seen) and seen[0] == value
 
 
-def _build_compiled(recompile_limit: int) -> Callable[..., Tensor]:
-    """torch.compile(_flex_or_die) with the limit passed so that every thread sees it."""
+def _build_compiled(recompile_limit: int) -> tuple[Callable[..., Tensor], int]:
+    """torch.compile(_flex_or_die) with the limit passed so that every thread sees it; returns the
+    compiled function and the limit in effect."""
     if recompile_limit_reaches_threads():
-        return torch.compile(_flex_or_die, fullgraph=True, dynamic=False, recompile_limit=recompile_limit)
-    # torch <= 2.11 has no keyword, and there a module-level config assignment is still process-wide.
+        fn = torch.compile(_flex_or_die, fullgraph=True, dynamic=False, recompile_limit=recompile_limit)
+        return fn, recompile_limit
+    # torch <= 2.11 has no keyword, and there a module-level config assignment is still process-wide
+    # (it is shared with every other compiled function: raise it, never lower it).
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, recompile_limit)
     if not _config_reaches_threads("recompile_limit", cfg.recompile_limit):
@@ -124,7 +127,7 @@ def _build_compiled(recompile_limit: int) -> Callable[..., Tensor]:
             f"torch {torch.__version__} has neither torch.compile(recompile_limit=) nor process-wide dynamo "
             "config, so a recompile limit cannot reach worker threads; use torch 2.11 or >= 2.13"
         )
-    return torch.compile(_flex_or_die, fullgraph=True, dynamic=False)
+    return torch.compile(_flex_or_die, fullgraph=True, dynamic=False), cfg.recompile_limit
 
 
 @dataclass
@@ -144,8 +147,7 @@ def set_recompile_limit(limit: int) -> None:
     """Rebuild the compiled entry with this recompile limit (compiled graphs are kept: Dynamo caches
     them per code object, shared by every wrapper)."""
     with COMPILE_LOCK:
-        _RT.recompile_limit = limit
-        _RT.compiled = _build_compiled(limit)
+        _RT.compiled, _RT.recompile_limit = _build_compiled(limit)
 
 
 def _compiled() -> Callable[..., Tensor]:
@@ -153,7 +155,7 @@ def _compiled() -> Callable[..., Tensor]:
     if fn is None:
         with COMPILE_LOCK:
             if _RT.compiled is None:
-                _RT.compiled = _build_compiled(_RT.recompile_limit)
+                _RT.compiled, _RT.recompile_limit = _build_compiled(_RT.recompile_limit)
             fn = _RT.compiled
     assert fn is not None
     return fn
@@ -202,6 +204,15 @@ def _is_stance_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "stance is 'fail_on_recompile'" in str(e)
 
 
+def _first_guard_failure(message: str) -> str:
+    """The first guard-failure reason in torch's recompile message ('- 0/0: <reason>'), if any."""
+    for line in message.splitlines():
+        line = line.strip()
+        if line.startswith("- "):
+            return line[2:].split(": ", 1)[-1][:160]
+    return ""
+
+
 def _fx_flag_held() -> bool:
     import torch.fx._symbolic_trace as st
 
@@ -228,9 +239,12 @@ def _run(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask | None, scale: f
             ) from None
         except RuntimeError as e:
             if _is_stance_error(e):
+                reason = _first_guard_failure(str(e))
                 raise CompileAfterWarmupError(
-                    f"flex_attention would compile after warm-up for {describe_key(key)}; add this shape "
-                    "bucket to warmup() (or pad to a warmed bucket with bucket_layout)"
+                    f"flex_attention would compile after warm-up for {describe_key(key)}"
+                    + (f" (guard failed: {reason})" if reason else "")
+                    + "; add this shape bucket to warmup() (or pad to a warmed bucket with bucket_layout), "
+                    "and warm up after all imports"
                 ) from None
             if not _is_nested_fx_error(e):
                 raise
@@ -432,12 +446,18 @@ def warmup(
 ) -> list[WarmupRecord]:
     """Compile every (device, shape, forward [+ backward]) serially under COMPILE_LOCK, then freeze.
 
-    backward=None warms the backward wherever the device has one (CUDA). The recompile limit is set to
-    the number of compiled graphs this process needs (earlier ones included) plus `slack`. With
-    freeze=True, `torch.compiler.set_stance("fail_on_recompile")` is set afterwards (process-wide: warm
-    every other compiled function before this) and only warmed shapes may run."""
+    backward=None warms the backward wherever the device has one (CUDA). Afterwards the recompile limit
+    is the number of compiled graphs plus `slack`. With freeze=True, `torch.compiler.set_stance(
+    "fail_on_recompile")` is set afterwards (process-wide: warm every other compiled function before
+    this) and only warmed shapes may run. Warm up after all imports: a library that registers pytree
+    nodes later (transformers does) changes a global that Dynamo guards on, so every graph would
+    recompile."""
     shapes = list(shapes)
-    devs = [str(torch.device(d)) for d in (devices if devices is not None else default_devices())]
+    if devices is None:
+        devices = default_devices()
+    elif isinstance(devices, (str, torch.device)):
+        devices = [devices]
+    devs = [str(torch.device(d)) for d in devices]
     records: list[WarmupRecord] = []
     with COMPILE_LOCK:
         if _RT.frozen:
@@ -453,7 +473,7 @@ def warmup(
                     bm = flex_block_mask(example_layout(shape, dev), shape.window, shape.causal_in_block)
                     plan.append((dev, shape, grad, q, k, v, bm))
         keys = {shape_key(q, k, v, bm, q.shape[-1] ** -0.5) for *_, q, k, v, bm in plan}
-        set_recompile_limit(len(_RT.compiled_keys | keys) + slack)
+        set_recompile_limit(compiled_graphs() + len(keys) + slack)  # room for every planned compile
         for dev, shape, grad, q, k, v, bm in plan:
             t0 = time.perf_counter()
             out = flex_attention_entry(q, k, v, bm)
@@ -463,9 +483,20 @@ def warmup(
                 torch.cuda.synchronize(q.device)
             records.append(WarmupRecord(dev, shape, grad, time.perf_counter() - t0))
         _RT.warm_keys |= keys
+        set_recompile_limit(compiled_graphs() + slack)  # then tight: what exists, plus the slack
         if freeze:
             _set_frozen()
     return records
+
+
+def compiled_graphs() -> int:
+    """How many compiled graphs (Dynamo cache entries) the entry holds; the recompile limit counts them."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(_flex_or_die.__code__))
+    except (ImportError, AttributeError):  # pragma: no cover - torch moved it: count our own keys
+        return len(_RT.compiled_keys)
 
 
 def _set_frozen() -> None:
@@ -510,6 +541,7 @@ def runtime_state() -> dict[str, Any]:
         "recompile_limit": _RT.recompile_limit,
         "limit_passed_as_keyword": recompile_limit_reaches_threads(),
         "compiled_shapes": len(_RT.compiled_keys),
+        "compiled_graphs": compiled_graphs(),
         "warm_shapes": len(_RT.warm_keys),
         "fx_waits": _RT.fx_waits,
     }
