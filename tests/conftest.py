@@ -19,3 +19,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """A small real dataset: chitchat prompts answered by the embedded target (made once per session)."""
+    from dflashkit.data.dataset import PrepareSettings, prepare_dataset
+
+    out = tmp_path_factory.mktemp("tiny-dataset")
+    prepare_dataset(
+        PrepareSettings(
+            out=out,
+            max_prompts=10,
+            val_fraction=0.2,
+            max_turns=1,
+            max_new_tokens=40,
+            batch_size=10,
+            dtype="float32",
+        ),
+        progress=False,
+    )
+    return out

@@ -27,14 +27,21 @@ class TargetSection(Section):
 
 
 class DataSection(Section):
-    dir: str = "runs/embedded/data"  # the prepared dataset folder (made by `dflashkit prepare`)
-    source: str = "chitchat"  # used when the folder must be prepared first
+    """Where the prepared dataset lives, and how `dflashkit prepare --config` makes it (the fields
+    besides `dir` are `dflashkit.data.dataset.PrepareSettings` fields)."""
+
+    dir: str = "runs/embedded/data"
+    source: str = "chitchat"  # "chitchat", "mtbench" or a file
     format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
-    max_prompts: int = Field(400, ge=1)
-    val_fraction: float = Field(0.1, gt=0, lt=1)
+    max_prompts: int | None = Field(400, ge=1)
+    val_fraction: float = Field(0.1, ge=0, le=1)
+    max_turns: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(128, ge=1)
+    max_prompt_tokens: int = Field(1024, ge=1)
     batch_size: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # generation only
     enable_thinking: bool = False
     seed: int = 0
 

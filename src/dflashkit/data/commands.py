@@ -38,7 +38,15 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     from dflashkit.data.dataset import PrepareSettings
     from dflashkit.errors import ConfigError
 
-    values = {k: getattr(args, k) for k in _FIELDS if getattr(args, k, None) is not None}
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        from dflashkit.config import load_config
+
+        cfg = load_config(args.config, list(args.overrides))
+        values = {"out": cfg.data.dir, "target": cfg.target.path, **cfg.data.model_dump(exclude={"dir"})}
+    values.update({k: getattr(args, k) for k in _FIELDS if getattr(args, k, None) is not None})
+    if "out" not in values:
+        raise ConfigError("name the dataset folder with --out DIR (or give --config)")
     if values.get("max_prompts") == 0:
         values["max_prompts"] = None
     try:
@@ -101,7 +109,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "each conversation with the target's chat template, and write train/validation records with a "
         "loss mask on the assistant's tokens, a manifest and the environment fingerprint.",
     )
-    p.add_argument("--out", required=True, help="dataset folder (re-running the same command resumes)")
+    p.add_argument("--config", "-c", help="run config: its target and data sections give the defaults")
+    p.add_argument("--out", help="dataset folder (re-running the same command resumes)")
     p.add_argument("--target", help="'embedded' (default) or a transformers model folder")
     p.add_argument("--source", help="'chitchat' (default), 'mtbench', or a file")
     p.add_argument(
@@ -129,4 +138,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--enable-thinking", action="store_true", default=None, help="render with thinking mode on"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(handler=_prepare)
+    p.set_defaults(handler=_prepare, overrides=[])  # section.key=value words override the --config

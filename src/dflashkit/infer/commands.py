@@ -96,7 +96,7 @@ def eval_prompts(args: argparse.Namespace, tokenizer: Any, thinking: bool) -> tu
             if len(supervised):  # the prompt is everything before the first assistant token
                 ids.append(rec.input_ids[: int(supervised[0])].tolist())
         return ids, f"{args.data} (validation split)"
-    prompts = read_mtbench() if args.prompts == "mtbench" else load_prompts(args.prompts)
+    prompts = read_mtbench() if args.prompts == "mtbench" else load_prompts(args.prompts).prompts
     prompts = (
         select_prompts(prompts, args.max_prompts, seed=0)
         if args.prompts != "mtbench"

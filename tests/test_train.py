@@ -1,0 +1,153 @@
+"""Training end to end on the embedded target: exact resume, acceptance rises, environment drift,
+mismatched data, dry run, and a trained drafter that decodes losslessly."""
+
+import json
+
+import pytest
+import torch
+
+from dflashkit.config import load_config
+from dflashkit.errors import ConfigError, EnvironmentDriftError
+from dflashkit.model.checkpoint import load_drafter
+from dflashkit.train import trainer
+
+
+def tiny_config(data_dir, out_dir, **over):
+    base = {
+        "target.dtype": "float32",
+        "data.dir": str(data_dir),
+        "run.out_dir": str(out_dir),
+        "drafter.layers": 1,
+        "drafter.block_size": 4,
+        "drafter.num_target_layers": 2,
+        "train.max_steps": 6,
+        "train.max_len": 96,
+        "train.num_anchors": 12,
+        "train.lr": 3e-3,
+        "train.warmup_ratio": 0.0,
+        "train.log_every": 1,
+        "train.eval_every": 3,
+        "train.save_every": 3,
+        "train.cache_features": True,
+        "train.chunk_blocks": 4,
+    }
+    base.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+def quiet():
+    from rich.console import Console
+
+    return Console(quiet=True)
+
+
+def test_resume_is_exact(tiny_dataset, tmp_path):
+    full = trainer.train(tiny_config(tiny_dataset, tmp_path / "full"), console=quiet())
+    cfg = tiny_config(tiny_dataset, tmp_path / "split")
+    first = trainer.train(cfg, console=quiet(), stop_after=3)
+    assert first.steps == 3
+    second = trainer.train(cfg, resume=True, console=quiet())
+    assert second.steps == 6
+    assert first.losses + second.losses == full.losses
+    full_w = torch.load(
+        tmp_path / "full" / "checkpoints" / "step-00000006" / "training_state.pt", weights_only=True
+    )
+    split_w = torch.load(
+        tmp_path / "split" / "checkpoints" / "step-00000006" / "training_state.pt", weights_only=True
+    )
+    assert torch.equal(full_w["rng"]["generators"]["anchors"], split_w["rng"]["generators"]["anchors"])
+
+
+def test_training_raises_acceptance_above_untrained(tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.max_steps": 40, "train.eval_every": 40})
+    run = trainer.setup_run(cfg)
+    run.val_rows = run.train_rows  # measure on the rows it trains on: the drafter must learn them
+    before = trainer.evaluate(run)["acceptance_length"]
+    result = trainer.train(cfg, console=quiet())
+    run.drafter.load_state_dict(load_drafter(result.out_dir / "checkpoints" / "step-00000040").state_dict())
+    after = trainer.evaluate(run)["acceptance_length"]
+    assert after > before + 0.05, (before, after)
+    log = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 40 and "val" in log[-1]
+    assert (result.out_dir / "best" / "model.safetensors").is_file()
+
+
+def test_resume_refuses_a_changed_environment(tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.max_steps": 4, "train.save_every": 2})
+    trainer.train(cfg, console=quiet(), stop_after=2)
+    fp_file = tmp_path / "run" / "checkpoints" / "step-00000002" / "fingerprint.json"
+    fp = json.loads(fp_file.read_text())
+    fp["torch"]["git_version"] = "0" * 40
+    fp_file.write_text(json.dumps(fp))
+    with pytest.raises(EnvironmentDriftError, match="torch.git_version"):
+        trainer.train(cfg, resume=True, console=quiet())
+    allowed = tiny_config(
+        tiny_dataset,
+        tmp_path / "run",
+        **{"train.max_steps": 4, "train.save_every": 2, "run.allow_env_drift": True},
+    )
+    assert trainer.train(allowed, resume=True, console=quiet()).steps == 4
+
+
+def test_data_from_another_target_is_refused(tiny_dataset, tmp_path):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["target"]["hash"] = "f" * 64
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match="another target"):
+        trainer.setup_run(tiny_config(data, tmp_path / "run"))
+
+
+def test_missing_data_is_one_clear_error(tmp_path, capsys):
+    from dflashkit.cli import main
+
+    assert main(["train", f"data.dir={tmp_path / 'nowhere'}", f"run.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "dflashkit prepare" in err and "Traceback" not in err
+
+
+def test_bad_override_is_one_clear_error(capsys):
+    from dflashkit.cli import main
+
+    assert main(["train", "train.lrr=1"]) == 2
+    assert "unknown key 'train.lrr'" in capsys.readouterr().err
+
+
+def test_dry_run_checks_without_training(tiny_dataset, tmp_path):
+    from dflashkit.train.plan import dry_run
+
+    plan = dry_run(tiny_config(tiny_dataset, tmp_path / "run"), quiet())
+    assert plan["attention backend"] == "sdpa" and "block 4" in plan["drafter"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_ready_configs_validate():
+    for name in ("configs/embedded.yaml", "configs/qwen3-8b-paper.yaml"):
+        cfg = load_config(name)
+        assert cfg.train.lr > 0
+    paper = load_config("configs/qwen3-8b-paper.yaml")
+    assert (paper.drafter.layers, paper.drafter.block_size, paper.train.num_anchors, paper.train.max_len) == (
+        5,
+        16,
+        512,
+        3072,
+    )
+    assert paper.decay_gamma() == 7.0
+
+
+def test_trained_drafter_decodes_losslessly(tiny_dataset, tmp_path):
+    from dflashkit.data.dataset import load_dataset
+    from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
+
+    cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.max_steps": 20, "train.eval_every": 20})
+    trainer.train(cfg, console=quiet())
+    run = trainer.setup_run(cfg)
+    drafter = load_drafter(tmp_path / "run" / "best", run.target)
+    for rec in load_dataset(tiny_dataset, "validation")[:2]:
+        first = int(rec.loss_mask.nonzero()[0])
+        prompt = rec.input_ids[:first].tolist()
+        spec = speculative_generate(run.target, drafter, prompt, 24)
+        assert spec.tokens == autoregressive_generate(run.target, prompt, 24).tokens
