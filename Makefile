@@ -11,8 +11,13 @@ $(STAMP): pyproject.toml scripts/setup.sh
 
 setup: $(STAMP)
 
+DEMO := configs/embedded.yaml
+
 demo: $(STAMP)
 	$(VENV)/bin/dflashkit doctor --check
+	$(VENV)/bin/dflashkit prepare -c $(DEMO)
+	$(VENV)/bin/dflashkit train -c $(DEMO)
+	$(VENV)/bin/dflashkit eval -c $(DEMO) --prompts validation --check-lossless
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
