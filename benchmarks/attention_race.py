@@ -230,7 +230,7 @@ def main() -> int:
     ap.add_argument("--modes", default="plain,ours")
     ap.add_argument("--threads", type=int, default=None, help="threads per run (default 4; smoke 2)")
     ap.add_argument("--parallel", type=int, default=None, help="repetitions run at once (default 4; smoke 1)")
-    ap.add_argument("--budget-s", type=float, default=450, help="start no new repetition after this")
+    ap.add_argument("--budget-s", type=float, default=400, help="start no new repetition after this")
     ap.add_argument("--timeout-s", type=int, default=300)
     ap.add_argument("--backward", action="store_true", help="step forward+backward (GPU only)")
     ap.add_argument("--context", type=int, default=None, help="thread 0's context length")
