@@ -193,9 +193,12 @@ def test_forward_keeps_no_logits_for_the_backward():
 
     kept = _saved_for_backward(weight, run)
     assert kept < full / 4  # hidden slices, labels, weights: no [*, V] tensor
-    # Without checkpointing, every chunk's log-softmax would stay alive until the backward.
-    with mock.patch.object(loss_mod, "checkpoint", lambda fn, *args, **kw: fn(*args)):
+    # Plain autograd through the chunks would keep every chunk's log-softmax alive until the backward.
+    with mock.patch.object(loss_mod._FrozenHeadCE, "apply", loss_mod._chunk_ce):
         assert _saved_for_backward(weight, run) >= full
+    # A trainable head takes the checkpointed path, which keeps no logits either.
+    weight.requires_grad_()
+    assert _saved_for_backward(weight, run) < full / 4
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 mismatched data, dry run, and a trained drafter that decodes losslessly."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -151,3 +152,42 @@ def test_trained_drafter_decodes_losslessly(tiny_dataset, tmp_path):
         prompt = rec.input_ids[:first].tolist()
         spec = speculative_generate(run.target, drafter, prompt, 24)
         assert spec.tokens == autoregressive_generate(run.target, prompt, 24).tokens
+
+
+def test_training_curves_and_tensorboard_option(tiny_dataset, tmp_path):
+    result = trainer.train(
+        tiny_config(tiny_dataset, tmp_path / "run", **{"train.max_steps": 3}), console=quiet()
+    )
+    assert (result.out_dir / "training.png").stat().st_size > 1000
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="pip install tensorboard"):
+            trainer.train(
+                tiny_config(tiny_dataset, tmp_path / "tb", **{"train.tensorboard": True}), console=quiet()
+            )
+
+
+@pytest.mark.gpu
+def test_flex_training_on_gpu_warms_then_freezes(tiny_dataset, tmp_path):
+    from dflashkit.runtime import compile as rc
+
+    rc.reset_runtime()
+    cfg = tiny_config(
+        tiny_dataset,
+        tmp_path / "run",
+        **{
+            "run.device": "cuda",
+            "attention.backend": "flex",
+            "target.dtype": "bfloat16",
+            "train.autocast": "bf16",
+            "train.max_steps": 8,
+            "train.eval_every": 4,
+        },
+    )
+    try:
+        result = trainer.train(cfg, console=quiet())
+        assert result.steps == 8 and rc.is_frozen()
+        assert all(math.isfinite(x) for x in result.losses)
+    finally:
+        rc.reset_runtime()

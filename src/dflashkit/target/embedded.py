@@ -35,6 +35,13 @@ def cache_root() -> Path:
 
 
 def gguf_path() -> Path:
+    """The GGUF inside the installed package; $DFLASHKIT_EMBEDDED_GGUF names a copy elsewhere (e.g. a GPU
+    machine that received the file without the package)."""
+    override = os.environ.get("DFLASHKIT_EMBEDDED_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise DflashkitError(f"DFLASHKIT_EMBEDDED_GGUF={override} is not a file")
+        return Path(override)
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DflashkitError(

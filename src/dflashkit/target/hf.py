@@ -87,13 +87,19 @@ def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
     )
 
 
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype")
+
+
 def target_hash(folder: Path) -> str:
     """sha256 of config.json and of each weight file's name, size and first, middle and last MiB.
 
     Sampling keeps this fast on multi-GB targets; any retrained or re-quantised weights change it.
     """
     h = hashlib.sha256()
-    h.update((folder / "config.json").read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    for volatile in VOLATILE_CONFIG_KEYS:  # written by the saving library, not part of the model
+        config.pop(volatile, None)
+    h.update(json.dumps(config, sort_keys=True).encode())
     files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
     for p in files:
         size = p.stat().st_size

@@ -9,9 +9,13 @@ Per slot k of a block, the loss is CE_k = -log softmax(hidden_k @ W^T)[label_k],
 
 loss = sum(mask * w * CE) / sum(mask * w).
 
-Memory: full-vocabulary logits for every slot ([b * N * B, V], several GB at the paper's shapes) never exist at
-once. The slots are processed in chunks of `chunk_blocks` blocks under activation checkpointing: the forward
-keeps only per-slot CE and argmax, and the backward recomputes one chunk's logits at a time.
+Memory and time: full-vocabulary logits for every slot ([b * N * B, V], several GB at the paper's shapes)
+never exist at once. The slots are processed in chunks of `chunk_blocks` blocks. With the lm_head frozen (the
+normal case), each chunk computes its logits once and, in the same pass, the gradient of each slot's CE with
+respect to its hidden state, (softmax - onehot) @ W, which is [n, H] and independent of the slot weights; the
+backward only scales it by dCE. That is two vocabulary-sized matmuls per chunk instead of the three that
+activation checkpointing costs (forward, recompute, backward). With a trainable head, the chunks run under
+activation checkpointing instead.
 """
 
 from __future__ import annotations
@@ -83,6 +87,29 @@ def _chunk_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor) -> tuple[T
     return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
 
 
+class _FrozenHeadCE(torch.autograd.Function):
+    """Per-slot CE and argmax of hidden [n, H] through a frozen head W [V, H]; the gradient with respect to
+    hidden is computed in the forward pass (see the module docstring) and scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        logits = slot_logits(hidden, weight)  # [n, V] fp32
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
+        pred = logits.argmax(-1)
+        if ctx.needs_input_grad[0]:
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place: the logits are not needed again
+            probs[torch.arange(labels.numel(), device=labels.device), labels] -= 1.0
+            ctx.save_for_backward((probs.to(weight.dtype) @ weight).to(hidden.dtype))
+        ctx.mark_non_differentiable(pred)
+        return ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_ce: Tensor, _grad_pred: Tensor):  # type: ignore[override]
+        (dce_dh,) = ctx.saved_tensors
+        return dce_dh * grad_ce[:, None].to(dce_dh.dtype), None, None
+
+
 def auto_chunk_blocks(batch: int, block_size: int, vocab: int) -> int:
     """Blocks per chunk so that one chunk's logits hold at most LOGITS_PER_CHUNK values."""
     return max(1, LOGITS_PER_CHUNK // (batch * block_size * vocab))
@@ -94,7 +121,7 @@ def chunked_ce(
     """Per-slot CE [b, N*B] float32 and argmax [b, N*B] long, computed `chunk_blocks` blocks at a time.
 
     hidden: [b, N*B, H]; lm_head_weight: [V, H]; labels: [b, N*B] long (in range everywhere).
-    Each chunk runs under activation checkpointing, so neither pass holds more than one chunk's logits.
+    Neither pass holds more than one chunk's logits (see the module docstring).
     """
     b, q_len, H = hidden.shape
     step = chunk_blocks * block_size
@@ -102,7 +129,9 @@ def chunked_ce(
     for start in range(0, q_len, step):
         h = hidden[:, start : start + step].reshape(-1, H)
         y = labels[:, start : start + step].reshape(-1)
-        if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
+        if torch.is_grad_enabled() and hidden.requires_grad and not lm_head_weight.requires_grad:
+            ce, pred = _FrozenHeadCE.apply(h, lm_head_weight, y)
+        elif torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
             ce, pred = checkpoint(
                 _chunk_ce, h, lm_head_weight, y, use_reentrant=False, preserve_rng_state=False
             )

@@ -219,7 +219,7 @@ class Run:
     val_rows: Rows
     manifest: dict[str, Any]
     total_steps: int
-    cached: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    cached: dict[tuple[str, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 def drafter_config(
@@ -291,6 +291,11 @@ def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
     val_records = load_dataset(data_dir, "validation") if load_data else []
     train_rows = pack_rows(train_records, cfg.train.max_len, pad) if load_data else _empty_rows()
     val_rows = pack_rows(val_records, cfg.train.max_len, pad) if load_data else _empty_rows()
+    if len(train_rows) < cfg.train.batch_size:
+        raise DataError(
+            f"{data_dir} packs into {len(train_rows)} training rows of {cfg.train.max_len} tokens, fewer than "
+            f"train.batch_size={cfg.train.batch_size}; prepare more data or lower the batch size"
+        )
     per_step = cfg.train.batch_size * cfg.train.grad_accum
     if cfg.train.max_steps is not None:
         total = cfg.train.max_steps
@@ -311,18 +316,41 @@ def _empty_rows() -> Rows:
 
 
 def features_for(run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tensor, Tensor]:
+    """Target features and argmax labels of rows ``idx`` of a split (``rows`` = those rows, on the device).
+
+    With ``train.cache_features`` each row's target pass runs once and is kept (small datasets)."""
     layer_ids = run.drafter.config.target_layer_ids
-    if not run.cfg.train.cache_features or split != "train":
+    if not run.cfg.train.cache_features:
         return target_pass(run.target, rows, layer_ids)
-    missing = [i for i in idx if i not in run.cached]
+    missing = [j for j, i in enumerate(idx) if (split, i) not in run.cached]
     if missing:
-        sub = run.train_rows.take(missing, run.device)
+        sub = Rows(*(t[missing] for t in (rows.input_ids, rows.loss_mask, rows.doc_ids, rows.position_ids)))
         feats, argmax = target_pass(run.target, sub, layer_ids)
-        for j, i in enumerate(missing):
-            run.cached[i] = (feats[j], argmax[j])
-    feats = torch.stack([run.cached[i][0] for i in idx])
-    argmax = torch.stack([run.cached[i][1] for i in idx])
+        for k, j in enumerate(missing):
+            run.cached[(split, idx[j])] = (feats[k], argmax[k])
+    feats = torch.stack([run.cached[(split, i)][0] for i in idx])
+    argmax = torch.stack([run.cached[(split, i)][1] for i in idx])
     return feats, argmax
+
+
+def warm_up_attention(run: Run, autocast: Any) -> None:
+    """Compile the flex attention of every shape this run uses (a training micro-batch forward and
+    backward, an evaluation row) serially, then freeze: any later compile is an error, never a race or
+    a silent dense path. Rows are padded to max_len and anchors are a fixed count, so these are all."""
+    if run.backend != "flex" or len(run.train_rows) == 0:
+        return
+    from dflashkit.runtime import compile as rc
+
+    g = torch.Generator().manual_seed(0)  # its own stream: warm-up must not move the training RNG
+    idx = list(range(min(run.cfg.train.batch_size, len(run.train_rows))))
+    rows = run.train_rows.take(idx, run.device)
+    feats, argmax = features_for(run, "train", idx, rows)
+    with rc.COMPILE_LOCK:
+        out = block_step(run.drafter, run.target, rows, feats, argmax, run.cfg, run.backend, g, autocast)
+        out.loss.loss.backward()
+        run.drafter.zero_grad(set_to_none=True)
+        evaluate(run, max_rows=1)
+    rc.freeze()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -341,11 +369,10 @@ def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
     total: dict[str, Tensor] | None = None
     loss_sum = 0.0
     weight_sum = 0.0
-    bs = cfg.train.batch_size
-    for start in range(0, n, bs):
-        idx = list(range(start, min(n, start + bs)))
+    for i in range(n):  # one row at a time: every call has the one warmed evaluation shape
+        idx = [i]
         rows = run.val_rows.take(idx, run.device)
-        feats, argmax = features_for(run, "val", idx, rows)
+        feats, argmax = features_for(run, "validation", idx, rows)
         out = block_step(
             drafter, run.target, rows, feats, argmax, cfg, run.backend, g, autocast_context(cfg, run.device)
         )
@@ -419,9 +446,29 @@ class TrainResult:
     losses: list[float]
 
 
-def _log(path: Path, record: dict[str, Any]) -> None:
+def _log(path: Path, record: dict[str, Any], tensorboard: Any = None) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+    if tensorboard is not None:
+        step = record["step"]
+        for key in ("loss", "lr", "grad_norm", "acceptance_length"):
+            if record.get(key) is not None:
+                tensorboard.add_scalar(f"train/{key}", record[key], step)
+        for key, value in record.get("val", {}).items():
+            if isinstance(value, (int, float)):
+                tensorboard.add_scalar(f"val/{key}", value, step)
+
+
+def open_tensorboard(cfg: RunConfig, out: Path) -> Any:
+    if not cfg.train.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            "train.tensorboard=true needs the tensorboard package: pip install tensorboard"
+        ) from None
+    return SummaryWriter(str(out / "tensorboard"))
 
 
 def train(
@@ -469,6 +516,8 @@ def train(
             metrics_path.unlink()
 
     autocast = autocast_context(cfg, run.device)
+    tensorboard = open_tensorboard(cfg, out)
+    warm_up_attention(run, autocast)
     order = epoch_order(len(run.train_rows), tc.seed, cursor["epoch"])
     losses: list[float] = []
     window: dict[str, Tensor] | None = None
@@ -479,7 +528,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             for _ in range(tc.grad_accum):
-                if cursor["index"] >= len(order):
+                if cursor["index"] + tc.batch_size > len(order):  # full batches only: one shape
                     cursor = {"epoch": cursor["epoch"] + 1, "index": 0}
                     order = epoch_order(len(run.train_rows), tc.seed, cursor["epoch"])
                 idx = order[cursor["index"] : cursor["index"] + tc.batch_size]
@@ -522,7 +571,7 @@ def train(
                     best = last_val["acceptance_length"]
                     save_best(run, step, last_val)
             if record is not None:
-                _log(metrics_path, record)
+                _log(metrics_path, record, tensorboard)
             if (
                 step % tc.save_every == 0
                 or step == run.total_steps
@@ -534,4 +583,45 @@ def train(
             progress.update(step, step_loss, record, best)
             if stop_after is not None and step >= stop_after:
                 break
+    if tensorboard is not None:
+        tensorboard.close()
+    plot_training(metrics_path, out / "training.png")
     return TrainResult(step, time.perf_counter() - t0, best, last_val, out, losses)
+
+
+def plot_training(metrics_path: Path, png: Path) -> Path | None:
+    """Loss and acceptance length (training batches and held-out) over steps, as one PNG."""
+    if not metrics_path.is_file():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("loss") is not None]
+    val = [r for r in records if "val" in r]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], color="#3b7dd8")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("weighted block cross-entropy")
+    ax2.plot(
+        [r["step"] for r in train],
+        [r["acceptance_length"] for r in train],
+        label="training batches",
+        color="#3b7dd8",
+    )
+    ax2.plot(
+        [r["step"] for r in val],
+        [r["val"]["acceptance_length"] for r in val],
+        "o-",
+        label="held-out",
+        color="#d8663b",
+    )
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("exact block acceptance length")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
