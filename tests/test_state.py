@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from dflashkit.atomic import atomic_dir
 from dflashkit.errors import CheckpointError
 from dflashkit.train import state as state_mod
 from dflashkit.train.state import (
-    atomic_dir,
     capture_rng,
     load_training_state,
     read_latest,

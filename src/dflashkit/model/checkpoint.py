@@ -22,13 +22,8 @@ Every write goes to a temporary folder beside the destination, is fsynced, then 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -37,6 +32,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from dflashkit.atomic import atomic_dir
 from dflashkit.errors import CheckpointError
 from dflashkit.model.config import DrafterConfig, rope_from_dict, validation_message
 from dflashkit.model.drafter import DFlashDrafter, Rotary
@@ -416,7 +412,7 @@ def write_checkpoint(
     tensors: Mapping[str, Tensor],
     layout: Layout = "zlab",
 ) -> None:
-    """Write config.json and model.safetensors into an existing folder (use inside atomic_directory)."""
+    """Write config.json and model.safetensors into an existing folder (use inside atomic_dir)."""
     if layout not in LAYOUTS:
         raise CheckpointError(f"unknown checkpoint layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     folder = Path(folder)
@@ -435,45 +431,6 @@ def write_checkpoint(
     )
 
 
-@contextlib.contextmanager
-def atomic_directory(dst: str | Path) -> Iterator[Path]:
-    """Yield a temporary folder beside ``dst``; when the block ends, fsync it and rename it to ``dst``.
-
-    If ``dst`` exists it is replaced whole. On an error the temporary folder is removed and ``dst``
-    is untouched, so a reader never sees a half-written checkpoint.
-    """
-    dst = Path(dst)
-    if dst.exists() and not dst.is_dir():
-        raise CheckpointError(f"{dst} exists and is not a folder")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        yield tmp
-        for f in sorted(tmp.rglob("*")):
-            if f.is_file():
-                _fsync(f)
-        _fsync(tmp)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(dst, old)
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-        _fsync(dst.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_drafter(
     drafter: DFlashDrafter,
     dst: str | Path,
@@ -482,7 +439,7 @@ def save_drafter(
     layout: Layout = "zlab",
 ) -> Path:
     """Atomically write the drafter to ``dst`` (z-lab layout, bf16 by default)."""
-    with atomic_directory(dst) as tmp:
+    with atomic_dir(dst) as tmp:
         write_drafter(drafter, tmp, dtype=dtype, layout=layout)
     return Path(dst)
 
@@ -494,7 +451,7 @@ def write_drafter(
     dtype: torch.dtype = torch.bfloat16,
     layout: Layout = "zlab",
 ) -> None:
-    """Write the drafter into an existing folder, e.g. one from ``atomic_directory`` that also gets
+    """Write the drafter into an existing folder, e.g. one from ``atomic_dir`` that also gets
     training state."""
     tensors = {k: v.to(dtype) for k, v in drafter.state_dict().items()}
     write_checkpoint(folder, drafter.config, tensors, layout)
@@ -519,6 +476,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: Layout, target: Any
         with torch.no_grad():
             body["embed_tokens.weight"] = target.embed_weight().to(dtype)
             body["lm_head.weight"] = target.lm_head_weight().to(dtype)
-    with atomic_directory(dst) as tmp:
+    with atomic_dir(dst) as tmp:
         write_checkpoint(tmp, config, body, to)
     return Path(dst)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.atomic import atomic_dir
 from dflashkit.attention.masks import BlockLayout
 from dflashkit.config import RunConfig, dump_config
 from dflashkit.errors import ConfigError, DataError, DeviceError, EnvironmentDriftError
@@ -396,7 +397,7 @@ def save_checkpoint(
     """Atomically write drafter + training state + run config + fingerprint as checkpoints/step-N."""
     root = run.out_dir / CHECKPOINTS
     name = st.step_dir_name(step)
-    with st.atomic_dir(root / name) as tmp:
+    with atomic_dir(root / name) as tmp:
         write_drafter(run.drafter, tmp, dtype=torch.float32)
         st.save_training_state(
             tmp, optimizer, scheduler, step, cursor, st.capture_rng({"anchors": generator}), extra
@@ -409,7 +410,7 @@ def save_checkpoint(
 
 
 def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
-    with st.atomic_dir(run.out_dir / BEST) as tmp:
+    with atomic_dir(run.out_dir / BEST) as tmp:
         write_drafter(run.drafter, tmp)  # bf16 z-lab layout: what serving loads
         (tmp / "metrics.json").write_text(json.dumps({"step": step, **metrics}, indent=2) + "\n")
         fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)

@@ -1,0 +1,74 @@
+"""`dflashkit eval`: table, JSON and plot; --check-lossless passes on a real drafter and names the first
+prompt and position when outputs differ."""
+
+import json
+
+import pytest
+
+from dflashkit.cli import main
+
+
+@pytest.fixture(scope="module")
+def untrained_drafter(tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter") / "d"
+    assert (
+        main(["init", "--target", "embedded", "--out", str(out), "--layers", "1", "--block-size", "4"]) == 0
+    )
+    return out
+
+
+def _eval_args(drafter, data, out, *extra):
+    return [
+        "eval",
+        "--drafter", str(drafter),
+        "--data", str(data),
+        "--prompts", "validation",
+        "--max-prompts", "2",
+        "--max-new-tokens", "10",
+        "--dtype", "float32",
+        "--out", str(out),
+        *extra,
+    ]  # fmt: skip
+
+
+def test_eval_writes_table_json_and_plot(untrained_drafter, tiny_dataset, tmp_path, capsys):
+    assert main(_eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless")) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["prompts"] == 2 and report["lossless"] is True
+    assert report["mean_acceptance_length"] >= 1.0
+    assert len(report["per_position_acceptance"]) == 3
+    assert sum(report["accept_length_histogram"]) == sum(len(r["accept_lengths"]) for r in report["results"])
+    assert report["speedup"] is not None
+    assert (tmp_path / "eval.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "mean acceptance length" in out and "lossless" in out
+
+
+def test_check_lossless_names_prompt_and_position(
+    untrained_drafter, tiny_dataset, tmp_path, capsys, monkeypatch
+):
+    import dflashkit.infer.evaluate as ev
+
+    real = ev.speculative_generate
+
+    def corrupted(*args, **kwargs):
+        g = real(*args, **kwargs)
+        g.tokens[3] += 1  # a lossy decoder: the 4th new token differs
+        return g
+
+    monkeypatch.setattr(ev, "speculative_generate", corrupted)
+    assert main(_eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless")) == 2
+    err = capsys.readouterr().err
+    assert "prompt 0" in err and "new token 3" in err and "Traceback" not in err
+
+
+def test_eval_refuses_a_template_mismatch(untrained_drafter, tiny_dataset, tmp_path, capsys):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["template"]["chat_template_sha256"] = "0" * 64
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    assert main(_eval_args(untrained_drafter, data, tmp_path / "out")) == 2
+    assert "chat template mismatch" in capsys.readouterr().err
