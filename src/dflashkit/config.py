@@ -28,9 +28,12 @@ class TargetSection(Section):
 
 class DataSection(Section):
     """Where the prepared dataset lives, and how `dflashkit prepare --config` makes it (the fields
-    besides `dir` are `dflashkit.data.dataset.PrepareSettings` fields)."""
+    besides `dir` and `features_dir` are `dflashkit.data.dataset.PrepareSettings` fields)."""
 
     dir: str = "runs/embedded/data"
+    # A `dflashkit capture` folder: training reads target features and labels from it instead of
+    # running the target (None: online, the target runs in-process).
+    features_dir: str | None = None
     source: str = "chitchat"  # "chitchat", "mtbench" or a file
     format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
     max_prompts: int | None = Field(400, ge=1)

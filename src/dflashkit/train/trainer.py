@@ -221,6 +221,7 @@ class Run:
     manifest: dict[str, Any]
     total_steps: int
     cached: dict[tuple[str, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
+    features: Any = None  # a data.features.FeatureStore when data.features_dir names a capture
 
 
 def drafter_config(
@@ -272,8 +273,20 @@ def check_data_matches_target(
         )
 
 
+def load_rows(cfg: RunConfig, target: TargetModel) -> tuple[Rows, Rows]:
+    """The packed training and validation rows of data.dir, as training sees them."""
+    from dflashkit.data.dataset import load_dataset
+
+    pad = int(getattr(target.config, "pad_token_id", None) or 0)
+    data_dir = Path(cfg.data.dir)
+    return (
+        pack_rows(load_dataset(data_dir, "train"), cfg.train.max_len, pad),
+        pack_rows(load_dataset(data_dir, "validation"), cfg.train.max_len, pad),
+    )
+
+
 def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
-    from dflashkit.data.dataset import load_dataset, read_manifest
+    from dflashkit.data.dataset import read_manifest
 
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)
@@ -287,11 +300,21 @@ def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
     else:
         torch.manual_seed(cfg.train.seed)
         drafter = DFlashDrafter(dc).to(device)
-    pad = int(getattr(target.config, "pad_token_id", None) or 0)
-    train_records = load_dataset(data_dir, "train") if load_data else []
-    val_records = load_dataset(data_dir, "validation") if load_data else []
-    train_rows = pack_rows(train_records, cfg.train.max_len, pad) if load_data else _empty_rows()
-    val_rows = pack_rows(val_records, cfg.train.max_len, pad) if load_data else _empty_rows()
+    train_rows, val_rows = load_rows(cfg, target) if load_data else (_empty_rows(), _empty_rows())
+    features = None
+    if cfg.data.features_dir:  # offline: features and labels from `dflashkit capture`
+        from dflashkit.data.features import FeatureStore, check_capture_matches
+
+        features = FeatureStore(cfg.data.features_dir)
+        check_capture_matches(
+            features.manifest,
+            where=cfg.data.features_dir,
+            ident=target.identity(),
+            layer_ids=dc.target_layer_ids,
+            max_len=cfg.train.max_len,
+            data_manifest=manifest,
+            rows={"train": train_rows, "validation": val_rows},
+        )
     if len(train_rows) < cfg.train.batch_size:
         raise DataError(
             f"{data_dir} packs into {len(train_rows)} training rows of {cfg.train.max_len} tokens, fewer than "
@@ -303,7 +326,17 @@ def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
     else:
         total = max(1, math.ceil(cfg.train.epochs * len(train_rows) / per_step))
     return Run(
-        cfg, Path(cfg.run.out_dir), device, backend, target, drafter, train_rows, val_rows, manifest, total
+        cfg,
+        Path(cfg.run.out_dir),
+        device,
+        backend,
+        target,
+        drafter,
+        train_rows,
+        val_rows,
+        manifest,
+        total,
+        features=features,
     )
 
 
@@ -313,13 +346,16 @@ def _empty_rows() -> Rows:
 
 
 # --------------------------------------------------------------------------------------------------
-# Features: online (the target runs every step) or cached once per row
+# Features: online (the target runs every step), cached once per row, or offline (a capture)
 
 
 def features_for(run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tensor, Tensor]:
     """Target features and argmax labels of rows ``idx`` of a split (``rows`` = those rows, on the device).
 
-    With ``train.cache_features`` each row's target pass runs once and is kept (small datasets)."""
+    With ``data.features_dir`` they are read from a `dflashkit capture` folder; with
+    ``train.cache_features`` each row's target pass runs once and is kept (small datasets)."""
+    if run.features is not None:
+        return run.features.read(split, idx, rows.input_ids.device, run.target.dtype)
     layer_ids = run.drafter.config.target_layer_ids
     if not run.cfg.train.cache_features:
         return target_pass(run.target, rows, layer_ids)
