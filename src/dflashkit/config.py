@@ -98,6 +98,14 @@ class RunSection(Section):
     allow_env_drift: bool = False
 
 
+class DistributedSection(Section):
+    """Data-parallel training under torchrun (`dflashkit train --nproc N`); a one-process run ignores it."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 shards weights, gradients and optimizer state
+    fsdp_param_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # FSDP compute copy; gradients reduce in fp32
+    timeout_minutes: float = Field(30.0, gt=0)  # a collective that waits longer fails the run
+
+
 class EvalSection(Section):
     max_prompts: int = Field(16, ge=1)
     max_new_tokens: int = Field(64, ge=1)
@@ -112,6 +120,7 @@ class RunConfig(Section):
     attention: AttentionSection = AttentionSection()
     eval: EvalSection = EvalSection()
     run: RunSection = RunSection()
+    distributed: DistributedSection = DistributedSection()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
