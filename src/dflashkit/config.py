@@ -8,6 +8,7 @@ run starts, in `dflashkit.train.trainer`, where all three are known.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,6 +113,56 @@ class EvalSection(Section):
     temperature: float = Field(0.0, ge=0)
 
 
+# Fan-out (`dflashkit fanout`): one target computes each micro-batch's features once, and several drafter
+# variants train on them at the same time, as threads of one process (dflashkit.train.fanout).
+# Keys the variants share, so that they may not override them: one target, one dataset, one batch stream.
+FANOUT_SHARED_KEYS = (
+    "target.",
+    "data.",
+    "run.",
+    "distributed.",
+    "fanout.",
+    "train.batch_size",
+    "train.max_len",
+    "train.seed",
+    "train.cache_features",
+)
+
+
+class FanoutVariant(Section):
+    """One drafter of a fan-out: its name (also its folder under run.out_dir), dotted overrides of the
+    base config (e.g. ``{drafter.block_size: 4, train.lr: 3.0e-4}``) and the device it trains on."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    device: str = "auto"  # auto: the GPUs other than the target's, in turn; else the target's device
+
+
+class FanoutSection(Section):
+    target_device: str = "auto"  # auto: run.device when set, else cuda:0 when there is a GPU, else cpu
+    queue_depth: int = Field(2, ge=1)  # micro-batches of features waiting per drafter
+    variants: list[FanoutVariant] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_variants(self) -> FanoutSection:
+        names = [v.name for v in self.variants]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"fanout variant names must differ; {', '.join(twice)} appears more than once")
+        for v in self.variants:
+            for key in v.overrides:
+                if len([p for p in key.split(".") if p]) < 2:
+                    raise ValueError(
+                        f"variant {v.name}: override key '{key}' must name a section and a key (e.g. train.lr)"
+                    )
+                if any(key == k or key.startswith(k) for k in FANOUT_SHARED_KEYS):
+                    raise ValueError(
+                        f"variant {v.name} overrides {key}, which every fan-out drafter shares (the target "
+                        "computes each batch once for all of them); set it in the base config"
+                    )
+        return self
+
+
 class RunConfig(Section):
     target: TargetSection = TargetSection()
     data: DataSection = DataSection()
@@ -121,6 +172,7 @@ class RunConfig(Section):
     eval: EvalSection = EvalSection()
     run: RunSection = RunSection()
     distributed: DistributedSection = DistributedSection()
+    fanout: FanoutSection | None = None  # several drafter variants from one target
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -134,6 +186,18 @@ class RunConfig(Section):
                 f"drafter.target_layer_ids has {len(d.target_layer_ids)} ids but drafter.num_target_layers is "
                 f"{d.num_target_layers}; make them agree (or drop target_layer_ids for the default spacing)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_fanout_variants(self) -> RunConfig:
+        """Every fan-out variant (the base config plus its overrides) must be a valid config itself."""
+        if self.fanout is not None:
+            base = self.model_copy(update={"fanout": None})
+            for v in self.fanout.variants:
+                try:
+                    apply_overrides(base, v.overrides, f"fanout variant {v.name}")
+                except ConfigError as e:
+                    raise ValueError(str(e)) from None
         return self
 
     def decay_gamma(self) -> float:
@@ -213,6 +277,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key_path, value = parse_override(text)
         _set_dotted(data, key_path, value)
         where = f"{where} + overrides"
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, where)) from None
+
+
+def apply_overrides(cfg: RunConfig, overrides: Mapping[str, Any], where: str) -> RunConfig:
+    """A validated copy of ``cfg`` with dotted overrides (``{"train.lr": 3e-4}``) applied."""
+    data = cfg.model_dump(mode="json")
+    for key, value in overrides.items():
+        _set_dotted(data, [p for p in key.split(".") if p], value)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
