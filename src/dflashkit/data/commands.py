@@ -1,7 +1,8 @@
 """`dflashkit prepare`: regenerate replies with the target and write a tokenized dataset folder.
+`dflashkit capture`: run the target once over the packed rows and write its features for training.
 
-The command line only builds `PrepareSettings` and calls `prepare_dataset`; heavy imports happen in
-the handler.
+The command line only builds settings and calls `prepare_dataset` / `capture_features`; heavy
+imports happen in the handlers.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         from dflashkit.config import load_config
 
         cfg = load_config(args.config, list(args.overrides))
-        values = {"out": cfg.data.dir, "target": cfg.target.path, **cfg.data.model_dump(exclude={"dir"})}
+        values = {
+            "out": cfg.data.dir,
+            "target": cfg.target.path,
+            **cfg.data.model_dump(exclude={"dir", "features_dir"}),
+        }
     values.update({k: getattr(args, k) for k in _FIELDS if getattr(args, k, None) is not None})
     if "out" not in values:
         raise ConfigError("name the dataset folder with --out DIR (or give --config)")
@@ -139,3 +144,94 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_prepare, overrides=[])  # section.key=value words override the --config
+    register_capture(subparsers)
+
+
+def _capture(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflashkit.config import load_config
+    from dflashkit.data.features import CaptureSettings, capture_features, verify_features
+    from dflashkit.errors import ConfigError
+
+    cfg = load_config(args.config, list(args.overrides))
+    out = args.out or cfg.data.features_dir
+    if not out:
+        raise ConfigError("name the feature folder with --out DIR (or data.features_dir=DIR)")
+    if args.shard_mb is not None and args.shard_mb <= 0:
+        raise ConfigError("--shard-mb must be positive")
+    if args.batch_rows is not None and args.batch_rows < 1:
+        raise ConfigError("--batch-rows must be at least 1")
+    settings = CaptureSettings(
+        out=out,
+        dtype=args.dtype,
+        shard_mb=args.shard_mb if args.shard_mb is not None else CaptureSettings.shard_mb,
+        batch_rows=args.batch_rows,
+    )
+    console = Console()
+    m = capture_features(cfg, settings, progress=not args.no_progress, console=console)
+    per = m["bytes_per_token"]
+    table = Table(title=f"features {out}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row(
+        "target", f"{m['target']['name']}, layers {m['target_layer_ids']} of {m['target']['num_layers']}"
+    )
+    table.add_row(
+        "stored",
+        f"{m['dtype']} [T={m['max_len']}, {m['feature_dim']}] per row, {m['rows_per_shard']} rows per shard",
+    )
+    for split, info in m["splits"].items():
+        table.add_row(
+            split,
+            f"{info['rows']} rows, {len(info['shards'])} shards, {info['supervised_tokens']} supervised tokens",
+        )
+    table.add_row(
+        "bytes per token",
+        f"{per['total']} = features {per['features']} + scale {per['scale']} + label {per['labels']} + row {per['rows']}",
+    )
+    table.add_row(
+        "size", f"{m['bytes'] / 2**20:.1f} MiB ({m['measured_bytes_per_token']} B per stored token)"
+    )
+    run = m["run"]
+    speed = (
+        f", {run['tokens_per_second']:,.0f} tokens/s on {run['device']}" if run["tokens_per_second"] else ""
+    )
+    table.add_row("this run", f"{run['shards_written']} shards written, {run['shards_kept']} kept{speed}")
+    console.print(table)
+    if args.verify:
+        counts = verify_features(out)
+        console.print(
+            f"[bold green]verified[/]: {counts['shards']} shards, {counts['rows']} rows (digests, shapes, "
+            "finite features, label range, row data)"
+        )
+    if cfg.data.features_dir != out:
+        console.print(f"train from it with data.features_dir={out}")
+    return 0
+
+
+def register_capture(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "capture",
+        help="run the target once and write its features for training (sharded, resumable)",
+        description="Pack the dataset's training and validation rows exactly as training does, run the "
+        "target over them once, and write its context features (target_layer_ids) and argmax labels to "
+        "sharded safetensors with a manifest. Train from them with data.features_dir=DIR. Re-running the "
+        "same command keeps finished shards and rewrites torn ones.",
+    )
+    p.add_argument("--config", "-c", help="run config (target, data, drafter layers, train.max_len)")
+    p.add_argument("--out", help="feature folder (default: data.features_dir)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32", "float8_e4m3fn"),
+        default="bfloat16",
+        help="feature storage (default bfloat16; float8_e4m3fn halves it, one scale per token and layer)",
+    )
+    p.add_argument("--shard-mb", type=float, metavar="MB", help="shard size in MiB (default 1024)")
+    p.add_argument(
+        "--batch-rows", type=int, metavar="K", help="rows per target pass (default train.batch_size)"
+    )
+    p.add_argument("--verify", action="store_true", help="then re-read every shard and check it")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_capture, overrides=[])  # section.key=value words override the --config
