@@ -1,8 +1,10 @@
-"""`dflashkit train`: train a drafter from a config, resume exactly, or check everything with --dry-run."""
+"""`dflashkit train`: train a drafter from a config, resume exactly, or check everything with --dry-run;
+`--nproc N` trains data-parallel on N processes (it starts the same command under torchrun)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -17,14 +19,23 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"run.out_dir={args.out}")
     cfg = load_config(args.config, overrides)
     console = Console()
+    launch = _launch_command(args)
+    if launch is not None:
+        console.print(f"data-parallel: {' '.join(launch)}")
     if args.dry_run:
         from dflashkit.train.plan import dry_run
 
         dry_run(cfg, console)
         return 0
+    if launch is not None:
+        import subprocess
+
+        return subprocess.call(launch)
     from dflashkit.train.trainer import train
 
     result = train(cfg, resume=args.resume, console=console)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     val = result.final_val
     console.print(
         f"[bold green]done[/]: {result.steps} steps in {result.seconds:.0f} s; validation acceptance length "
@@ -34,12 +45,26 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_command(args: argparse.Namespace) -> list[str] | None:
+    """The torchrun command for --nproc (None without it)."""
+    from dflashkit.errors import ConfigError
+    from dflashkit.train import distributed as dd
+
+    if args.nproc is None:
+        if args.nnodes != 1 or args.rdzv_endpoint:
+            raise ConfigError("--nnodes and --rdzv-endpoint go with --nproc N (processes per host)")
+        return None
+    if dd.launched_by_torchrun():
+        raise ConfigError("this process was started by torchrun already; drop --nproc")
+    return dd.launch_command(dd.train_argv(args), args.nproc, args.nnodes, args.rdzv_endpoint)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a drafter (config + dotted overrides, e.g. train.lr=3e-4)",
-        description="Train a DFlash drafter on one process. Any section.key=value word overrides the config "
-        "(e.g. train.lr=3e-4 drafter.layers=2).",
+        description="Train a DFlash drafter on one process, or data-parallel with --nproc N (or under "
+        "torchrun). Any section.key=value word overrides the config (e.g. train.lr=3e-4 drafter.layers=2).",
     )
     p.add_argument("--config", "-c", help="YAML run config (configs/embedded.yaml is the default job)")
     p.add_argument("--out", help="run folder (same as run.out_dir=...)")
@@ -53,5 +78,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--allow-env-drift",
         action="store_true",
         help="resume even when torch/CUDA/triton/GPU changed since the checkpoint",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="train data-parallel on N processes of this host (one per GPU): runs this command under torchrun",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --nproc: hosts taking part (run the same command on every host, with --rdzv-endpoint)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="with --nnodes > 1: the rendezvous address (a free port on one host, reachable from all)",
     )
     p.set_defaults(handler=_train, overrides=[])  # section.key=value words anywhere (cli.main collects them)

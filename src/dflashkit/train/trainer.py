@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +31,12 @@ from dflashkit.atomic import atomic_dir
 from dflashkit.attention.masks import BlockLayout
 from dflashkit.config import RunConfig, dump_config
 from dflashkit.errors import ConfigError, DataError, DeviceError, EnvironmentDriftError
-from dflashkit.model.checkpoint import load_drafter, write_drafter
+from dflashkit.model.checkpoint import load_drafter, write_checkpoint
 from dflashkit.model.config import DrafterConfig, config_for_target
 from dflashkit.model.drafter import DFlashDrafter, build_block_masks
 from dflashkit.runtime import fingerprint as fpmod
 from dflashkit.target.hf import TargetModel, default_mask_token_id
+from dflashkit.train import distributed as dd
 from dflashkit.train import state as st
 from dflashkit.train.anchors import (
     block_inputs,
@@ -122,6 +124,52 @@ def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(num_rows, generator=g).tolist()
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def anchor_seed(seed: int, epoch: int, position: int) -> int:
+    """The seed of the anchor draw for the row at `position` of epoch `epoch`'s order (a splitmix64 mix).
+
+    It depends on the row's place in the data alone, not on the batch size or on how rows are dealt to
+    ranks: W ranks x b rows draw the same anchors as 1 process x W*b rows, and a resume on another
+    world size continues the same draws."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # 63 bits: a valid torch seed
+
+
+def draw_anchors(
+    rows: Rows,
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator,
+    seeds: Sequence[int] | None = None,
+) -> BlockLayout:
+    """Anchors for a micro-batch: from `generator` as it stands, or, with `seeds` (one per row), row i's
+    from `generator` re-seeded with seeds[i], so that a row's draw does not depend on its neighbours."""
+    if seeds is None:
+        return sample_anchors(rows.loss_mask, rows.doc_ids, num_anchors, block_size, generator)
+    if len(seeds) != len(rows):
+        raise ValueError(f"{len(seeds)} anchor seeds for {len(rows)} rows")
+    parts = [
+        sample_anchors(
+            rows.loss_mask[i : i + 1],
+            rows.doc_ids[i : i + 1],
+            num_anchors,
+            block_size,
+            generator.manual_seed(s),
+        )
+        for i, s in enumerate(seeds)
+    ]
+    return BlockLayout(
+        anchors=torch.cat([p.anchors for p in parts]),
+        block_valid=torch.cat([p.block_valid for p in parts]),
+        doc_ids=rows.doc_ids,
+        block_size=block_size,
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # One step
 
@@ -160,11 +208,14 @@ def block_step(
     backend: str,
     generator: torch.Generator,
     autocast: Any,
+    *,
+    seeds: Sequence[int] | None = None,
 ) -> StepOutput:
-    """Anchors -> blocks -> drafter -> chunked weighted loss, for one micro-batch."""
-    dc = drafter.config
+    """Anchors -> blocks -> drafter -> chunked weighted loss, for one micro-batch. ``drafter`` may be a
+    DDP wrapper; ``seeds`` (one per row) make each row's anchors its own draw (`draw_anchors`)."""
+    dc = dd.unwrap(drafter).config
     B = dc.block_size
-    layout = sample_anchors(rows.loss_mask, rows.doc_ids, cfg.train.num_anchors, B, generator)
+    layout = draw_anchors(rows, cfg.train.num_anchors, B, generator, seeds)
     ids = block_inputs(rows.input_ids, layout, dc.mask_token_id)
     positions = block_positions(rows.position_ids, layout)
     labels, label_mask = block_labels(
@@ -222,6 +273,7 @@ class Run:
     total_steps: int
     cached: dict[tuple[str, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
     features: Any = None  # a data.features.FeatureStore when data.features_dir names a capture
+    dist: dd.Dist | None = None  # this process's place in a data-parallel run (setup_run sets it)
 
 
 def drafter_config(
@@ -285,10 +337,12 @@ def load_rows(cfg: RunConfig, target: TargetModel) -> tuple[Rows, Rows]:
     )
 
 
-def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
+def setup_run(cfg: RunConfig, *, load_data: bool = True, dist: dd.Dist | None = None) -> Run:
+    """Everything a run needs, on this process's device (``dist`` under torchrun: see train.distributed)."""
     from dflashkit.data.dataset import read_manifest
 
-    device = resolve_device(cfg)
+    dist = dist if dist is not None else dd.single_process(resolve_device(cfg))
+    device = dist.device
     backend = resolve_backend(cfg, device)
     data_dir = Path(cfg.data.dir)
     manifest = read_manifest(data_dir)
@@ -315,12 +369,14 @@ def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
             data_manifest=manifest,
             rows={"train": train_rows, "validation": val_rows},
         )
-    if len(train_rows) < cfg.train.batch_size:
+    micro = dist.world_size * cfg.train.batch_size  # rows of one global micro-batch
+    if len(train_rows) < micro:
+        ranks = f"{dist.world_size} ranks x " if dist.parallel else ""
         raise DataError(
             f"{data_dir} packs into {len(train_rows)} training rows of {cfg.train.max_len} tokens, fewer than "
-            f"train.batch_size={cfg.train.batch_size}; prepare more data or lower the batch size"
+            f"{ranks}train.batch_size={cfg.train.batch_size}; prepare more data or lower the batch size"
         )
-    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    per_step = micro * cfg.train.grad_accum
     if cfg.train.max_steps is not None:
         total = cfg.train.max_steps
     else:
@@ -337,6 +393,7 @@ def setup_run(cfg: RunConfig, *, load_data: bool = True) -> Run:
         manifest,
         total,
         features=features,
+        dist=dist,
     )
 
 
@@ -370,10 +427,11 @@ def features_for(run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tens
     return feats, argmax
 
 
-def warm_up_attention(run: Run, autocast: Any) -> None:
+def warm_up_attention(run: Run, autocast: Any, model: torch.nn.Module | None = None) -> None:
     """Compile the flex attention of every shape this run uses (a training micro-batch forward and
     backward, an evaluation row) serially, then freeze: any later compile is an error, never a race or
-    a silent dense path. Rows are padded to max_len and anchors are a fixed count, so these are all."""
+    a silent dense path. Rows are padded to max_len and anchors are a fixed count, so these are all.
+    ``model`` is what training steps (a DDP wrapper under torchrun; every rank warms up together)."""
     if run.backend != "flex" or len(run.train_rows) == 0:
         return
     from dflashkit.runtime import compile as rc
@@ -383,7 +441,9 @@ def warm_up_attention(run: Run, autocast: Any) -> None:
     rows = run.train_rows.take(idx, run.device)
     feats, argmax = features_for(run, "train", idx, rows)
     with rc.COMPILE_LOCK:
-        out = block_step(run.drafter, run.target, rows, feats, argmax, run.cfg, run.backend, g, autocast)
+        out = block_step(
+            model or run.drafter, run.target, rows, feats, argmax, run.cfg, run.backend, g, autocast
+        )
         out.loss.loss.backward()
         run.drafter.zero_grad(set_to_none=True)
         evaluate(run, max_rows=1)
@@ -396,27 +456,43 @@ def warm_up_attention(run: Run, autocast: Any) -> None:
 
 @torch.no_grad()
 def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
-    """Exact acceptance length on validation rows, with anchors from a fixed seed (comparable across evals)."""
+    """Exact acceptance length on validation rows, with anchors seeded per row (comparable across evals).
+    Under torchrun the rows are dealt over the ranks and the sums reduced: every rank gets the result."""
     cfg = run.cfg
+    d = _dist(run)
     drafter = run.drafter
     was_training = drafter.training
     drafter.eval()
-    g = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 7919)
+    g = torch.Generator(device="cpu")
     n = len(run.val_rows) if max_rows is None else min(max_rows, len(run.val_rows))
     total: dict[str, Tensor] | None = None
     loss_sum = 0.0
     weight_sum = 0.0
-    for i in range(n):  # one row at a time: every call has the one warmed evaluation shape
+    for i, counted in dd.lockstep_rows(n, d):  # one row at a time: the one warmed evaluation shape
         idx = [i]
         rows = run.val_rows.take(idx, run.device)
         feats, argmax = features_for(run, "validation", idx, rows)
+        seeds = [anchor_seed(cfg.train.seed + 7919, 0, i)]
         out = block_step(
-            drafter, run.target, rows, feats, argmax, cfg, run.backend, g, autocast_context(cfg, run.device)
+            drafter,
+            run.target,
+            rows,
+            feats,
+            argmax,
+            cfg,
+            run.backend,
+            g,
+            autocast_context(cfg, run.device),
+            seeds=seeds,
         )
-        total = add_stats(total, {k: v.cpu() for k, v in out.stats.items()})
-        loss_sum += float(out.loss.weighted_sum)
-        weight_sum += float(out.loss.weight_sum)
+        keep = 1 if counted else 0  # a rank short of rows ran a repeat to keep in step: count nothing
+        total = add_stats(total, {k: v.cpu() * keep for k, v in out.stats.items()})
+        loss_sum += float(out.loss.weighted_sum) * keep
+        weight_sum += float(out.loss.weight_sum) * keep
     drafter.train(was_training)
+    if total is not None:
+        total = dd.reduce_stats(total, d)
+    loss_sum, weight_sum = dd.sum_over_ranks([loss_sum, weight_sum], d)
     result: dict[str, Any] = finalize_stats(total) if total is not None else {}
     result["loss"] = loss_sum / weight_sum if weight_sum else float("nan")
     result["blocks"] = int(total["blocks"]) if total is not None else 0
@@ -430,26 +506,47 @@ def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
 def save_checkpoint(
     run: Run, optimizer, scheduler, step: int, cursor: dict[str, int], generator, extra
 ) -> Path:
-    """Atomically write drafter + training state + run config + fingerprint as checkpoints/step-N."""
+    """Atomically write drafter + training state + run config + fingerprint as checkpoints/step-N.
+
+    Under torchrun every rank calls this (FSDP gathers the full weights and optimizer state); rank 0
+    writes the one checkpoint, and the ranks meet at a barrier once it is published."""
+    d = _dist(run)
     root = run.out_dir / CHECKPOINTS
     name = st.step_dir_name(step)
-    with atomic_dir(root / name) as tmp:
-        write_drafter(run.drafter, tmp, dtype=torch.float32)
-        st.save_training_state(
-            tmp, optimizer, scheduler, step, cursor, st.capture_rng({"anchors": generator}), extra
-        )
-        (tmp / "run_config.yaml").write_text(dump_config(run.cfg))
-        fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)
-    st.write_latest(root, name)
-    st.rotate_checkpoints(root, run.cfg.train.keep_last)
+    weights = dd.full_state_dict(run.drafter, d)
+    opt = dd.checkpoint_optimizer(run.drafter, optimizer, d, gather=True)
+    if d.is_main:
+        with atomic_dir(root / name) as tmp:
+            _write_weights(run, weights, tmp, torch.float32)
+            st.save_training_state(
+                tmp, opt, scheduler, step, cursor, st.capture_rng({"anchors": generator}), extra
+            )
+            (tmp / "run_config.yaml").write_text(dump_config(run.cfg))
+            fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)
+        st.write_latest(root, name)
+        st.rotate_checkpoints(root, run.cfg.train.keep_last)
+    dd.barrier(d)
     return root / name
 
 
 def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
+    """Atomically write best/ (every rank calls this under torchrun; rank 0 writes)."""
+    d = _dist(run)
+    weights = dd.full_state_dict(run.drafter, d)
+    if not d.is_main:
+        return
     with atomic_dir(run.out_dir / BEST) as tmp:
-        write_drafter(run.drafter, tmp)  # bf16 z-lab layout: what serving loads
+        _write_weights(run, weights, tmp, torch.bfloat16)  # bf16 z-lab layout: what serving loads
         (tmp / "metrics.json").write_text(json.dumps({"step": step, **metrics}, indent=2) + "\n")
         fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)
+
+
+def _write_weights(run: Run, weights: dict[str, Tensor], folder: Path, dtype: torch.dtype) -> None:
+    write_checkpoint(folder, run.drafter.config, {k: v.to(dtype) for k, v in weights.items()})
+
+
+def _dist(run: Run) -> dd.Dist:
+    return run.dist if run.dist is not None else dd.single_process(run.device)
 
 
 def check_env_drift(ckpt: Path, allow: bool, console: Any) -> None:
@@ -512,49 +609,71 @@ def train(
     cfg: RunConfig, *, resume: bool = False, console: Any = None, stop_after: int | None = None
 ) -> TrainResult:
     """Train a drafter as the config says. ``stop_after`` ends the loop early after that many steps
-    (as an interruption would), leaving the checkpoints for ``resume``."""
+    (as an interruption would), leaving the checkpoints for ``resume``. Started by torchrun, each
+    process trains its share of every global batch (data-parallel: see dflashkit.train.distributed)."""
+    d = dd.init_distributed(cfg)
+    try:
+        return _train(cfg, d, resume=resume, console=console, stop_after=stop_after)
+    finally:
+        dd.shutdown(d)
+
+
+def _train(cfg: RunConfig, d: dd.Dist, *, resume: bool, console: Any, stop_after: int | None) -> TrainResult:
     from rich.console import Console
 
     from dflashkit.train.progress import TrainProgress
 
-    console = console or Console()
-    run = setup_run(cfg)
+    console = (console or Console()) if d.is_main else Console(quiet=True)  # rank 0 speaks
+    run = setup_run(cfg, dist=d)
     out = run.out_dir
-    out.mkdir(parents=True, exist_ok=True)
+    if d.is_main:
+        out.mkdir(parents=True, exist_ok=True)
     tc = cfg.train
-    drafter = run.drafter.train()
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    latest = st.read_latest(out / CHECKPOINTS) if resume else None
+    if resume and latest is None:
+        console.print(f"[yellow]no checkpoint in {out / CHECKPOINTS}: starting from scratch[/]")
+    if latest is not None:  # the full weights go in before DDP / FSDP takes the drafter
+        check_env_drift(latest, cfg.run.allow_env_drift, console)
+        resumed = load_drafter(latest, run.target, dtype=torch.float32, device=run.device)
+        run.drafter.load_state_dict(resumed.state_dict())
+    model = dd.wrap_drafter(run.drafter, cfg, d).train()  # the drafter itself in one process
+    params = [p for p in run.drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(run.total_steps, tc.warmup_ratio, tc.min_lr_ratio)
     )
     generator = torch.Generator(device="cpu").manual_seed(tc.seed)
     step = 0
-    cursor = {"epoch": 0, "index": 0}
+    cursor = {"epoch": 0, "index": 0}  # in global rows: the same on every rank and world size
     best = float("-inf")
     metrics_path = out / "metrics.jsonl"
+    micro = d.world_size * tc.batch_size  # rows of one global micro-batch
+    layout = {"world_size": d.world_size, "global_batch": micro * tc.grad_accum}
 
-    latest = st.read_latest(out / CHECKPOINTS) if resume else None
-    if resume and latest is None:
-        console.print(f"[yellow]no checkpoint in {out / CHECKPOINTS}: starting from scratch[/]")
     if latest is not None:
-        check_env_drift(latest, cfg.run.allow_env_drift, console)
-        resumed = load_drafter(latest, run.target, dtype=torch.float32, device=run.device)
-        drafter.load_state_dict(resumed.state_dict())
-        state = st.load_training_state(latest, optimizer, scheduler)
+        optimizer_io = dd.checkpoint_optimizer(run.drafter, optimizer, d, gather=False)
+        state = st.load_training_state(latest, optimizer_io, scheduler)
         st.restore_rng(state.rng, {"anchors": generator})
         step, cursor = state.step, dict(state.data_cursor)
         best = float(state.extra.get("best_acceptance_length", best))
         console.print(f"resumed from {latest} at step {step}")
-    else:
+        note = dd.resume_note(state.extra, d, layout["global_batch"])
+        if note:
+            console.print(f"[yellow]{note}[/]")
+    elif d.is_main:
         (out / "config.yaml").write_text(dump_config(cfg))
         fpmod.save(fpmod.collect(), out / fpmod.FINGERPRINT_FILE)
         if metrics_path.exists():
             metrics_path.unlink()
+    if d.parallel:
+        console.print(
+            f"data-parallel ({d.strategy}): {d.world_size} ranks x batch {tc.batch_size} x accum "
+            f"{tc.grad_accum} = {layout['global_batch']} rows per step"
+        )
 
     autocast = autocast_context(cfg, run.device)
-    tensorboard = open_tensorboard(cfg, out)
-    warm_up_attention(run, autocast)
+    tensorboard = open_tensorboard(cfg, out) if d.is_main else None
+    warm_up_attention(run, autocast, model)
     order = epoch_order(len(run.train_rows), tc.seed, cursor["epoch"])
     losses: list[float] = []
     window: dict[str, Tensor] | None = None
@@ -564,21 +683,36 @@ def train(
         while step < run.total_steps:
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            for _ in range(tc.grad_accum):
-                if cursor["index"] + tc.batch_size > len(order):  # full batches only: one shape
+            for j in range(tc.grad_accum):
+                if cursor["index"] + micro > len(order):  # full batches only: one shape
                     cursor = {"epoch": cursor["epoch"] + 1, "index": 0}
                     order = epoch_order(len(run.train_rows), tc.seed, cursor["epoch"])
-                idx = order[cursor["index"] : cursor["index"] + tc.batch_size]
-                cursor["index"] += tc.batch_size
+                positions = dd.rank_positions(cursor["index"], tc.batch_size, d)  # this rank's share
+                idx = [order[p] for p in positions]
+                seeds = [anchor_seed(tc.seed, cursor["epoch"], p) for p in positions]
+                cursor["index"] += micro
                 rows = run.train_rows.take(idx, run.device)
                 feats, argmax = features_for(run, "train", idx, rows)
-                out_step = block_step(
-                    drafter, run.target, rows, feats, argmax, cfg, run.backend, generator, autocast
-                )
-                (out_step.loss.loss / tc.grad_accum).backward()
-                step_loss += float(out_step.loss.loss.detach()) / tc.grad_accum
+                with dd.gradient_sync(model, d, sync=j == tc.grad_accum - 1):
+                    out_step = block_step(
+                        model,
+                        run.target,
+                        rows,
+                        feats,
+                        argmax,
+                        cfg,
+                        run.backend,
+                        generator,
+                        autocast,
+                        seeds=seeds,
+                    )
+                    lo = out_step.loss
+                    loss, share = dd.global_loss(lo.weighted_sum, lo.weight_sum, lo.loss, d)
+                    (loss / tc.grad_accum).backward()
+                step_loss += share / tc.grad_accum
                 window = add_stats(window, {k: v.cpu() for k, v in out_step.stats.items()})
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))
+            (step_loss,) = dd.sum_over_ranks([step_loss], d)
+            grad_norm = dd.grad_norm_value(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))
             optimizer.step()
             scheduler.step()
             step += 1
@@ -590,7 +724,7 @@ def train(
 
             record: dict[str, Any] | None = None
             if step % tc.log_every == 0 or step == run.total_steps:
-                m = finalize_stats(window) if window is not None else {}
+                m = finalize_stats(dd.reduce_stats(window, d)) if window is not None else {}
                 record = {
                     "step": step,
                     "loss": step_loss,
@@ -602,12 +736,12 @@ def train(
                 }
                 window = None
             if step % tc.eval_every == 0 or step == run.total_steps:
-                last_val = evaluate(run)
+                last_val = evaluate(run)  # the same reduced numbers on every rank
                 record = (record or {"step": step}) | {"val": last_val}
                 if last_val["acceptance_length"] > best:
                     best = last_val["acceptance_length"]
                     save_best(run, step, last_val)
-            if record is not None:
+            if record is not None and d.is_main:
                 _log(metrics_path, record, tensorboard)
             if (
                 step % tc.save_every == 0
@@ -615,14 +749,21 @@ def train(
                 or (stop_after is not None and step >= stop_after)
             ):
                 save_checkpoint(
-                    run, optimizer, scheduler, step, cursor, generator, {"best_acceptance_length": best}
+                    run,
+                    optimizer,
+                    scheduler,
+                    step,
+                    cursor,
+                    generator,
+                    {"best_acceptance_length": best, **layout},
                 )
             progress.update(step, step_loss, record, best)
             if stop_after is not None and step >= stop_after:
                 break
     if tensorboard is not None:
         tensorboard.close()
-    plot_training(metrics_path, out / "training.png")
+    if d.is_main:
+        plot_training(metrics_path, out / "training.png")
     return TrainResult(step, time.perf_counter() - t0, best, last_val, out, losses)
 
 
