@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflashkit.errors import ConfigError
 
@@ -85,6 +85,12 @@ class TrainSection(Section):
     seed: int = 0
     cache_features: bool = False  # keep each training row's target features after its first pass (small data)
     autocast: Literal["auto", "bf16", "off"] = "auto"  # auto: bf16 on GPU, off on CPU
+
+    @field_validator("autocast", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, v: Any) -> Any:
+        """YAML reads a bare off/on as a boolean."""
+        return {False: "off", True: "bf16"}.get(v, v) if isinstance(v, bool) else v
     tensorboard: bool = False
 
 
@@ -276,6 +282,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for text in overrides or []:
         key_path, value = parse_override(text)
         _set_dotted(data, key_path, value)
+    if overrides:
         where = f"{where} + overrides"
     try:
         return RunConfig.model_validate(data)
