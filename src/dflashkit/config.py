@@ -85,13 +85,13 @@ class TrainSection(Section):
     seed: int = 0
     cache_features: bool = False  # keep each training row's target features after its first pass (small data)
     autocast: Literal["auto", "bf16", "off"] = "auto"  # auto: bf16 on GPU, off on CPU
+    tensorboard: bool = False
 
     @field_validator("autocast", mode="before")
     @classmethod
     def _yaml_booleans(cls, v: Any) -> Any:
         """YAML reads a bare off/on as a boolean."""
         return {False: "off", True: "bf16"}.get(v, v) if isinstance(v, bool) else v
-    tensorboard: bool = False
 
 
 class AttentionSection(Section):
