@@ -228,7 +228,7 @@ def register_capture(subparsers: argparse._SubParsersAction) -> None:
         default="bfloat16",
         help="feature storage (default bfloat16; float8_e4m3fn halves it, one scale per token and layer)",
     )
-    p.add_argument("--shard-mb", type=float, metavar="MB", help="shard size in MiB (default 1024)")
+    p.add_argument("--shard-mb", type=float, metavar="MB", help="shard size in MiB (default 2048)")
     p.add_argument(
         "--batch-rows", type=int, metavar="K", help="rows per target pass (default train.batch_size)"
     )

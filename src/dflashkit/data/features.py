@@ -232,7 +232,7 @@ class CaptureSettings:
 
     out: Path
     dtype: FeatureDtype = "bfloat16"
-    shard_mb: float = 1024.0
+    shard_mb: float = 2048.0
     batch_rows: int | None = None
 
 
@@ -346,7 +346,10 @@ def capture_features(
 
     T = cfg.train.max_len
     per_token = bytes_per_token(target.hidden_size, len(layer_ids), settings.dtype)
+    batch_rows = settings.batch_rows or cfg.train.batch_size
     rows_per_shard = max(1, int(settings.shard_mb * 2**20 // (T * per_token["total"])))
+    if rows_per_shard > batch_rows:  # whole target passes per shard
+        rows_per_shard -= rows_per_shard % batch_rows
     identity = _capture_identity(cfg, ident, layer_ids, data_manifest, rows, settings, dtype, rows_per_shard)
     out.mkdir(parents=True, exist_ok=True)
     _check_restart(out / CAPTURE_FILE, identity)
@@ -355,7 +358,6 @@ def capture_features(
     for stale in out.glob("*.safetensors.tmp"):
         stale.unlink()
 
-    batch_rows = settings.batch_rows or cfg.train.batch_size
     plan = {split: shard_ranges(len(r), rows_per_shard) for split, r in rows.items()}
     total_rows = sum(len(r) for r in rows.values())
     written = kept = 0
@@ -374,11 +376,9 @@ def capture_features(
                     kept += 1
                 else:
                     t0 = time.perf_counter()
-                    tensors = _capture_shard(target, rows[split], start, stop, layer_ids, batch_rows, device)
-                    tensors = {
-                        **encode_features(tensors.pop("features"), settings.dtype, len(layer_ids)),
-                        **tensors,
-                    }
+                    tensors = _capture_shard(
+                        target, rows[split], start, stop, layer_ids, batch_rows, settings.dtype
+                    )
                     write_shard(path, tensors, expected)
                     written += 1
                     seconds += time.perf_counter() - t0
@@ -424,26 +424,26 @@ def capture_features(
 
 
 def _capture_shard(
-    target: Any, rows: Any, start: int, stop: int, layer_ids: list[int], batch_rows: int, device: torch.device
+    target: Any, rows: Any, start: int, stop: int, layer_ids: list[int], batch_rows: int, dtype: str
 ) -> dict[str, Tensor]:
-    """Features (target dtype, CPU), labels and row data of rows [start, stop), ``batch_rows`` at a time."""
+    """The stored tensors of rows [start, stop): features encoded in ``dtype`` (on the target's device,
+    ``batch_rows`` rows per target pass), labels and row data, on the CPU."""
     from dflashkit.train.trainer import target_pass
 
-    feats, labels = [], []
+    parts: dict[str, list[Tensor]] = {}
     for s in range(start, stop, batch_rows):
         idx = list(range(s, min(stop, s + batch_rows)))
-        f, a = target_pass(target, rows.take(idx, device), layer_ids)
+        f, a = target_pass(target, rows.take(idx, target.device), layer_ids)
         if not bool(torch.isfinite(f).all()):
             raise DataError(
                 f"the target produced non-finite features for rows {idx[0]}..{idx[-1]}; "
                 "capture with target.dtype=float32"
             )
-        feats.append(f.cpu())
-        labels.append(a.cpu())
+        for k, v in {**encode_features(f, dtype, len(layer_ids)), "labels": a.to(torch.int32)}.items():
+            parts.setdefault(k, []).append(v.cpu())
     sl = slice(start, stop)
     return {
-        "features": torch.cat(feats),
-        "labels": torch.cat(labels).to(torch.int32),
+        **{k: torch.cat(v) for k, v in parts.items()},
         "input_ids": rows.input_ids[sl].to(torch.int32),
         "loss_mask": rows.loss_mask[sl].to(torch.uint8),
         "doc_ids": rows.doc_ids[sl].to(torch.int32),
