@@ -166,7 +166,7 @@ def wrap_drafter(drafter: nn.Module, cfg: RunConfig, d: Dist) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [d.device.index] if d.device.type == "cuda" else None
-        return DistributedDataParallel(drafter, device_ids=ids, broadcast_buffers=False)
+        return DistributedDataParallel(drafter, device_ids=ids)  # the drafter has no buffers to sync
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -325,10 +325,10 @@ def resume_note(extra: dict[str, Any], d: Dist, global_batch: int) -> str | None
     if saved_world != d.world_size:
         notes.append(
             f"the checkpoint was written by {saved_world} rank(s), this run has {d.world_size}: training "
-            "continues from the same global step and row, and the anchors of every row are the same (they "
-            "depend on seed, epoch and row, not on the rank), but the per-rank random streams and the float "
-            "reduction order differ, so the run matches the uninterrupted one to rounding, not bit for bit "
-            "(an exact resume needs the same world size)"
+            "continues from the same global step and row, with the same anchors (they depend on seed, epoch "
+            "and row, not on the rank); the float reduction order changes and only rank 0's random streams "
+            "were kept, so the run matches an uninterrupted one to rounding, not bit for bit (an exact "
+            "resume needs the same world size)"
         )
     if saved_batch is not None and int(saved_batch) != global_batch:
         notes.append(

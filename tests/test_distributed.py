@@ -1,0 +1,304 @@
+"""Data-parallel training (torchrun, gloo on the CPU): 2 ranks x batch 1 train exactly as 1 process x batch 2
+(losses per step, validation, final weights, to float rounding), DDP and FSDP2 checkpoints resume on another
+world size, `dflashkit train --nproc` relaunches itself through torchrun, and the pieces underneath."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflashkit.cli import build_parser, main
+from dflashkit.config import load_config
+from dflashkit.errors import ConfigError
+from dflashkit.train import distributed as dd
+from dflashkit.train import trainer
+
+STEPS = 4
+
+
+def tiny_overrides(data_dir, out_dir, **over):
+    base = {
+        "target.dtype": "float32",
+        "data.dir": str(data_dir),
+        "run.out_dir": str(out_dir),
+        "drafter.layers": 1,
+        "drafter.block_size": 4,
+        "drafter.num_target_layers": 2,
+        "train.max_steps": STEPS,
+        "train.max_len": 96,
+        "train.num_anchors": 12,
+        "train.lr": 3e-3,
+        "train.warmup_ratio": 0.0,
+        "train.min_lr_ratio": 1.0,  # a constant rate: a run stopped at max_steps=2 resumes on the same schedule
+        "train.log_every": 1,
+        "train.eval_every": 2,
+        "train.save_every": 2,
+        "train.cache_features": True,
+        "train.chunk_blocks": 4,
+    }
+    base.update(over)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def quiet():
+    from rich.console import Console
+
+    return Console(quiet=True)
+
+
+def torchrun_train(words, timeout=300):
+    """`dflashkit train --nproc 2 ...` in a subprocess (the relaunch itself is part of what is tested)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for v in dd.TORCHRUN_VARS:
+        env.pop(v, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflashkit", "train", "--nproc", "2", *words],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir, step=STEPS):
+    return load_file(str(Path(run_dir) / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
+
+
+def assert_same_weights(a, b, atol=5e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
+
+
+def restart_at(run_dir, copy_to, step):
+    """A copy of a run folder whose latest checkpoint is `step` (as if it had stopped there)."""
+    import shutil
+
+    shutil.copytree(run_dir, copy_to)
+    ckpts = Path(copy_to) / "checkpoints"
+    for p in ckpts.glob("step-*"):
+        if int(p.name.split("-")[1]) > step:
+            shutil.rmtree(p)
+    (ckpts / "latest").write_text(f"step-{step:08d}\n")
+    lines = [r for r in metrics(copy_to) if r["step"] <= step]
+    (Path(copy_to) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return Path(copy_to)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dataset, tmp_path_factory):
+    """One process x batch 2, and 2 DDP ranks x batch 1 started with `dflashkit train --nproc 2`."""
+    root = tmp_path_factory.mktemp("dp")
+    single = trainer.train(
+        load_config(None, tiny_overrides(tiny_dataset, root / "single", **{"train.batch_size": 2})),
+        console=quiet(),
+    )
+    log = torchrun_train(tiny_overrides(tiny_dataset, root / "ddp", **{"train.batch_size": 1}))
+    return {"root": root, "data": tiny_dataset, "single": single, "ddp": root / "ddp", "ddp_log": log}
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_train_as_one_process_with_the_global_batch(runs):
+    single, ddp = runs["single"], metrics(runs["ddp"])
+    assert "data-parallel (ddp): 2 ranks x batch 1 x accum 1 = 2 rows per step" in runs["ddp_log"]
+    assert [r["step"] for r in ddp] == list(range(1, STEPS + 1))  # rank 0 alone logs
+    torch.testing.assert_close([r["loss"] for r in ddp], single.losses, rtol=1e-5, atol=0)
+    one = metrics(single.out_dir)
+    for a, b in zip(one, ddp, strict=True):
+        assert a["acceptance_length"] == pytest.approx(b["acceptance_length"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        if "val" in a:  # validation split over the ranks and reduced: the same numbers
+            assert b["val"]["loss"] == pytest.approx(a["val"]["loss"], rel=1e-5)
+            assert b["val"]["blocks"] == a["val"]["blocks"]
+            assert b["val"]["acceptance_length"] == pytest.approx(a["val"]["acceptance_length"], abs=1e-9)
+    assert_same_weights(weights(single.out_dir), weights(runs["ddp"]))
+    ckpts = runs["ddp"] / "checkpoints"  # one checkpoint per save, written once, no leftovers
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+    state = json.loads((ckpts / "step-00000004" / "training_state.json").read_text())
+    assert state["step"] == STEPS and state["data_cursor"] == {"epoch": 0, "index": 2 * STEPS}
+    assert state["extra"]["world_size"] == 2 and state["extra"]["global_batch"] == 2
+    assert (runs["ddp"] / "best" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_ddp_checkpoint_resumes_on_one_process(runs):
+    """2 ranks -> 1 process: the same global position, the same anchors, the same steps to rounding."""
+    run_dir = restart_at(runs["ddp"], runs["root"] / "ddp-then-one", 2)
+    cfg = load_config(None, tiny_overrides(runs["data"], run_dir, **{"train.batch_size": 2}))
+    console_file = runs["root"] / "resume-log.txt"
+    from rich.console import Console
+
+    with open(console_file, "w") as f:
+        resumed = trainer.train(cfg, resume=True, console=Console(file=f, width=400))
+    assert resumed.steps == STEPS
+    torch.testing.assert_close(resumed.losses, runs["single"].losses[2:], rtol=1e-5, atol=0)
+    assert_same_weights(weights(runs["single"].out_dir), weights(run_dir))
+    assert "written by 2 rank(s), this run has 1" in console_file.read_text()
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_on_two_fsdp_ranks(runs):
+    """1 process -> 2 FSDP2 ranks (fp32 compute): full weights and optimizer state scattered into shards,
+    then gathered again for the checkpoint; the result matches the uninterrupted one-process run."""
+    run_dir = restart_at(runs["single"].out_dir, runs["root"] / "one-then-fsdp", 2)
+    log = torchrun_train(
+        [
+            "--resume",
+            *tiny_overrides(
+                runs["data"],
+                run_dir,
+                **{
+                    "train.batch_size": 1,
+                    "distributed.strategy": "fsdp",
+                    "distributed.fsdp_param_dtype": "float32",
+                },
+            ),
+        ]
+    )
+    assert "data-parallel (fsdp)" in log and "written by 1 rank(s), this run has 2" in log
+    resumed = [r["loss"] for r in metrics(run_dir) if r["step"] > 2]
+    torch.testing.assert_close(resumed, runs["single"].losses[2:], rtol=1e-5, atol=0)
+    assert_same_weights(weights(runs["single"].out_dir), weights(run_dir))
+    saved = torch.load(run_dir / "checkpoints" / "step-00000004" / "training_state.pt", weights_only=True)[
+        "optimizer"
+    ]
+    plain = torch.load(
+        runs["single"].out_dir / "checkpoints" / "step-00000004" / "training_state.pt", weights_only=True
+    )["optimizer"]
+    assert saved["state"].keys() == plain["state"].keys()  # the full state, in the one-process layout
+    for i, s in plain["state"].items():
+        torch.testing.assert_close(saved["state"][i]["exp_avg"], s["exp_avg"], rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# The pieces
+
+
+def test_ranks_split_every_global_micro_batch():
+    for world in (1, 2, 3, 4):
+        for b in (1, 3):
+            got = [
+                list(dd.rank_positions(10, b, dd.Dist(torch.device("cpu"), r, world))) for r in range(world)
+            ]
+            assert sum(got, []) == list(range(10, 10 + world * b))
+
+
+def test_validation_rows_are_dealt_in_lockstep():
+    for n in (1, 5, 8):
+        for world in (1, 2, 3):
+            shares = [dd.lockstep_rows(n, dd.Dist(torch.device("cpu"), r, world)) for r in range(world)]
+            assert len({len(s) for s in shares}) == 1  # every rank runs as many forwards
+            counted = sorted(i for s in shares for i, c in s if c)
+            assert counted == list(range(n))  # every row counted exactly once
+    assert dd.lockstep_rows(0, dd.Dist(torch.device("cpu"), 1, 2)) == []
+
+
+def test_anchor_draw_of_a_row_does_not_depend_on_its_batch():
+    T = 64
+    g = torch.Generator()
+    loss_mask = torch.rand(3, T, generator=g.manual_seed(1)) > 0.3
+    doc_ids = torch.zeros(3, T, dtype=torch.long)
+    z = torch.zeros(3, T, dtype=torch.long)
+    rows = trainer.Rows(z, loss_mask, doc_ids, z)
+    seeds = [trainer.anchor_seed(0, 0, p) for p in (4, 5, 6)]
+    together = trainer.draw_anchors(rows, 8, 4, torch.Generator(), seeds)
+    for i in range(3):
+        alone = trainer.draw_anchors(
+            rows.take([i], torch.device("cpu")), 8, 4, torch.Generator(), seeds[i : i + 1]
+        )
+        assert torch.equal(alone.anchors[0], together.anchors[i])
+        assert torch.equal(alone.block_valid[0], together.block_valid[i])
+    other = trainer.draw_anchors(
+        rows, 8, 4, torch.Generator(), [trainer.anchor_seed(0, 1, p) for p in (4, 5, 6)]
+    )
+    assert not torch.equal(other.anchors, together.anchors)  # another epoch, other anchors
+    assert len({trainer.anchor_seed(s, e, p) for s in (0, 1) for e in (0, 1) for p in range(100)}) == 400
+    assert all(0 <= trainer.anchor_seed(2**40, 7, p) < 2**63 for p in range(10))
+
+
+def test_one_process_keeps_its_own_loss():
+    one = dd.single_process(torch.device("cpu"))
+    loss = torch.tensor(2.5, requires_grad=True)
+    out, share = dd.global_loss(loss * 4, torch.tensor(4.0), loss, one)
+    assert out is loss and share == 2.5
+    assert dd.sum_over_ranks([1.0, 2.0], one) == [1.0, 2.0]
+    assert not one.parallel and one.is_main
+
+
+def test_resume_note_names_the_change():
+    two = dd.Dist(torch.device("cpu"), 0, 2)
+    assert dd.resume_note({"world_size": 2, "global_batch": 4}, two, 4) is None
+    assert "written by 1 rank(s), this run has 2" in dd.resume_note({"global_batch": 4}, two, 4)
+    assert "global batch changed from 2 to 4" in dd.resume_note({"world_size": 2, "global_batch": 2}, two, 4)
+
+
+def test_launch_command_for_one_and_several_hosts():
+    args = build_parser().parse_args(["train", "-c", "configs/embedded.yaml", "--resume", "--nproc", "8"])
+    args.overrides = ["train.lr=1e-4"]
+    words = dd.train_argv(args)
+    assert words == ["train", "--config", "configs/embedded.yaml", "--resume", "train.lr=1e-4"]
+    one = dd.launch_command(words, 8)
+    assert one[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=8",
+        "--standalone",
+        "-m",
+        "dflashkit",
+        *words,
+    ]
+    many = dd.launch_command(words, 8, nnodes=2, rdzv_endpoint="node0:29500")
+    assert "--nnodes=2" in many and "--rdzv-endpoint=node0:29500" in many and "--standalone" not in many
+    with pytest.raises(ConfigError, match="--rdzv-endpoint"):
+        dd.launch_command(words, 8, nnodes=2)
+    with pytest.raises(ConfigError, match="at least 1"):
+        dd.launch_command(words, 0)
+
+
+def test_nproc_dry_run_prints_the_launch(tiny_dataset, tmp_path, capsys):
+    code = main(["train", "--nproc", "2", "--dry-run", *tiny_overrides(tiny_dataset, tmp_path / "run")])
+    assert code == 0
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "torch.distributed.run --nproc-per-node=2 --standalone -m dflashkit train" in out
+    assert "everything checks out" in out and not (tmp_path / "run").exists()
+
+
+def test_nproc_inside_torchrun_is_refused(monkeypatch, capsys):
+    for v, x in zip(dd.TORCHRUN_VARS, ("0", "2", "0"), strict=True):
+        monkeypatch.setenv(v, x)
+    assert main(["train", "--nproc", "2", "--dry-run"]) == 2
+    assert "started by torchrun already" in capsys.readouterr().err
+    assert main(["train", "--nnodes", "2"]) == 2
+    assert "go with --nproc" in capsys.readouterr().err
+
+
+def test_too_few_rows_for_the_ranks_is_one_clear_error(tiny_dataset, tmp_path):
+    from dflashkit.errors import DataError
+
+    cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run"))
+    with pytest.raises(DataError, match="64 ranks x train.batch_size=1"):
+        trainer.setup_run(cfg, dist=dd.Dist(torch.device("cpu"), 0, 64))
+
+
+def test_torchrun_with_a_named_gpu_is_refused(monkeypatch, tmp_path):
+    for v, x in zip(dd.TORCHRUN_VARS, ("0", "2", "0"), strict=True):
+        monkeypatch.setenv(v, x)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.device=cuda:1"])
+    with pytest.raises(ConfigError, match="cuda:LOCAL_RANK"):
+        dd.init_distributed(cfg)
