@@ -40,6 +40,7 @@ def tiny_overrides(data_dir, out_dir, **over):
         "train.save_every": 2,
         "train.cache_features": True,
         "train.chunk_blocks": 4,
+        "train.grad_accum": 2,  # 4 global rows per step: 4 steps walk 2 epochs of the 8 rows
     }
     base.update(over)
     return [f"{k}={v}" for k, v in base.items()]
@@ -115,7 +116,7 @@ def runs(tiny_dataset, tmp_path_factory):
 @pytest.mark.slow
 def test_two_ddp_ranks_train_as_one_process_with_the_global_batch(runs):
     single, ddp = runs["single"], metrics(runs["ddp"])
-    assert "data-parallel (ddp): 2 ranks x batch 1 x accum 1 = 2 rows per step" in runs["ddp_log"]
+    assert "data-parallel (ddp): 2 ranks x batch 1 x accum 2 = 4 rows per step" in runs["ddp_log"]
     assert [r["step"] for r in ddp] == list(range(1, STEPS + 1))  # rank 0 alone logs
     torch.testing.assert_close([r["loss"] for r in ddp], single.losses, rtol=1e-5, atol=0)
     one = metrics(single.out_dir)
@@ -130,8 +131,10 @@ def test_two_ddp_ranks_train_as_one_process_with_the_global_batch(runs):
     ckpts = runs["ddp"] / "checkpoints"  # one checkpoint per save, written once, no leftovers
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-00000002", "step-00000004"]
     state = json.loads((ckpts / "step-00000004" / "training_state.json").read_text())
-    assert state["step"] == STEPS and state["data_cursor"] == {"epoch": 0, "index": 2 * STEPS}
-    assert state["extra"]["world_size"] == 2 and state["extra"]["global_batch"] == 2
+    one_state = single.out_dir / "checkpoints" / "step-00000004" / "training_state.json"
+    assert state["data_cursor"] == json.loads(one_state.read_text())["data_cursor"]  # in global rows
+    assert state["step"] == STEPS and state["data_cursor"] == {"epoch": 1, "index": 8}
+    assert state["extra"]["world_size"] == 2 and state["extra"]["global_batch"] == 4
     assert (runs["ddp"] / "best" / "model.safetensors").is_file()
 
 
