@@ -305,3 +305,43 @@ def test_torchrun_with_a_named_gpu_is_refused(monkeypatch, tmp_path):
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.device=cuda:1"])
     with pytest.raises(ConfigError, match="cuda:LOCAL_RANK"):
         dd.init_distributed(cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# On 2 GPUs (nccl, compiled flex attention warmed and frozen in every rank)
+
+
+def two_gpus():
+    return pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+GPU_FLEX = {"run.device": "cuda", "attention.backend": "flex", "train.autocast": "off"}
+
+
+@pytest.mark.gpu
+@two_gpus()
+def test_two_gpu_ranks_train_as_one_gpu_with_the_global_batch(tiny_dataset, tmp_path):
+    one = trainer.train(
+        load_config(
+            None, tiny_overrides(tiny_dataset, tmp_path / "one", **GPU_FLEX, **{"train.batch_size": 2})
+        ),
+        console=quiet(),
+    )
+    log = torchrun_train(
+        tiny_overrides(tiny_dataset, tmp_path / "ddp", **GPU_FLEX, **{"train.batch_size": 1})
+    )
+    assert "data-parallel (ddp): 2 ranks" in log
+    torch.testing.assert_close([r["loss"] for r in metrics(tmp_path / "ddp")], one.losses, rtol=1e-4, atol=0)
+    assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "ddp"), atol=2e-4)
+
+
+@pytest.mark.gpu
+@two_gpus()
+def test_two_gpu_fsdp_bf16_trains_and_resumes_on_ddp(tiny_dataset, tmp_path):
+    fsdp = {"run.device": "cuda", "attention.backend": "flex", "target.dtype": "bfloat16"}
+    words = tiny_overrides(tiny_dataset, tmp_path / "run", **fsdp, **{"train.batch_size": 1})
+    torchrun_train([*words, "distributed.strategy=fsdp", "train.max_steps=2"])
+    log = torchrun_train(["--resume", *words])  # DDP continues the FSDP2 checkpoint
+    assert "resumed from" in log and "data-parallel (ddp)" in log
+    losses = [r["loss"] for r in metrics(tmp_path / "run")]
+    assert len(losses) == STEPS and all(x == x and abs(x) < float("inf") for x in losses)
