@@ -66,6 +66,7 @@ COMMAND_MODULES = (
     "dflashkit.model.commands",  # init, convert
     "dflashkit.data.commands",  # prepare, capture
     "dflashkit.train.commands",  # train
+    "dflashkit.train.fanout_commands",  # fanout
     "dflashkit.infer.commands",  # eval, generate
 )
 

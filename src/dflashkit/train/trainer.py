@@ -274,6 +274,9 @@ class Run:
     cached: dict[tuple[str, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
     features: Any = None  # a data.features.FeatureStore when data.features_dir names a capture
     dist: dd.Dist | None = None  # this process's place in a data-parallel run (setup_run sets it)
+    # The target layers features_for reads (None: the drafter's). A fan-out's target side reads the union
+    # of its drafters' layers.
+    feature_layer_ids: list[int] | None = None
 
 
 def drafter_config(
@@ -337,8 +340,11 @@ def load_rows(cfg: RunConfig, target: TargetModel) -> tuple[Rows, Rows]:
     )
 
 
-def setup_run(cfg: RunConfig, *, load_data: bool = True, dist: dd.Dist | None = None) -> Run:
-    """Everything a run needs, on this process's device (``dist`` under torchrun: see train.distributed)."""
+def setup_run(
+    cfg: RunConfig, *, load_data: bool = True, dist: dd.Dist | None = None, target: Any = None
+) -> Run:
+    """Everything a run needs, on this process's device (``dist`` under torchrun: see train.distributed).
+    ``target``: the target when the caller has it loaded already (a fan-out's drafters share one)."""
     from dflashkit.data.dataset import read_manifest
 
     dist = dist if dist is not None else dd.single_process(resolve_device(cfg))
@@ -346,7 +352,8 @@ def setup_run(cfg: RunConfig, *, load_data: bool = True, dist: dd.Dist | None = 
     backend = resolve_backend(cfg, device)
     data_dir = Path(cfg.data.dir)
     manifest = read_manifest(data_dir)
-    target = TargetModel.load(cfg.target.path, dtype=target_dtype(cfg, device), device=device)
+    if target is None:
+        target = TargetModel.load(cfg.target.path, dtype=target_dtype(cfg, device), device=device)
     dc = drafter_config(cfg, target.config, target.identity())
     check_data_matches_target(manifest, target.identity(), dc, str(data_dir))
     if cfg.drafter.init:
@@ -410,11 +417,12 @@ def features_for(run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tens
     """Target features and argmax labels of rows ``idx`` of a split (``rows`` = those rows, on the device).
 
     With ``data.features_dir`` they are read from a `dflashkit capture` folder; with
-    ``train.cache_features`` each row's target pass runs once and is kept (small datasets)."""
+    ``train.cache_features`` each row's target pass runs once and is kept (small datasets). Rows already
+    in ``run.cached`` are used either way (a fan-out hands its drafters their validation features)."""
     if run.features is not None:
         return run.features.read(split, idx, rows.input_ids.device, run.target.dtype)
-    layer_ids = run.drafter.config.target_layer_ids
-    if not run.cfg.train.cache_features:
+    layer_ids = run.feature_layer_ids or run.drafter.config.target_layer_ids
+    if not run.cfg.train.cache_features and not all((split, i) in run.cached for i in idx):
         return target_pass(run.target, rows, layer_ids)
     missing = [j for j, i in enumerate(idx) if (split, i) not in run.cached]
     if missing:
@@ -427,11 +435,14 @@ def features_for(run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tens
     return feats, argmax
 
 
-def warm_up_attention(run: Run, autocast: Any, model: torch.nn.Module | None = None) -> None:
+def warm_up_attention(
+    run: Run, autocast: Any, model: torch.nn.Module | None = None, *, freeze: bool = True
+) -> None:
     """Compile the flex attention of every shape this run uses (a training micro-batch forward and
     backward, an evaluation row) serially, then freeze: any later compile is an error, never a race or
     a silent dense path. Rows are padded to max_len and anchors are a fixed count, so these are all.
-    ``model`` is what training steps (a DDP wrapper under torchrun; every rank warms up together)."""
+    ``model`` is what training steps (a DDP wrapper under torchrun; every rank warms up together).
+    ``freeze=False`` leaves the freeze to the caller (a fan-out warms every drafter first)."""
     if run.backend != "flex" or len(run.train_rows) == 0:
         return
     from dflashkit.runtime import compile as rc
@@ -447,7 +458,8 @@ def warm_up_attention(run: Run, autocast: Any, model: torch.nn.Module | None = N
         out.loss.loss.backward()
         run.drafter.zero_grad(set_to_none=True)
         evaluate(run, max_rows=1)
-    rc.freeze()
+    if freeze:
+        rc.freeze()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -606,25 +618,48 @@ def open_tensorboard(cfg: RunConfig, out: Path) -> Any:
 
 
 def train(
-    cfg: RunConfig, *, resume: bool = False, console: Any = None, stop_after: int | None = None
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    console: Any = None,
+    stop_after: int | None = None,
+    run: Run | None = None,
+    features: Any = None,
 ) -> TrainResult:
     """Train a drafter as the config says. ``stop_after`` ends the loop early after that many steps
     (as an interruption would), leaving the checkpoints for ``resume``. Started by torchrun, each
-    process trains its share of every global batch (data-parallel: see dflashkit.train.distributed)."""
+    process trains its share of every global batch (data-parallel: see dflashkit.train.distributed).
+
+    A fan-out (dflashkit.train.fanout) drives this loop in its drafter threads: ``run`` is set up, and its
+    attention warmed, by the caller; ``features`` (called as ``features_for`` is) feeds each training
+    micro-batch the target's features computed once for every drafter."""
     d = dd.init_distributed(cfg)
     try:
-        return _train(cfg, d, resume=resume, console=console, stop_after=stop_after)
+        return _train(
+            cfg, d, resume=resume, console=console, stop_after=stop_after, run=run, features=features
+        )
     finally:
         dd.shutdown(d)
 
 
-def _train(cfg: RunConfig, d: dd.Dist, *, resume: bool, console: Any, stop_after: int | None) -> TrainResult:
+def _train(
+    cfg: RunConfig,
+    d: dd.Dist,
+    *,
+    resume: bool,
+    console: Any,
+    stop_after: int | None,
+    run: Run | None = None,
+    features: Any = None,
+) -> TrainResult:
     from rich.console import Console
 
     from dflashkit.train.progress import TrainProgress
 
     console = (console or Console()) if d.is_main else Console(quiet=True)  # rank 0 speaks
-    run = setup_run(cfg, dist=d)
+    warm = run is None  # a caller that brings its run has warmed it up
+    run = setup_run(cfg, dist=d) if run is None else run
+    features = features or features_for
     out = run.out_dir
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -673,7 +708,8 @@ def _train(cfg: RunConfig, d: dd.Dist, *, resume: bool, console: Any, stop_after
 
     autocast = autocast_context(cfg, run.device)
     tensorboard = open_tensorboard(cfg, out) if d.is_main else None
-    warm_up_attention(run, autocast, model)
+    if warm:
+        warm_up_attention(run, autocast, model)
     order = epoch_order(len(run.train_rows), tc.seed, cursor["epoch"])
     losses: list[float] = []
     window: dict[str, Tensor] | None = None
@@ -692,7 +728,7 @@ def _train(cfg: RunConfig, d: dd.Dist, *, resume: bool, console: Any, stop_after
                 seeds = [anchor_seed(tc.seed, cursor["epoch"], p) for p in positions]
                 cursor["index"] += micro
                 rows = run.train_rows.take(idx, run.device)
-                feats, argmax = features_for(run, "train", idx, rows)
+                feats, argmax = features(run, "train", idx, rows)
                 with dd.gradient_sync(model, d, sync=j == tc.grad_accum - 1):
                     out_step = block_step(
                         model,
@@ -771,15 +807,13 @@ def plot_training(metrics_path: Path, png: Path) -> Path | None:
     """Loss and acceptance length (training batches and held-out) over steps, as one PNG."""
     if not metrics_path.is_file():
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: its global state is not for threads (fan-out)
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("loss") is not None]
     val = [r for r in records if "val" in r]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax1, ax2 = fig.subplots(1, 2)
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], color="#3b7dd8")
     ax1.set_xlabel("step")
     ax1.set_ylabel("weighted block cross-entropy")
@@ -801,5 +835,4 @@ def plot_training(metrics_path: Path, png: Path) -> Path | None:
     ax2.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
-    plt.close(fig)
     return png

@@ -1,0 +1,765 @@
+"""Fan-out training: one target, several drafter variants trained at the same time, as threads of one process.
+
+The story's topology (DESIGN.md, "Placement"): the target's forward is the expensive part, so a sweep of
+K drafters (block sizes, layer counts, learning rates) should cost about one target pass per batch, not K.
+Read top to bottom:
+
+- `placement` and `variant_configs`: each variant is the base config plus its dotted overrides (the
+  config's ``fanout`` section); its run folder is run.out_dir/<name>, its device one of `placement`'s.
+- `setup_fanout`: the target is loaded once; each variant gets an ordinary trainer Run (`setup_run`)
+  that shares it. A drafter on another device than the target's sees it through a `TargetView` (its
+  own copies of the frozen embedding and lm_head there).
+- `share_validation_features`: one target pass per held-out row, handed to every drafter.
+- `warm_up`: before any thread starts, every flex attention shape of every drafter on every device,
+  forward and backward, is compiled serially under runtime.compile.COMPILE_LOCK (`warm_up_attention`);
+  then runtime.compile.freeze(): any later compile is an error naming shape and device.
+- `feed_drafters` (the target worker, the calling thread): walks the micro-batch stream that
+  `trainer.train` walks, runs the target once per micro-batch and puts the features into a bounded
+  queue per drafter that still needs them (`Feed`).
+- the drafter threads run `trainer.train` itself, with their features taken from the feed. A drafter
+  that raises stops alone: its error is recorded (the traceback in <name>/error.txt), its checkpoints
+  stay as they were, the target stops feeding it and the others go on.
+- `train_fanout` ends with a table comparing the variants, also written to run.out_dir/fanout.json.
+
+A fan-out runs at the pace of its slowest drafter: the target puts each batch into every queue, and a
+queue holds at most ``fanout.queue_depth`` batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import json
+import math
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dflashkit.config import FanoutSection, RunConfig, apply_overrides, dump_config
+from dflashkit.errors import ConfigError, DeviceError, DflashkitError
+from dflashkit.runtime import compile as rc
+from dflashkit.runtime import fingerprint as fpmod
+from dflashkit.target.hf import TargetModel
+from dflashkit.train import state as st
+from dflashkit.train import trainer
+from dflashkit.train.trainer import Rows, Run, TrainResult
+
+SUMMARY_FILE = "fanout.json"
+ERROR_FILE = "error.txt"
+SUMMARY_COLUMNS = (
+    "variant",
+    "device",
+    "status",
+    "steps",
+    "final loss",
+    "val tau",
+    "best tau",
+    "steps/s",
+    "error",
+)
+POLL_S = 0.05  # how often a waiting queue call looks at the stop flag
+
+
+class FanoutStopped(DflashkitError):
+    """The fan-out stopped (its target worker failed, or it was interrupted) before this drafter finished."""
+
+
+class FeedError(DflashkitError):
+    """A drafter was fed another micro-batch than the one its training loop expected."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Placement and variants
+
+
+def _section(cfg: RunConfig) -> FanoutSection:
+    if cfg.fanout is None:
+        raise ConfigError(
+            "this config has no fanout section; add one (see configs/fanout.yaml) or train one drafter "
+            "with `dflashkit train`"
+        )
+    return cfg.fanout
+
+
+def _device(text: str, where: str) -> torch.device:
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise ConfigError(f"{where}: {text!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise DeviceError(f"{where} is {text} but this machine has no CUDA GPU; use cpu or auto")
+        dev = torch.device("cuda", dev.index or 0)
+        if dev.index >= count:
+            raise DeviceError(
+                f"{where} is {text} but this machine has {count} GPU(s) (cuda:0..cuda:{count - 1})"
+            )
+    return dev
+
+
+def placement(cfg: RunConfig) -> tuple[torch.device, list[torch.device]]:
+    """(the target's device, one device per variant). ``auto`` puts the target on run.device when that
+    is set, else on cuda:0 (or the CPU), and the drafters on the other GPUs in turn (or beside the target)."""
+    fc = _section(cfg)
+    want = fc.target_device if fc.target_device != "auto" else cfg.run.device
+    if want == "auto":
+        want = "cuda:0" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu"
+    target = _device(want, "fanout.target_device")
+    gpus = (
+        [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if target.type == "cuda" else []
+    )
+    pool = [g for g in gpus if g != target] or [target]
+    devices: list[torch.device] = []
+    auto = 0
+    for v in fc.variants:
+        if v.device == "auto":
+            devices.append(pool[auto % len(pool)])
+            auto += 1
+        else:
+            devices.append(_device(v.device, f"fanout variant {v.name} device"))
+    return target, devices
+
+
+def variant_configs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """(name, config) of every variant: the base config (without its fanout section) plus the variant's
+    overrides, with run.out_dir = <base run.out_dir>/<name> and run.device = its device."""
+    fc = _section(cfg)
+    _, devices = placement(cfg)
+    base = cfg.model_copy(update={"fanout": None})
+    out = Path(cfg.run.out_dir)
+    configs = []
+    for v, dev in zip(fc.variants, devices, strict=True):
+        where = f"fanout variant {v.name}"
+        own = {**v.overrides, "run.out_dir": str(out / v.name), "run.device": str(dev)}
+        configs.append((v.name, apply_overrides(base, own, where)))
+    return configs
+
+
+# --------------------------------------------------------------------------------------------------
+# The target as a drafter on another device sees it
+
+
+class TargetView:
+    """The shared target as seen from another device: copies of its frozen embedding and lm_head live
+    there (what a training step needs); everything else (config, identity, features) is the target's
+    own, computed on its device and moved here."""
+
+    def __init__(self, target: TargetModel, device: torch.device):
+        self.target = target
+        self.device = torch.device(device)
+        pair = (target.model.get_input_embeddings(), target.model.get_output_embeddings())
+        embedding, head = copy.deepcopy(pair)  # one deepcopy, so that tied weights stay tied
+        self._embedding = embedding.to(self.device)
+        self._head = head.to(self.device)
+
+    def __getattr__(self, name: str) -> Any:  # config, identity(), hidden_size, dtype, ...: the target's
+        if name == "target":
+            raise AttributeError(name)
+        return getattr(self.target, name)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self._embedding(ids)
+
+    def embed_weight(self) -> Tensor:
+        return self._embedding.weight
+
+    def lm_head(self, h: Tensor) -> Tensor:
+        return self._head(h.to(self._head.weight.dtype))
+
+    def lm_head_weight(self) -> Tensor:
+        return self._head.weight
+
+    def features(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, layer_ids: Any = None, **kw: Any
+    ):
+        there = self.target.device
+        moved = {k: v.to(there) if isinstance(v, Tensor) else v for k, v in kw.items()}
+        mask = attention_mask.to(there) if attention_mask is not None else None
+        feats, labels = self.target.features(input_ids.to(there), mask, layer_ids, **moved)
+        return feats.to(self.device), labels.to(self.device) if labels is not None else None
+
+
+def feature_columns(
+    union: list[int], layer_ids: list[int], hidden: int, device: torch.device
+) -> Tensor | None:
+    """Columns of a drafter's layers in features of the ``union`` of layers (outputs concatenated in
+    layer order, ``hidden`` wide each); None when the drafter reads them all."""
+    mine = sorted(layer_ids)
+    if mine == union:
+        return None
+    cols = [torch.arange(union.index(i) * hidden, (union.index(i) + 1) * hidden) for i in mine]
+    return torch.cat(cols).to(device)
+
+
+def _select(features: Tensor, columns: Tensor | None) -> Tensor:
+    return features if columns is None else features.index_select(-1, columns)
+
+
+# --------------------------------------------------------------------------------------------------
+# The micro-batch stream and the feeds
+
+
+def stream_rows(n: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
+    """Row indices of micro-batch n of the stream `trainer.train` walks: full batches of each epoch's
+    seeded order, epoch after epoch."""
+    epoch, j = divmod(n, num_rows // batch_size)
+    return trainer.epoch_order(num_rows, seed, epoch)[j * batch_size : (j + 1) * batch_size]
+
+
+def stream_position(cursor: dict[str, int], num_rows: int, batch_size: int) -> int:
+    """The micro-batch a saved data cursor ({"epoch", "index"}) continues with."""
+    return cursor["epoch"] * (num_rows // batch_size) + cursor["index"] // batch_size
+
+
+def resume_point(run: Run) -> tuple[int, int]:
+    """(step, micro-batch) where `trainer.train(resume=True)` continues this run: (0, 0) without a checkpoint."""
+    latest = st.read_latest(run.out_dir / trainer.CHECKPOINTS)
+    if latest is None:
+        return 0, 0
+    saved = json.loads((latest / st.STATE_JSON).read_text())
+    return int(saved["step"]), stream_position(
+        saved["data_cursor"], len(run.train_rows), run.cfg.train.batch_size
+    )
+
+
+@dataclass
+class Batch:
+    """Micro-batch n of the stream: its rows, and the target's features (of the union of the drafters'
+    layers) and argmax labels for them, on the target's device."""
+
+    n: int
+    idx: list[int]
+    features: Tensor
+    argmax: Tensor
+
+
+class Feed:
+    """The bounded queue from the target worker to one drafter: micro-batches [start, end) of the stream.
+
+    The target worker calls `wants` and `put`; the drafter's training loop calls the feed itself, as its
+    source of features (`trainer.train(features=feed)`), and `close` when it ends."""
+
+    def __init__(
+        self, name: str, start: int, end: int, depth: int, columns: Tensor | None, stop: threading.Event
+    ):
+        self.name = name
+        self.start, self.end = start, end
+        self.columns = columns
+        self.stop = stop
+        self.queue: queue.Queue[Batch] = queue.Queue(maxsize=depth)
+        self.closed = threading.Event()
+        self.taken = 0  # micro-batches the drafter has taken
+
+    def wants(self, n: int) -> bool:
+        return self.start <= n < self.end and not self.closed.is_set()
+
+    def put(self, batch: Batch) -> bool:
+        """Wait for room; False when the drafter ended or the fan-out stopped meanwhile."""
+        while not (self.closed.is_set() or self.stop.is_set()):
+            try:
+                self.queue.put(batch, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self) -> Batch:
+        """The next micro-batch (waits for the target); FanoutStopped when the fan-out stopped."""
+        while True:
+            if self.stop.is_set():
+                raise FanoutStopped(f"drafter {self.name}: the fan-out stopped before it finished")
+            try:
+                batch = self.queue.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            self.taken += 1
+            return batch
+
+    def features(self, batch: Batch, device: torch.device) -> tuple[Tensor, Tensor]:
+        """This drafter's features and labels of a batch, on its device."""
+        return _select(batch.features, self.columns).to(device), batch.argmax.to(device)
+
+    def __call__(self, run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tensor, Tensor]:
+        batch = self.next()
+        if split != "train" or batch.idx != list(idx):
+            raise FeedError(
+                f"drafter {self.name} expected rows {list(idx)[:4]} of its {split} stream but the target fed "
+                f"micro-batch {batch.n} (rows {batch.idx[:4]}); resume the fan-out as a whole "
+                "(dflashkit fanout --resume), each variant from its own run folder"
+            )
+        return self.features(batch, run.device)
+
+    def close(self) -> None:
+        """Take no more: the target skips this drafter from now on (queued batches are dropped)."""
+        self.closed.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.queue.get_nowait()
+
+
+# --------------------------------------------------------------------------------------------------
+# Setup
+
+
+@dataclass
+class DrafterWorker:
+    """One variant: its run, its feed, and how its thread went."""
+
+    name: str
+    run: Run
+    feed: Feed
+    start_step: int
+    status: str = "waiting"  # waiting -> training -> done | failed | stopped
+    error: str | None = None
+    result: TrainResult | None = None
+    seconds: float = 0.0
+    thread: threading.Thread | None = None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps done (the step that raised, for a failed drafter, does not count)."""
+        if self.result is not None:
+            return self.result.steps
+        taken = self.feed.taken - (1 if self.status == "failed" and self.feed.taken else 0)
+        return self.start_step + taken // self.run.cfg.train.grad_accum
+
+
+@dataclass
+class Fanout:
+    cfg: RunConfig  # the base config, with its fanout section
+    target_run: Run  # the target's side: the target on its device, the rows, the union of layer ids
+    workers: list[DrafterWorker]
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def setup_fanout(cfg: RunConfig, *, resume: bool = False) -> Fanout:
+    """Load the target once and set up every variant's run around it (on the variant's device)."""
+    from dflashkit.train import distributed as dd
+
+    fc = _section(cfg)
+    if dd.launched_by_torchrun():
+        raise ConfigError(
+            "a fan-out runs in one process (its drafters are threads); start it without torchrun"
+        )
+    target_device, _ = placement(cfg)
+    variants = variant_configs(cfg)
+    target = TargetModel.load(
+        cfg.target.path, dtype=trainer.target_dtype(cfg, target_device), device=target_device
+    )
+    seen: dict[torch.device, Any] = {target_device: target}
+    runs: list[Run] = []
+    for _, vcfg in variants:
+        device = trainer.resolve_device(vcfg)
+        if device not in seen:
+            seen[device] = TargetView(target, device)
+        run = trainer.setup_run(vcfg, target=seen[device])
+        if runs:  # the shared data keys give every variant the same rows: keep one copy
+            run.train_rows, run.val_rows = runs[0].train_rows, runs[0].val_rows
+        runs.append(run)
+    union = sorted(set().union(*(r.drafter.config.target_layer_ids for r in runs)))
+    target_run = dataclasses.replace(
+        runs[0],
+        out_dir=Path(cfg.run.out_dir),
+        device=target_device,
+        target=target,
+        cached={},
+        feature_layer_ids=union,
+    )
+    stop = threading.Event()
+    workers = []
+    for (name, _), run in zip(variants, runs, strict=True):
+        step, start = resume_point(run) if resume else (0, 0)
+        end = start + max(run.total_steps - step, 0) * run.cfg.train.grad_accum
+        columns = feature_columns(
+            union, run.drafter.config.target_layer_ids, target.hidden_size, target_device
+        )
+        workers.append(DrafterWorker(name, run, Feed(name, start, end, fc.queue_depth, columns, stop), step))
+    return Fanout(cfg, target_run, workers, stop)
+
+
+def share_validation_features(fanout: Fanout) -> None:
+    """One target pass per held-out row; every drafter gets its layers of it, on its device, so that
+    evaluation never runs the target again (``trainer.features_for`` uses rows already cached)."""
+    tr = fanout.target_run
+    if tr.features is not None:  # offline features: each drafter reads the capture itself
+        return
+    for i in range(len(tr.val_rows)):
+        rows = tr.val_rows.take([i], tr.device)
+        feats, argmax = trainer.features_for(tr, "validation", [i], rows)
+        for w in fanout.workers:
+            w.run.cached[("validation", i)] = (
+                _select(feats[0], w.feed.columns).to(w.run.device),
+                argmax[0].to(w.run.device),
+            )
+    tr.cached.clear()
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def compiled_graph_count() -> int:
+    """Dynamo graphs compiled in this process so far (a compile after warm-up shows here)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def warm_up(fanout: Fanout) -> float:
+    """Compile every flex attention shape of every drafter on its device (a training micro-batch forward
+    and backward, an evaluation row), serially under COMPILE_LOCK, then freeze. Returns the seconds.
+    Must run before any drafter thread starts."""
+    flex = [w.run for w in fanout.workers if w.run.backend == "flex"]
+    if not flex:
+        return 0.0
+    t0 = time.perf_counter()
+    with rc.COMPILE_LOCK:
+        rc.unfreeze()  # nothing runs concurrently yet; a previous fan-out may have frozen other shapes
+        # Each drafter adds at most a training and an evaluation graph per layer type (full, sliding).
+        limit = rc.compiled_graphs() + 4 * len(flex) + 2
+        if limit > rc.runtime_state()["recompile_limit"]:
+            rc.set_recompile_limit(limit)
+        for run in flex:
+            with _on_device(run.device):
+                trainer.warm_up_attention(run, trainer.autocast_context(run.cfg, run.device), freeze=False)
+        rc.freeze()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------------
+# The target worker and the drafter threads
+
+
+def feed_drafters(fanout: Fanout, on_batch: Callable[[], None] | None = None) -> dict[str, float]:
+    """The target worker: for each micro-batch some drafter still needs, one target pass, and the
+    features into every such drafter's queue. Returns {"batches", "seconds"} (the target's time)."""
+    tr = fanout.target_run
+    feeds = [w.feed for w in fanout.workers]
+    bs, seed, num_rows = tr.cfg.train.batch_size, tr.cfg.train.seed, len(tr.train_rows)
+    first = min((f.start for f in feeds if f.start < f.end), default=0)
+    last = max((f.end for f in feeds), default=0)
+    batches, seconds = 0, 0.0
+    for n in range(first, last):
+        if fanout.stop.is_set() or all(f.closed.is_set() for f in feeds):
+            break
+        wanting = [f for f in feeds if f.wants(n)]
+        if not wanting:
+            continue
+        t0 = time.perf_counter()
+        idx = stream_rows(n, num_rows, bs, seed)
+        rows = tr.train_rows.take(idx, tr.device)
+        feats, argmax = trainer.features_for(tr, "train", idx, rows)
+        if tr.device.type == "cuda":
+            torch.cuda.synchronize(tr.device)
+        seconds += time.perf_counter() - t0
+        batches += 1
+        batch = Batch(n, idx, feats, argmax)
+        for f in wanting:
+            f.put(batch)
+        if on_batch is not None:
+            on_batch()
+    return {"batches": batches, "seconds": seconds}
+
+
+def _silent_console() -> Any:
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), quiet=True)  # no live display per thread: the fan-out shows one
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def train_drafter(w: DrafterWorker, *, resume: bool, stop_after: int | None, console: Any) -> None:
+    """A drafter thread: `trainer.train` on the worker's run, features from its feed. Never raises: the
+    outcome goes into the worker (status, error, result), the traceback of a failure into error.txt."""
+    t0 = time.perf_counter()
+    w.status = "training"
+    try:
+        with _on_device(w.run.device):
+            w.result = trainer.train(
+                w.run.cfg,
+                resume=resume,
+                console=_silent_console(),
+                stop_after=stop_after,
+                run=w.run,
+                features=w.feed,
+            )
+        w.status = "done"
+    except FanoutStopped as e:
+        w.status, w.error = "stopped", str(e)
+    except Exception as e:  # recorded, not raised: the other drafters go on
+        w.status = "failed"
+        w.error = f"{type(e).__name__}: {_first_line(e)}"
+        w.run.out_dir.mkdir(parents=True, exist_ok=True)
+        (w.run.out_dir / ERROR_FILE).write_text(traceback.format_exc())
+        console.print(
+            f"[red]drafter {w.name} failed[/] after {w.steps} steps: {w.error}; its checkpoints are kept, "
+            "the others go on"
+        )
+    finally:
+        w.feed.close()
+        w.seconds = time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------------
+# The run and its summary
+
+
+@dataclass
+class DrafterSummary:
+    name: str
+    device: str
+    backend: str
+    status: str
+    steps: int
+    total_steps: int
+    micro_batches: int  # taken from the feed in this session
+    final_loss: float | None
+    val_acceptance_length: float | None
+    best_acceptance_length: float | None
+    steps_per_s: float
+    seconds: float
+    error: str | None
+    out_dir: str
+
+
+@dataclass
+class FanoutResult:
+    out_dir: Path
+    target_device: str
+    target_batches: int  # target passes over training micro-batches (once each, whatever K is)
+    target_seconds: float
+    warmup_seconds: float
+    compiles_after_warmup: int
+    training_seconds: float  # from the drafter threads' start to the last one's end
+    seconds: float  # the whole run, setup included
+    drafters: list[DrafterSummary]
+    results: dict[str, TrainResult]  # the drafters that finished: per-step losses, final validation
+
+    @property
+    def ok(self) -> bool:
+        return all(d.status == "done" for d in self.drafters)
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def summarize_drafter(w: DrafterWorker) -> DrafterSummary:
+    """What the summary table shows for one drafter, from its thread and its metrics.jsonl."""
+    path = w.run.out_dir / "metrics.jsonl"
+    log = (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    )
+    losses = [r["loss"] for r in log if r.get("loss") is not None]
+    vals = [r["val"] for r in log if "val" in r]
+    best_file = w.run.out_dir / trainer.BEST / "metrics.json"
+    best = json.loads(best_file.read_text()).get("acceptance_length") if best_file.is_file() else None
+    if w.result is not None:
+        best = w.result.best_acceptance_length
+    steps = w.steps
+    return DrafterSummary(
+        name=w.name,
+        device=str(w.run.device),
+        backend=w.run.backend,
+        status=w.status,
+        steps=steps,
+        total_steps=w.run.total_steps,
+        micro_batches=w.feed.taken,
+        final_loss=_finite(w.result.losses[-1] if w.result and w.result.losses else (losses or [None])[-1]),
+        val_acceptance_length=_finite(vals[-1].get("acceptance_length")) if vals else None,
+        best_acceptance_length=_finite(best),
+        steps_per_s=round((steps - w.start_step) / w.seconds, 3) if w.seconds > 0 else 0.0,
+        seconds=round(w.seconds, 2),
+        error=w.error,
+        out_dir=str(w.run.out_dir),
+    )
+
+
+def train_fanout(
+    cfg: RunConfig, *, resume: bool = False, console: Any = None, stop_after: int | None = None
+) -> FanoutResult:
+    """Train every variant of the config's fanout section at once from one target (see the module
+    docstring). ``stop_after`` ends each drafter after that many steps, leaving checkpoints for ``resume``."""
+    from rich.console import Console
+
+    console = console or Console()
+    t_start = time.perf_counter()
+    fanout = setup_fanout(cfg, resume=resume)
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    fpmod.save(fpmod.collect(), out / fpmod.FINGERPRINT_FILE)
+    show_plan(fanout, console)
+    share_validation_features(fanout)
+    warm_s = warm_up(fanout)
+    graphs = compiled_graph_count()
+    t_train = time.perf_counter()
+    for w in fanout.workers:
+        w.thread = threading.Thread(
+            target=train_drafter,
+            args=(w,),
+            kwargs={"resume": resume, "stop_after": stop_after, "console": console},
+            name=f"drafter-{w.name}",
+            daemon=True,
+        )
+        w.thread.start()
+    target: dict[str, float] = {"batches": 0, "seconds": 0.0}
+    failure: BaseException | None = None
+    with _Progress(fanout, console) as progress:
+        try:
+            target = feed_drafters(fanout, on_batch=progress.update)
+            for w in fanout.workers:
+                while w.thread is not None and w.thread.is_alive():
+                    w.thread.join(0.5)
+                    progress.update()
+        except BaseException as e:  # the target worker failed, or Ctrl-C: every drafter stops
+            failure = e
+            fanout.stop.set()
+            for w in fanout.workers:
+                if w.thread is not None:
+                    w.thread.join()
+    result = FanoutResult(
+        out_dir=out,
+        target_device=str(fanout.target_run.device),
+        target_batches=int(target["batches"]),
+        target_seconds=round(target["seconds"], 2),
+        warmup_seconds=round(warm_s, 2),
+        compiles_after_warmup=compiled_graph_count() - graphs,
+        training_seconds=round(time.perf_counter() - t_train, 2),
+        seconds=round(time.perf_counter() - t_start, 2),
+        drafters=[summarize_drafter(w) for w in fanout.workers],
+        results={w.name: w.result for w in fanout.workers if w.result is not None},
+    )
+    write_summary(result)
+    show_summary(result, console)
+    if isinstance(failure, Exception) and not isinstance(failure, DflashkitError):
+        raise DflashkitError(
+            f"the target worker failed ({type(failure).__name__}: {_first_line(failure)}); every drafter "
+            "stopped with its checkpoints kept: fix the cause and continue with `dflashkit fanout --resume`"
+        ) from failure
+    if failure is not None:
+        raise failure
+    return result
+
+
+def write_summary(result: FanoutResult) -> Path:
+    data = {k: v for k, v in dataclasses.asdict(result).items() if k != "results"}
+    data["out_dir"] = str(result.out_dir)
+    path = result.out_dir / SUMMARY_FILE
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def show_plan(fanout: Fanout, console: Any) -> None:
+    tr = fanout.target_run
+    names = ", ".join(f"{w.name} on {w.run.device}" for w in fanout.workers)
+    console.print(
+        f"fan-out: target {tr.target.name} on {tr.device} (layers {tr.feature_layer_ids}); "
+        f"{len(fanout.workers)} drafters: {names}"
+    )
+
+
+def show_summary(result: FanoutResult, console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"fan-out: {len(result.drafters)} drafters from one target ({result.out_dir})")
+    for col in SUMMARY_COLUMNS:
+        table.add_column(col, overflow="fold")
+    for d in result.drafters:
+        color = {"done": "green", "failed": "red"}.get(d.status, "yellow")
+        table.add_row(
+            d.name,
+            f"{d.device} ({d.backend})",
+            f"[{color}]{d.status}[/]",
+            f"{d.steps}/{d.total_steps}",
+            _fmt(d.final_loss),
+            _fmt(d.val_acceptance_length),
+            _fmt(d.best_acceptance_length),
+            _fmt(d.steps_per_s, ".2f"),
+            d.error or "",
+        )
+    console.print(table)
+    rate = result.target_batches / result.target_seconds if result.target_seconds > 0 else 0.0
+    console.print(
+        f"target on {result.target_device}: {result.target_batches} micro-batches of features in "
+        f"{result.target_seconds:.1f} s ({rate:.2f}/s), once each for all drafters; warm-up "
+        f"{result.warmup_seconds:.1f} s; compiles after warm-up: {result.compiles_after_warmup}; "
+        f"wall {result.seconds:.1f} s"
+    )
+
+
+class _Progress:
+    """One live line per drafter (steps done of its total), updated by the target worker's thread."""
+
+    def __init__(self, fanout: Fanout, console: Any):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.fanout = fanout
+        self.console = console
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+            disable=not console.is_terminal,
+        )
+        self.tasks = {
+            w.name: self.progress.add_task(w.name, total=w.run.total_steps, completed=w.start_step, info="")
+            for w in fanout.workers
+        }
+        self.last_line = time.monotonic()
+
+    def __enter__(self) -> _Progress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.update()
+        self.progress.__exit__(*exc)
+
+    def update(self) -> None:
+        for w in self.fanout.workers:
+            info = "" if w.status in ("waiting", "training") else w.status
+            self.progress.update(self.tasks[w.name], completed=w.steps, info=info)
+        if not self.console.is_terminal and time.monotonic() - self.last_line > 30:
+            self.last_line = time.monotonic()
+            parts = [f"{w.name} {w.steps}/{w.run.total_steps} ({w.status})" for w in self.fanout.workers]
+            self.console.print("fan-out: " + ", ".join(parts))
+
+
+# --------------------------------------------------------------------------------------------------
+# Dry run
+
+
+def dry_run_fanout(cfg: RunConfig, console: Any) -> dict[str, Any]:
+    """Check every variant (config, data, target, drafter) without loading weights; show the placement."""
+    from dflashkit.train.plan import dry_run
+
+    target_device, devices = placement(cfg)
+    plans = {}
+    for (name, vcfg), dev in zip(variant_configs(cfg), devices, strict=True):
+        console.print(f"[bold]variant {name}[/] on {dev}")
+        plans[name] = dry_run(vcfg, console)
+    console.print(f"fan-out: target on {target_device}; {len(plans)} drafters; every variant checks out")
+    return {"target_device": str(target_device), "variants": plans}

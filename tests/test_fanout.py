@@ -1,0 +1,248 @@
+"""Fan-out training on the embedded target: drafter variants as threads fed by one target pass per
+micro-batch, each drafter exactly as its own single run; a failing drafter stops alone and resumes;
+compiled flex forward in drafter threads while the target worker runs, with no compile after warm-up."""
+
+import contextlib
+import json
+import threading
+
+import pytest
+import torch
+
+from dflashkit.config import apply_overrides, load_config
+from dflashkit.errors import ConfigError, DeviceError
+from dflashkit.model.checkpoint import load_drafter
+from dflashkit.runtime import compile as rc
+from dflashkit.train import fanout, trainer
+from dflashkit.train import state as st
+
+STEPS = 6
+# a: the base (block 4, 1 layer, 2 target layers); b: block 8 and another lr; c: 2 layers reading 3
+# target layers (so the target computes the union of the drafters' layers and each takes its own).
+A = "{name: a}"
+B = "{name: b, overrides: {drafter.block_size: 8, train.lr: 1.0e-3}}"
+C = "{name: c, overrides: {drafter.layers: 2, drafter.num_target_layers: 3}}"
+VARIANTS = f"[{A}, {B}, {C}]"
+
+
+def fanout_config(data_dir, out_dir, variants=VARIANTS, **over):
+    base = {
+        "target.dtype": "float32",
+        "data.dir": str(data_dir),
+        "run.out_dir": str(out_dir),
+        "drafter.layers": 1,
+        "drafter.block_size": 4,
+        "drafter.num_target_layers": 2,
+        "train.max_steps": STEPS,
+        "train.max_len": 96,
+        "train.num_anchors": 12,
+        "train.lr": 3e-3,
+        "train.warmup_ratio": 0.0,
+        "train.log_every": 1,
+        "train.eval_every": STEPS,
+        "train.save_every": 2,
+        "train.keep_last": 4,
+        "train.cache_features": False,  # the target runs for every micro-batch: what the fan-out shares
+        "train.chunk_blocks": 4,
+        "fanout.variants": variants,
+    }
+    base.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+def quiet():
+    from rich.console import Console
+
+    return Console(quiet=True)
+
+
+@contextlib.contextmanager
+def counting_target_passes():
+    calls = []
+    real = trainer.target_pass
+
+    def counted(target, rows, layer_ids):
+        calls.append(len(rows))
+        return real(target, rows, layer_ids)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "target_pass", counted)
+        yield calls
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny_dataset, tmp_path_factory):
+    """One fan-out of three variants, and each variant trained alone on the same data."""
+    root = tmp_path_factory.mktemp("fanout")
+    cfg = fanout_config(tiny_dataset, root / "fan")
+    with counting_target_passes() as calls:
+        result = fanout.train_fanout(cfg, console=quiet())
+    singles = {
+        name: trainer.train(
+            apply_overrides(vcfg, {"run.out_dir": str(root / "single" / name)}, name), console=quiet()
+        )
+        for name, vcfg in fanout.variant_configs(cfg)
+    }
+    return cfg, result, singles, calls
+
+
+def test_each_drafter_trains_exactly_as_its_own_run(sweep):
+    cfg, result, singles, _ = sweep
+    assert result.ok and [d.name for d in result.drafters] == ["a", "b", "c"]
+    for name, single in singles.items():
+        mine = result.results[name]
+        assert mine.steps == STEPS and len(mine.losses) == STEPS
+        assert mine.losses == single.losses, name  # bit for bit: same batches, anchors and features
+        assert mine.final_val == single.final_val, name
+        assert mine.best_acceptance_length == single.best_acceptance_length
+    assert len(set(tuple(r.losses) for r in result.results.values())) == 3  # the variants do differ
+    for d in result.drafters:
+        folder = result.out_dir / d.name
+        log = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in log] == list(range(1, STEPS + 1))
+        assert st.read_latest(folder / "checkpoints").name == st.step_dir_name(STEPS)
+        assert (folder / "best" / "model.safetensors").is_file()
+        assert d.status == "done" and d.steps == STEPS and d.final_loss == result.results[d.name].losses[-1]
+    summary = json.loads((result.out_dir / fanout.SUMMARY_FILE).read_text())
+    assert [d["status"] for d in summary["drafters"]] == ["done"] * 3
+    assert (result.out_dir / "config.yaml").is_file() and (result.out_dir / "fingerprint.json").is_file()
+
+
+def test_the_target_runs_once_per_micro_batch_for_all_drafters(sweep, tiny_dataset):
+    _, result, _, calls = sweep
+    val_rows = len(trainer.setup_run(fanout.variant_configs(sweep[0])[0][1]).val_rows)
+    assert result.target_batches == STEPS
+    assert len(calls) == STEPS + val_rows  # K=3 drafters, yet one pass per training and held-out row
+    assert [d.micro_batches for d in result.drafters] == [STEPS] * 3
+    assert result.compiles_after_warmup == 0
+
+
+def test_a_failing_drafter_stops_alone_and_resumes(sweep, tiny_dataset, tmp_path):
+    _, _, singles, _ = sweep
+    cfg = fanout_config(tiny_dataset, tmp_path / "fan", variants=f"[{A}, {B}]")
+    real = trainer.block_step
+    steps = []
+
+    def failing(drafter, *args, **kw):
+        if drafter.config.block_size == 8 and torch.is_grad_enabled():  # variant b's training steps
+            steps.append(1)
+            if len(steps) == 5:
+                raise RuntimeError("injected failure in step 5")
+        return real(drafter, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "block_step", failing)
+        result = fanout.train_fanout(cfg, console=quiet())
+    a, b = result.drafters
+    assert (a.status, a.steps, a.error) == ("done", STEPS, None)
+    assert result.results["a"].losses == singles["a"].losses  # untouched by b's failure
+    assert b.status == "failed" and "RuntimeError: injected failure in step 5" in b.error
+    assert b.steps == 4 and b.micro_batches == 5  # the target stopped feeding it
+    assert result.target_batches == STEPS
+    assert not result.ok
+    folder = tmp_path / "fan" / "b"
+    assert "injected failure" in (folder / fanout.ERROR_FILE).read_text()
+    latest = st.read_latest(folder / "checkpoints")
+    assert latest.name == st.step_dir_name(4)  # the last good checkpoint, intact
+    assert json.loads((latest / st.STATE_JSON).read_text())["step"] == 4
+    load_drafter(latest)
+    assert st.read_latest(tmp_path / "fan" / "a" / "checkpoints").name == st.step_dir_name(STEPS)
+    table = json.loads((tmp_path / "fan" / fanout.SUMMARY_FILE).read_text())
+    assert [d["status"] for d in table["drafters"]] == ["done", "failed"]
+
+    again = fanout.train_fanout(cfg, resume=True, console=quiet())
+    assert again.ok and again.target_batches == STEPS - 4  # only b needs batches 4 and 5
+    assert again.results["b"].losses == singles["b"].losses[4:]  # resumed exactly
+    assert again.results["a"].steps == STEPS and again.results["a"].losses == []
+
+
+def test_compiled_flex_forward_in_drafter_threads_while_the_target_runs(tiny_dataset, tmp_path):
+    """Warm the drafters' compiled flex attention serially, freeze, then step three drafter threads
+    (forward: the CPU has no flex backward) on features the target worker produces meanwhile: no error,
+    no compile, and the target still runs once per micro-batch."""
+    variants = (
+        "[{name: a}, {name: b, overrides: {drafter.layers: 2}}, {name: c, overrides: {train.lr: 1.0e-3}}]"
+    )
+    fan = fanout.setup_fanout(fanout_config(tiny_dataset, tmp_path / "fan", variants=variants))
+    rc.reset_runtime()
+    try:
+        for w in fan.workers:
+            w.run.backend = "flex"
+        fanout.share_validation_features(fan)
+        with rc.COMPILE_LOCK:  # what warm_up does, forward only
+            for w in fan.workers:
+                trainer.evaluate(w.run, max_rows=1)
+        rc.freeze()
+        graphs, compiled = fanout.compiled_graph_count(), rc.runtime_state()["compiled_shapes"]
+        errors, steps = [], [0] * len(fan.workers)
+
+        def drafter(i, w):
+            g = torch.Generator().manual_seed(i)
+            try:
+                with torch.no_grad():
+                    while w.feed.taken < w.feed.end:
+                        batch = w.feed.next()
+                        rows = w.run.train_rows.take(batch.idx, w.run.device)
+                        feats, argmax = w.feed.features(batch, w.run.device)
+                        out = trainer.block_step(
+                            w.run.drafter,
+                            w.run.target,
+                            rows,
+                            feats,
+                            argmax,
+                            w.run.cfg,
+                            "flex",
+                            g,
+                            contextlib.nullcontext(),
+                        )
+                        assert torch.isfinite(out.loss.loss)
+                        steps[i] += 1
+            except Exception as e:
+                errors.append(f"{w.name}: {type(e).__name__}: {e}")
+            finally:
+                w.feed.close()
+
+        threads = [threading.Thread(target=drafter, args=(i, w)) for i, w in enumerate(fan.workers)]
+        for t in threads:
+            t.start()
+        with counting_target_passes() as calls:
+            stats = fanout.feed_drafters(fan)
+        for t in threads:
+            t.join(120)
+        assert errors == []
+        assert steps == [STEPS] * 3 and stats["batches"] == STEPS and len(calls) == STEPS
+        assert fanout.compiled_graph_count() == graphs
+        assert rc.runtime_state()["compiled_shapes"] == compiled and rc.is_frozen()
+    finally:
+        rc.reset_runtime()
+
+
+def test_variants_may_not_change_what_the_drafters_share(tiny_dataset, tmp_path):
+    for key in ("train.max_len", "train.batch_size", "train.seed", "data.dir", "target.path", "run.device"):
+        with pytest.raises(ConfigError, match=f"overrides {key}, which every fan-out drafter shares"):
+            fanout_config(tiny_dataset, tmp_path, variants=f"[{{name: a, overrides: {{{key}: 1}}}}]")
+    with pytest.raises(ConfigError, match="names must differ; a appears more than once"):
+        fanout_config(tiny_dataset, tmp_path, variants="[{name: a}, {name: a}]")
+    with pytest.raises(ConfigError, match="fanout variant a: drafter.block_size"):
+        fanout_config(tiny_dataset, tmp_path, variants="[{name: a, overrides: {drafter.block_size: 1}}]")
+    with pytest.raises(ConfigError, match="no fanout section"):
+        fanout.placement(load_config(None))
+    cfg = fanout_config(tiny_dataset, tmp_path, variants="[{name: a, device: cuda:1}]")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="no CUDA GPU"):
+            fanout.placement(cfg)
+
+
+def test_ready_config_and_dry_run(tiny_dataset, tmp_path, capsys):
+    from dflashkit.cli import main
+
+    cfg = load_config("configs/fanout.yaml")
+    names = [name for name, _ in fanout.variant_configs(cfg)]
+    assert names == ["b8-l1", "b4-l1", "b8-l2"]
+    assert [v.drafter.block_size for _, v in fanout.variant_configs(cfg)] == [8, 4, 8]
+    over = [f"data.dir={tiny_dataset}", f"run.out_dir={tmp_path / 'fan'}", "train.max_len=96"]
+    assert main(["fanout", "-c", "configs/fanout.yaml", "--dry-run", *over]) == 0
+    assert "every variant checks out" in capsys.readouterr().out
+    assert not (tmp_path / "fan").exists()
+    assert main(["fanout", f"data.dir={tiny_dataset}"]) == 2
+    assert "no fanout section" in capsys.readouterr().err
