@@ -241,8 +241,11 @@ def test_ready_config_and_dry_run(tiny_dataset, tmp_path, capsys):
     assert names == ["b8-l1", "b4-l1", "b8-l2"]
     assert [v.drafter.block_size for _, v in fanout.variant_configs(cfg)] == [8, 4, 8]
     over = [f"data.dir={tiny_dataset}", f"run.out_dir={tmp_path / 'fan'}", "train.max_len=96"]
-    assert main(["fanout", "-c", "configs/fanout.yaml", "--dry-run", *over]) == 0
-    assert "every variant checks out" in capsys.readouterr().out
+    for command in ("fanout", "train"):  # `dflashkit train` hands a config with a fanout section over
+        assert main([command, "-c", "configs/fanout.yaml", "--dry-run", *over]) == 0
+        assert "every variant checks out" in capsys.readouterr().out
+    assert main(["train", "-c", "configs/fanout.yaml", "--nproc", "2", *over]) == 2
+    assert "drop --nproc" in capsys.readouterr().err
     assert not (tmp_path / "fan").exists()
     assert main(["fanout", f"data.dir={tiny_dataset}"]) == 2
     assert "no fanout section" in capsys.readouterr().err

@@ -19,6 +19,10 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"run.out_dir={args.out}")
     cfg = load_config(args.config, overrides)
     console = Console()
+    if cfg.fanout is not None:  # several drafter variants from one target: `dflashkit fanout`
+        from dflashkit.train.fanout_commands import run_fanout
+
+        return run_fanout(cfg, resume=args.resume, dry_run=args.dry_run, console=console, nproc=args.nproc)
     launch = _launch_command(args)
     if launch is not None:
         console.print(f"data-parallel: {' '.join(launch)}")

@@ -8,10 +8,15 @@ from typing import Any
 from dflashkit.config import RunConfig
 
 
-def run_fanout(cfg: RunConfig, *, resume: bool, dry_run: bool, console: Any) -> int:
+def run_fanout(cfg: RunConfig, *, resume: bool, dry_run: bool, console: Any, nproc: int | None = None) -> int:
     """Train (or, with dry_run, check) the fan-out of a config; 1 when a drafter did not finish."""
+    from dflashkit.errors import ConfigError
     from dflashkit.train.fanout import dry_run_fanout, train_fanout
 
+    if nproc is not None:
+        raise ConfigError(
+            "this config has a fanout section: its drafters are threads of one process; drop --nproc"
+        )
     if dry_run:
         dry_run_fanout(cfg, console)
         return 0
