@@ -250,7 +250,7 @@ def _capture_identity(
     return {
         "kind": KIND,
         "schema": SCHEMA,
-        "target": {k: ident.get(k) for k in ("name", "hash", "hidden_size", "num_layers", "vocab_size")},
+        "target": {k: ident.get(k) for k in ("hash", "hidden_size", "num_layers", "vocab_size")},
         "target_layer_ids": list(layer_ids),
         "target_dtype": str(target_dtype).removeprefix("torch."),
         "dataset": {
@@ -354,6 +354,7 @@ def capture_features(
     out.mkdir(parents=True, exist_ok=True)
     _check_restart(out / CAPTURE_FILE, identity)
     _write_json(out / CAPTURE_FILE, identity)
+    (out / MANIFEST_FILE).unlink(missing_ok=True)  # unfinished until the manifest is written again
     capture_key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     for stale in out.glob("*.safetensors.tmp"):
         stale.unlink()
@@ -402,6 +403,7 @@ def capture_features(
     total_tokens = sum(sp["tokens"] for sp in splits.values())
     manifest = {
         **identity,
+        "target": {"name": ident["name"], **identity["target"]},
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "dflashkit_version": __version__,
         "hidden_size": target.hidden_size,
