@@ -222,3 +222,38 @@ def test_verify_finds_a_corrupted_shard(fp32_capture, tmp_path):
     shard.write_bytes(bytes(data[:1000]))
     with pytest.raises(DataError, match="torn"):
         verify_features(folder)
+
+
+@pytest.mark.gpu
+def test_bf16_capture_on_gpu_is_what_the_target_computes(tiny_dataset, tmp_path):
+    from dflashkit.runtime import compile as rc
+
+    gpu = {
+        "run.device": "cuda",
+        "target.dtype": "bfloat16",
+        "attention.backend": "flex",
+        "train.autocast": "bf16",
+    }
+    cfg = tiny_config(tiny_dataset, tmp_path / "unused", **gpu)
+    m = capture(cfg, tmp_path / "features", dtype="bfloat16")
+    assert m["target_dtype"] == "bfloat16" and m["run"]["device"].startswith("cuda")
+    run = trainer.setup_run(
+        tiny_config(
+            tiny_dataset, tmp_path / "check", **gpu, **{"data.features_dir": str(tmp_path / "features")}
+        )
+    )
+    idx = [0, 1]
+    rows = run.train_rows.take(idx, run.device)
+    stored, stored_labels = trainer.features_for(run, "train", idx, rows)
+    online, online_labels = trainer.target_pass(run.target, rows, run.drafter.config.target_layer_ids)
+    assert stored.dtype == torch.bfloat16 and torch.equal(stored, online)
+    assert torch.equal(stored_labels, online_labels)
+    rc.reset_runtime()
+    try:
+        a = trainer.train(tiny_config(tiny_dataset, tmp_path / "online", **gpu), console=quiet())
+        rc.reset_runtime()
+        offline = {"data.features_dir": str(tmp_path / "features")}
+        b = trainer.train(tiny_config(tiny_dataset, tmp_path / "offline", **gpu, **offline), console=quiet())
+        assert b.losses == pytest.approx(a.losses, rel=1e-2)
+    finally:
+        rc.reset_runtime()
