@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflashkit.config import apply_overrides, load_config
-from dflashkit.errors import ConfigError, DeviceError
+from dflashkit.errors import ConfigError, DeviceError, DflashkitError
 from dflashkit.model.checkpoint import load_drafter
 from dflashkit.runtime import compile as rc
 from dflashkit.train import fanout, trainer
@@ -30,6 +30,7 @@ def fanout_config(data_dir, out_dir, variants=VARIANTS, **over):
         "target.dtype": "float32",
         "data.dir": str(data_dir),
         "run.out_dir": str(out_dir),
+        "run.device": "cpu",  # sdpa, deterministic: the same on a GPU machine
         "drafter.layers": 1,
         "drafter.block_size": 4,
         "drafter.num_target_layers": 2,
@@ -156,6 +157,48 @@ def test_a_failing_drafter_stops_alone_and_resumes(sweep, tiny_dataset, tmp_path
     assert again.results["a"].steps == STEPS and again.results["a"].losses == []
 
 
+def test_a_drafter_whose_warm_up_fails_does_not_start(tiny_dataset, tmp_path):
+    """Warm-up runs drafter by drafter before any thread starts; one that raises there (here: flex
+    training asked of the CPU, which has no flex backward) is marked failed, the others train."""
+    cfg = fanout_config(tiny_dataset, tmp_path / "fan", variants=f"[{A}, {B}]", **{"train.max_steps": 2})
+    fan = fanout.setup_fanout(cfg)
+    fan.workers[0].run.backend = "flex"
+    rc.reset_runtime()
+    try:
+        result = fanout.train_all(fan, console=quiet())
+    finally:
+        rc.reset_runtime()
+    a, b = result.drafters
+    assert a.status == "failed" and "no backward on cpu" in a.error and a.steps == 0 and a.micro_batches == 0
+    assert (tmp_path / "fan" / "a" / fanout.ERROR_FILE).is_file()
+    assert (b.status, b.steps) == ("done", 2) and result.target_batches == 2
+
+
+def test_a_failing_target_stops_every_drafter_with_its_checkpoints(tiny_dataset, tmp_path):
+    cfg = fanout_config(tiny_dataset, tmp_path / "fan", variants=f"[{A}, {B}]")
+    val_rows = len(trainer.setup_run(fanout.variant_configs(cfg)[0][1]).val_rows)
+    real = trainer.target_pass
+    calls = []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == val_rows + 4:  # the held-out rows, then training micro-batches 0, 1, 2
+            raise RuntimeError("injected target failure")
+        return real(*args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "target_pass", failing)
+        with pytest.raises(DflashkitError, match="the target worker failed .*injected target failure"):
+            fanout.train_fanout(cfg, console=quiet())
+    table = json.loads((tmp_path / "fan" / fanout.SUMMARY_FILE).read_text())
+    assert [d["status"] for d in table["drafters"]] == ["stopped", "stopped"]
+    assert table["target_batches"] == 3 and all(d["steps"] <= 3 for d in table["drafters"])
+    for d in table["drafters"]:
+        latest = st.read_latest(tmp_path / "fan" / d["name"] / "checkpoints")
+        if latest is not None:  # whatever was saved before the stop is whole
+            load_drafter(latest)
+
+
 def test_compiled_flex_forward_in_drafter_threads_while_the_target_runs(tiny_dataset, tmp_path):
     """Warm the drafters' compiled flex attention serially, freeze, then step three drafter threads
     (forward: the CPU has no flex backward) on features the target worker produces meanwhile: no error,
@@ -249,3 +292,30 @@ def test_ready_config_and_dry_run(tiny_dataset, tmp_path, capsys):
     assert not (tmp_path / "fan").exists()
     assert main(["fanout", f"data.dir={tiny_dataset}"]) == 2
     assert "no fanout section" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_flex_fanout_on_gpu_warms_every_drafter_then_freezes(tiny_dataset, tmp_path):
+    """On the GPU(s): compiled flex forward and backward for two block sizes (target on cuda:0, the
+    drafters on cuda:1 when there are two GPUs), warmed serially, then frozen: no compile afterwards."""
+    rc.reset_runtime()
+    cfg = fanout_config(
+        tiny_dataset,
+        tmp_path / "fan",
+        variants=f"[{A}, {B}]",
+        **{
+            "run.device": "auto",
+            "attention.backend": "flex",
+            "target.dtype": "bfloat16",
+            "train.autocast": "bf16",
+        },
+    )
+    try:
+        result = fanout.train_fanout(cfg, console=quiet())
+        assert result.ok and result.compiles_after_warmup == 0 and rc.is_frozen()
+        assert result.target_batches == STEPS and result.warmup_seconds > 0
+        want = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+        assert [d.device for d in result.drafters] == [want, want]
+        assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())
+    finally:
+        rc.reset_runtime()

@@ -341,6 +341,8 @@ class Fanout:
     target_run: Run  # the target's side: the target on its device, the rows, the union of layer ids
     workers: list[DrafterWorker]
     stop: threading.Event = field(default_factory=threading.Event)
+    target_batches: int = 0  # training micro-batches the target worker has computed
+    target_seconds: float = 0.0  # and the time it took
 
 
 def setup_fanout(cfg: RunConfig, *, resume: bool = False) -> Fanout:
@@ -416,11 +418,12 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def warm_up(fanout: Fanout) -> float:
+def warm_up(fanout: Fanout, console: Any = None) -> float:
     """Compile every flex attention shape of every drafter on its device (a training micro-batch forward
     and backward, an evaluation row), serially under COMPILE_LOCK, then freeze. Returns the seconds.
-    Must run before any drafter thread starts."""
-    flex = [w.run for w in fanout.workers if w.run.backend == "flex"]
+    Must run before any drafter thread starts. A drafter whose warm-up raises (e.g. out of memory on
+    its device) is marked failed and will not start; the others are warmed."""
+    flex = [w for w in fanout.workers if w.run.backend == "flex"]
     if not flex:
         return 0.0
     t0 = time.perf_counter()
@@ -430,9 +433,13 @@ def warm_up(fanout: Fanout) -> float:
         limit = rc.compiled_graphs() + 4 * len(flex) + 2
         if limit > rc.runtime_state()["recompile_limit"]:
             rc.set_recompile_limit(limit)
-        for run in flex:
-            with _on_device(run.device):
-                trainer.warm_up_attention(run, trainer.autocast_context(run.cfg, run.device), freeze=False)
+        for w in flex:
+            try:
+                with _on_device(w.run.device):
+                    autocast = trainer.autocast_context(w.run.cfg, w.run.device)
+                    trainer.warm_up_attention(w.run, autocast, freeze=False)
+            except Exception as e:
+                _record_failure(w, e, "during warm-up", console)
         rc.freeze()
     return time.perf_counter() - t0
 
@@ -443,13 +450,13 @@ def warm_up(fanout: Fanout) -> float:
 
 def feed_drafters(fanout: Fanout, on_batch: Callable[[], None] | None = None) -> dict[str, float]:
     """The target worker: for each micro-batch some drafter still needs, one target pass, and the
-    features into every such drafter's queue. Returns {"batches", "seconds"} (the target's time)."""
+    features into every such drafter's queue. Counts into fanout.target_batches and .target_seconds
+    (the target's own time) and returns them as {"batches", "seconds"}."""
     tr = fanout.target_run
     feeds = [w.feed for w in fanout.workers]
     bs, seed, num_rows = tr.cfg.train.batch_size, tr.cfg.train.seed, len(tr.train_rows)
     first = min((f.start for f in feeds if f.start < f.end), default=0)
     last = max((f.end for f in feeds), default=0)
-    batches, seconds = 0, 0.0
     for n in range(first, last):
         if fanout.stop.is_set() or all(f.closed.is_set() for f in feeds):
             break
@@ -462,14 +469,14 @@ def feed_drafters(fanout: Fanout, on_batch: Callable[[], None] | None = None) ->
         feats, argmax = trainer.features_for(tr, "train", idx, rows)
         if tr.device.type == "cuda":
             torch.cuda.synchronize(tr.device)
-        seconds += time.perf_counter() - t0
-        batches += 1
+        fanout.target_seconds += time.perf_counter() - t0
+        fanout.target_batches += 1
         batch = Batch(n, idx, feats, argmax)
         for f in wanting:
             f.put(batch)
         if on_batch is not None:
             on_batch()
-    return {"batches": batches, "seconds": seconds}
+    return {"batches": fanout.target_batches, "seconds": fanout.target_seconds}
 
 
 def _silent_console() -> Any:
@@ -502,17 +509,23 @@ def train_drafter(w: DrafterWorker, *, resume: bool, stop_after: int | None, con
     except FanoutStopped as e:
         w.status, w.error = "stopped", str(e)
     except Exception as e:  # recorded, not raised: the other drafters go on
-        w.status = "failed"
-        w.error = f"{type(e).__name__}: {_first_line(e)}"
-        w.run.out_dir.mkdir(parents=True, exist_ok=True)
-        (w.run.out_dir / ERROR_FILE).write_text(traceback.format_exc())
-        console.print(
-            f"[red]drafter {w.name} failed[/] after {w.steps} steps: {w.error}; its checkpoints are kept, "
-            "the others go on"
-        )
+        _record_failure(w, e, f"after {w.steps} steps", console)
     finally:
         w.feed.close()
         w.seconds = time.perf_counter() - t0
+
+
+def _record_failure(w: DrafterWorker, e: Exception, when: str, console: Any) -> None:
+    """Mark a drafter failed (the traceback into <its folder>/error.txt); the target stops feeding it."""
+    w.status = "failed"
+    w.error = f"{type(e).__name__}: {_first_line(e)}"
+    w.run.out_dir.mkdir(parents=True, exist_ok=True)
+    (w.run.out_dir / ERROR_FILE).write_text(traceback.format_exc())
+    w.feed.close()
+    if console is not None:
+        console.print(
+            f"[red]drafter {w.name} failed[/] {when}: {w.error}; its checkpoints are kept, the others go on"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -595,21 +608,38 @@ def train_fanout(
 ) -> FanoutResult:
     """Train every variant of the config's fanout section at once from one target (see the module
     docstring). ``stop_after`` ends each drafter after that many steps, leaving checkpoints for ``resume``."""
+    t_start = time.perf_counter()
+    fanout = setup_fanout(cfg, resume=resume)
+    return train_all(fanout, resume=resume, console=console, stop_after=stop_after, t_start=t_start)
+
+
+def train_all(
+    fanout: Fanout,
+    *,
+    resume: bool = False,
+    console: Any = None,
+    stop_after: int | None = None,
+    t_start: float | None = None,
+) -> FanoutResult:
+    """Share the validation features, warm up, then train every drafter of a set-up fan-out in its
+    thread while this thread runs the target; write and show the summary."""
     from rich.console import Console
 
     console = console or Console()
-    t_start = time.perf_counter()
-    fanout = setup_fanout(cfg, resume=resume)
+    t_start = time.perf_counter() if t_start is None else t_start
+    cfg = fanout.cfg
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     fpmod.save(fpmod.collect(), out / fpmod.FINGERPRINT_FILE)
     show_plan(fanout, console)
     share_validation_features(fanout)
-    warm_s = warm_up(fanout)
+    warm_s = warm_up(fanout, console)
     graphs = compiled_graph_count()
     t_train = time.perf_counter()
     for w in fanout.workers:
+        if w.status == "failed":  # its warm-up failed
+            continue
         w.thread = threading.Thread(
             target=train_drafter,
             args=(w,),
@@ -618,11 +648,10 @@ def train_fanout(
             daemon=True,
         )
         w.thread.start()
-    target: dict[str, float] = {"batches": 0, "seconds": 0.0}
     failure: BaseException | None = None
     with _Progress(fanout, console) as progress:
         try:
-            target = feed_drafters(fanout, on_batch=progress.update)
+            feed_drafters(fanout, on_batch=progress.update)
             for w in fanout.workers:
                 while w.thread is not None and w.thread.is_alive():
                     w.thread.join(0.5)
@@ -636,8 +665,8 @@ def train_fanout(
     result = FanoutResult(
         out_dir=out,
         target_device=str(fanout.target_run.device),
-        target_batches=int(target["batches"]),
-        target_seconds=round(target["seconds"], 2),
+        target_batches=fanout.target_batches,
+        target_seconds=round(fanout.target_seconds, 2),
         warmup_seconds=round(warm_s, 2),
         compiles_after_warmup=compiled_graph_count() - graphs,
         training_seconds=round(time.perf_counter() - t_train, 2),
