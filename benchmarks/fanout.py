@@ -10,16 +10,17 @@ the data are random tokens, so no weights travel. Each repetition counts drafter
 fall-backs (DenseFallbackError, or torch's "flex_attention called without torch.compile" warning) and
 compiles after warm-up, and measures throughput: each drafter's steady steps/s (from its metrics.jsonl,
 warm-up, evaluation and checkpoints left out), the target's micro-batches/s (its own compute time) and
-the stream's micro-batches/s (what the slowest drafter allowed). `--sequential` also trains each
-variant alone after the fan-out (same data, same steps), for the cost model: one target pass per
-micro-batch instead of one per micro-batch per drafter.
+the stream's micro-batches/s over the whole training phase (in the JSON; the drafter threads' setup,
+final evaluation and checkpoints included). `--sequential` also trains each variant alone after the
+fan-out (same data, same steps), for the cost model: one target pass per micro-batch instead of one
+per micro-batch per drafter.
 
 It prints a table and writes JSON to $OUT if set.
 
-    python benchmarks/fanout.py                       # GPU: 10 repetitions of each placement (~6 min)
+    python benchmarks/fanout.py                       # GPU (2 GPUs): 10 repetitions of each placement (~7 min)
     python benchmarks/fanout.py --smoke               # CPU: a tiny random target, sdpa, 1 repetition
-    python benchmarks/fanout.py --smoke --target embedded --data DIR --steps 12 --sequential
-                                                      # CPU: the real embedded target on a prepared dataset
+    python benchmarks/fanout.py --smoke --target embedded --steps 20 --max-len 256 --anchors 16 \
+        --sequential --threads 1                      # CPU: the README's cost-model numbers
 """
 
 from __future__ import annotations
@@ -198,6 +199,8 @@ def child(args: argparse.Namespace) -> dict:
 
     from dflashkit.train import fanout, trainer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not args.smoke and torch.cuda.device_count() < (2 if args.child == "split" else 1):
         return {"placement": args.child, "skipped": f"needs 2 GPUs, found {torch.cuda.device_count()}"}
     dense_warnings = []
@@ -347,14 +350,14 @@ def print_table(rows: list[dict]) -> None:
     print()
     print(
         f"{'placement':<9} {'runs':>4} {'w/ error':>8} {'dense':>5} {'compiles':>8} {'warm-up s':>9} "
-        f"{'drafter steps/s':>22} {'target b/s':>10} {'stream b/s':>10}"
+        f"{'drafter steps/s':>22} {'target b/s':>10}"
     )
     for r in rows:
         steps = " ".join(f"{n} {f(v)}" for n, v in r["median_steps_per_s"].items())
         print(
             f"{r['placement']:<9} {r['runs']:>4} {r['runs_with_error']:>8} {r['dense_fallbacks']:>5} "
             f"{r['compiles_after_warmup']:>8} {f(r['median_warmup_s'], '.1f'):>9} {steps:>22} "
-            f"{f(r['median_target_batches_per_s']):>10} {f(r['median_stream_batches_per_s']):>10}"
+            f"{f(r['median_target_batches_per_s']):>10}"
         )
         for msg, n in r["errors"].items():
             print(f"{r['placement']}: {n} x {msg}")
@@ -370,7 +373,7 @@ def main() -> int:
     ap.add_argument("--placements", default=None, help="comma-separated (default split,shared; smoke cpu)")
     ap.add_argument("--parallel", type=int, default=None, help="repetitions at once (default 4; smoke 1)")
     ap.add_argument("--budget-s", type=float, default=360, help="start no new repetition after this")
-    ap.add_argument("--timeout-s", type=int, default=300)
+    ap.add_argument("--timeout-s", type=int, default=None, help="per repetition (default 300; smoke 900)")
     ap.add_argument("--target", default=None, help=f"{', '.join(TARGET_SHAPES)} or embedded")
     ap.add_argument("--data", default=None, help="a prepared dataset folder (default: random tokens)")
     ap.add_argument("--steps", type=int, default=None)
@@ -379,6 +382,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--rows", type=int, default=64, help="random training rows")
     ap.add_argument("--sequential", action="store_true", help="also train each variant alone (cost model)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads in each repetition")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--target-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -387,8 +391,9 @@ def main() -> int:
         "reps": 1 if smoke else 10,
         "placements": "cpu" if smoke else "split,shared",
         "parallel": 1 if smoke else 4,
+        "timeout_s": 900 if smoke else 300,
         "target": "tiny" if smoke else "qwen3-0.6b",
-        "steps": 12 if smoke else 40,
+        "steps": 12 if smoke else 30,
         "max_len": 128 if smoke else 1024,
         "anchors": 8 if smoke else 128,
         "block_size": 8 if smoke else 16,
@@ -420,6 +425,7 @@ def main() -> int:
         *("--target", args.target, "--target-dir", args.target_dir, "--data", args.data),
         *("--steps", str(args.steps), "--max-len", str(args.max_len), "--anchors", str(args.anchors)),
         *("--block-size", str(args.block_size), "--parallel", str(args.parallel)),
+        *(["--threads", str(args.threads)] if args.threads else []),
     ]
     jobs = [(p, rep) for rep in range(args.reps) for p in placements]  # interleaved: same conditions
     runs: list[dict] = []
