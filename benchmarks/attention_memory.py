@@ -18,8 +18,6 @@ Prints a table and writes JSON to $OUT/attention_memory.json if $OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 
 # Run from a checkout without installing: make src/ importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -36,6 +35,7 @@ from dflashkit.attention.block_mask import flex_block_mask
 from dflashkit.attention.masks import BlockLayout, dflash_mask_mod
 from dflashkit.attention.memory import peak_memory
 from dflashkit.runtime import compile as rc
+from report import write_report  # noqa: E402
 
 GIB = 2**30
 
@@ -245,12 +245,7 @@ def main() -> int:
         p = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.3f}"
         s = "-" if r["seconds"] is None else f"{r['seconds'] * 1e3:.1f} ms"
         print(f"  {r['what']:<98} {p:>9} {s:>11}  {r['note']}")
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        path = Path(out_dir) / "attention_memory.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"wrote {path}")
+    write_report("attention_memory.json", report)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -26,11 +25,13 @@ from pathlib import Path
 
 # Run from a checkout without installing: make src/ importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 from dflashkit.config import load_config  # noqa: E402
 from dflashkit.data import features as fx  # noqa: E402
+from report import write_report  # noqa: E402
 
 GB = 1e9
 
@@ -223,9 +224,7 @@ def main() -> None:
         "qwen3-8b 5 x 4096 bf16": fx.bytes_per_token(4096, 5, "bfloat16"),
         "qwen3-8b 5 x 4096 fp8": fx.bytes_per_token(4096, 5, "float8_e4m3fn"),
     }
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        Path(os.environ["OUT"], "capture_features.json").write_text(json.dumps(out, indent=2, default=str))
+    write_report("capture_features.json", out)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import write_report  # noqa: E402
 
 
 def write_prompts(path: Path, count: int) -> None:
@@ -124,11 +126,9 @@ def main() -> None:
             f"{r['dtype']:9} {r['device']:6} {r['prompts']:7d} {r['ar_tokens_per_s']:9.1f} {r['spec_tokens_per_s']:10.1f} "
             f"{r['speedup']:7.2f}x {r['mean_acceptance_length']:6.2f} {r['identical_greedy_outputs']:5d}/{r['prompts']}"
         )
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "decode_speed.json").write_text(
-            json.dumps({"rows": rows, "torch": fp["torch"], "gpu": fp["gpu"], "time": time.time()}, indent=2)
-        )
+    write_report(
+        "decode_speed.json", {"rows": rows, "torch": fp["torch"], "gpu": fp["gpu"], "time": time.time()}
+    )
 
 
 if __name__ == "__main__":

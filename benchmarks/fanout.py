@@ -39,6 +39,9 @@ from pathlib import Path
 
 # Run from a checkout without installing: make src/ importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import write_report  # noqa: E402
 
 RESULT_PREFIX = "RESULT "
 
@@ -463,12 +466,7 @@ def main() -> int:
         "runs": runs,
         "total_s": round(time.perf_counter() - t0, 1),
     }
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        path = Path(out_dir) / "fanout.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"wrote {path}")
+    write_report("fanout.json", report)
     return 0
 
 

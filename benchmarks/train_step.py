@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import write_report  # noqa: E402
 
 PAPER = dict(
     hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=12288, layers=5, vocab=151936, block=16, n_target=5
@@ -212,9 +215,7 @@ def main() -> None:
             f"{r['peak_gib']:9.2f} {r['first_step_s']:10.1f}  {r['tflop_per_step']:.1f} TFLOP/step, floor "
             f"{r['tflop_per_step'] / peak * 1e3 if peak == peak else float('nan'):.0f} ms"
         )
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "train_step.json").write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=2))
+    write_report("train_step.json", {"peak_tflops": peak, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -7,9 +7,24 @@ import argparse
 import os
 
 
-def _train(args: argparse.Namespace) -> int:
-    from rich.console import Console
+def add_run_arguments(p: argparse.ArgumentParser, *, variants: bool = False) -> None:
+    """The options `train` and `fanout` share; section.key=value words anywhere override the config."""
+    whose = "every variant exactly from its" if variants else "exactly from the run folder's"
+    p.add_argument("--config", "-c", help="YAML run config" + (" with a fanout section" if variants else ""))
+    p.add_argument("--out", help="run folder (same as run.out_dir=...)")
+    p.add_argument("--resume", action="store_true", help=f"continue {whose} latest checkpoint")
+    p.add_argument(
+        "--dry-run", action="store_true", help="validate config, data, target and drafter; do not train"
+    )
+    p.add_argument(
+        "--allow-env-drift",
+        action="store_true",
+        help="resume even when torch/CUDA/triton/GPU changed since the checkpoint",
+    )
+    p.set_defaults(overrides=[])  # cli.main collects the section.key=value words
 
+
+def config_from_args(args: argparse.Namespace):  # -> RunConfig (imported lazily: the CLI starts fast)
     from dflashkit.config import load_config
 
     overrides = list(args.overrides)
@@ -17,7 +32,13 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append("run.allow_env_drift=true")
     if args.out:
         overrides.append(f"run.out_dir={args.out}")
-    cfg = load_config(args.config, overrides)
+    return load_config(args.config, overrides)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    cfg = config_from_args(args)
     console = Console()
     if cfg.fanout is not None:  # several drafter variants from one target: `dflashkit fanout`
         from dflashkit.train.fanout_commands import run_fanout
@@ -70,19 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Train a DFlash drafter on one process, or data-parallel with --nproc N (or under "
         "torchrun). Any section.key=value word overrides the config (e.g. train.lr=3e-4 drafter.layers=2).",
     )
-    p.add_argument("--config", "-c", help="YAML run config (configs/embedded.yaml is the default job)")
-    p.add_argument("--out", help="run folder (same as run.out_dir=...)")
-    p.add_argument(
-        "--resume", action="store_true", help="continue exactly from the run folder's latest checkpoint"
-    )
-    p.add_argument(
-        "--dry-run", action="store_true", help="validate config, data, target and drafter; do not train"
-    )
-    p.add_argument(
-        "--allow-env-drift",
-        action="store_true",
-        help="resume even when torch/CUDA/triton/GPU changed since the checkpoint",
-    )
+    add_run_arguments(p)
     p.add_argument(
         "--nproc",
         type=int,
@@ -101,4 +110,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         help="with --nnodes > 1: the rendezvous address (a free port on one host, reachable from all)",
     )
-    p.set_defaults(handler=_train, overrides=[])  # section.key=value words anywhere (cli.main collects them)
+    p.set_defaults(handler=_train)

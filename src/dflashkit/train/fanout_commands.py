@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from dflashkit.config import RunConfig
+from dflashkit.train.commands import add_run_arguments
 
 
 def run_fanout(cfg: RunConfig, *, resume: bool, dry_run: bool, console: Any, nproc: int | None = None) -> int:
@@ -27,15 +28,9 @@ def run_fanout(cfg: RunConfig, *, resume: bool, dry_run: bool, console: Any, npr
 def _fanout(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from dflashkit.config import load_config
+    from dflashkit.train.commands import config_from_args
 
-    overrides = list(args.overrides)
-    if args.allow_env_drift:
-        overrides.append("run.allow_env_drift=true")
-    if args.out:
-        overrides.append(f"run.out_dir={args.out}")
-    cfg = load_config(args.config, overrides)
-    return run_fanout(cfg, resume=args.resume, dry_run=args.dry_run, console=Console())
+    return run_fanout(config_from_args(args), resume=args.resume, dry_run=args.dry_run, console=Console())
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,17 +42,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "one). Results in run.out_dir/<variant>/ and a table comparing the variants in "
         "run.out_dir/fanout.json. Any section.key=value word overrides the base config.",
     )
-    p.add_argument("--config", "-c", help="YAML run config with a fanout section (e.g. configs/fanout.yaml)")
-    p.add_argument("--out", help="run folder (same as run.out_dir=...); the variants go in its subfolders")
-    p.add_argument(
-        "--resume", action="store_true", help="continue every variant exactly from its latest checkpoint"
-    )
-    p.add_argument(
-        "--dry-run", action="store_true", help="validate every variant's config, data, target and drafter"
-    )
-    p.add_argument(
-        "--allow-env-drift",
-        action="store_true",
-        help="resume even when torch/CUDA/triton/GPU changed since the checkpoints",
-    )
-    p.set_defaults(handler=_fanout, overrides=[])  # section.key=value words anywhere (cli.main collects them)
+    add_run_arguments(p, variants=True)
+    p.set_defaults(handler=_fanout)
