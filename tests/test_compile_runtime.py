@@ -361,3 +361,29 @@ def test_portable_compile_cache_round_trip_and_refusal(warm, tmp_path):
     (tmp_path / "short.cache").write_bytes(path.read_bytes()[:-10])
     with pytest.raises(rc.CompileCacheError, match="truncated"):
         rc.load_compile_cache(tmp_path / "short.cache")
+
+
+def test_portable_cache_around_warmup_writes_loads_and_replaces_a_stale_file(warm, tmp_path):
+    """run.compile_cache: written after a warm-up when missing, loaded when it fits, replaced when stale."""
+    said: list[str] = []
+
+    class Console:
+        def print(self, text: str) -> None:
+            said.append(text)
+
+    path = tmp_path / "run.cache"
+    with rc.portable_cache(path, Console()):
+        pass  # the `warm` fixture compiled already: its artifacts are this process's
+    assert path.is_file() and "written" in said[-1]
+    with rc.portable_cache(path, Console()):
+        pass
+    assert "loaded" in said[-1]
+    header, data = rc.read_compile_cache(path)
+    stale = dict(header, key=dict(header["key"], **{"packages.triton": "0.0.0"}))
+    path.write_bytes(json.dumps(stale).encode() + b"\n" + data)
+    with rc.portable_cache(path, Console()):
+        pass
+    assert any("not used" in s and "packages.triton" in s for s in said) and "written" in said[-1]
+    assert rc.read_compile_cache(path)[0]["key"] == header["key"]
+    with rc.portable_cache(None, Console()):  # no file configured: nothing happens
+        pass

@@ -425,3 +425,57 @@ def test_flex_forward_and_backward_match_sdpa_on_gpu():
     torch.testing.assert_close(outs["flex"], outs["sdpa"], rtol=1e-3, atol=1e-3)
     for n in grads["sdpa"]:
         torch.testing.assert_close(grads["flex"][n], grads["sdpa"][n], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager_and_new_anchors_do_not_recompile():
+    """train.compile runs each layer as one compiled region (one graph for all layers); a new step's
+    anchors (a new block mask of the same shape) reuse it after the freeze, and the output matches."""
+    from dflashkit.model import drafter as drafter_mod
+    from dflashkit.runtime.compile import freeze, unfreeze
+
+    unfreeze()
+    config = tiny_config()
+    d = random_drafter(config)
+    feats, embeds, ctx_pos, blk_pos = training_inputs(config, ANCHORS, DOCS)
+
+    def run(anchors, compiled):
+        layout = BlockLayout(anchors, torch.ones_like(anchors, dtype=torch.bool), DOCS, config.block_size)
+        d.compiled_layers = compiled
+        with torch.no_grad():
+            return d(feats, embeds, ctx_pos, blk_pos, build_block_masks(config, layout, "flex"), "flex")
+
+    try:
+        torch.testing.assert_close(run(ANCHORS, True), run(ANCHORS, False), rtol=1e-4, atol=1e-4)
+        assert drafter_mod._LAYER_REGION.graphs() == 1  # both layers, one graph
+        freeze()
+        other = torch.tensor([[1, 6, 8], [2, 3, 10]])
+        got = run(other, True)  # would raise CompileAfterWarmupError if the new mask recompiled
+        unfreeze()
+        torch.testing.assert_close(got, run(other, False), rtol=1e-4, atol=1e-4)
+        assert drafter_mod._LAYER_REGION.graphs() == 1
+    finally:
+        unfreeze()
+        d.compiled_layers = False
+
+
+@pytest.mark.gpu
+def test_compiled_layers_forward_and_backward_match_eager_on_gpu():
+    from dflashkit.runtime.compile import unfreeze
+
+    unfreeze()
+    config = tiny_config(hidden_size=128, head_dim=32)
+    layout = BlockLayout(
+        ANCHORS.cuda(), torch.ones_like(ANCHORS, dtype=torch.bool).cuda(), DOCS.cuda(), config.block_size
+    )
+    inputs = [t.cuda() for t in training_inputs(config, ANCHORS, DOCS)]
+    outs, grads = {}, {}
+    for compiled in (False, True):
+        d = random_drafter(config).cuda()
+        d.compiled_layers = compiled
+        outs[compiled] = d(*inputs, build_block_masks(config, layout, "flex"), "flex")
+        outs[compiled].square().mean().backward()
+        grads[compiled] = {n: p.grad for n, p in d.named_parameters()}
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-4, atol=1e-4)
+    for n in grads[False]:
+        torch.testing.assert_close(grads[True][n], grads[False][n], rtol=1e-3, atol=1e-4)

@@ -194,7 +194,8 @@ def test_forward_keeps_no_logits_for_the_backward():
     kept = _saved_for_backward(weight, run)
     assert kept < full / 4  # hidden slices, labels, weights: no [*, V] tensor
     # Plain autograd through the chunks would keep every chunk's log-softmax alive until the backward.
-    with mock.patch.object(loss_mod._FrozenHeadCE, "apply", loss_mod._chunk_ce):
+    plain = lambda h, w, y, _compiled: loss_mod._chunk_ce(h, w, y)  # noqa: E731
+    with mock.patch.object(loss_mod._FrozenHeadCE, "apply", plain):
         assert _saved_for_backward(weight, run) >= full
     # A trainable head takes the checkpointed path, which keeps no logits either.
     weight.requires_grad_()
@@ -218,3 +219,21 @@ def test_gpu_peak_memory_stays_below_full_logits():
     peak = torch.cuda.max_memory_allocated() - base
     full_logits = bb * NN * BB * VV * 4
     assert peak < full_logits / 4, f"peak {peak / 2**30:.2f} GiB vs full logits {full_logits / 2**30:.2f} GiB"
+
+
+@pytest.mark.slow
+def test_compiled_loss_chunk_matches_the_eager_one():
+    """train.compile runs each frozen-head chunk as one compiled region: same loss, gradient and argmax."""
+    from dflashkit.runtime.compile import unfreeze
+
+    unfreeze()  # another test may have frozen the compiled shapes
+    hidden, weight, labels, mask = _inputs(dtype=torch.float32)
+    outs, grads = {}, {}
+    for compiled in (False, True):
+        outs[compiled] = dflash_loss(hidden, weight, labels, mask, B, chunk_blocks=3, compiled=compiled)
+        (grads[compiled],) = torch.autograd.grad(outs[compiled].loss, hidden)
+    torch.testing.assert_close(outs[True].loss, outs[False].loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[True].ce, outs[False].ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-4, atol=1e-6)
+    assert torch.equal(outs[True].predictions, outs[False].predictions)
+    assert loss_mod._CHUNK_REGION is not None and loss_mod._CHUNK_REGION.graphs() == 2  # full and last chunk

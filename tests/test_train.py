@@ -189,5 +189,25 @@ def test_flex_training_on_gpu_warms_then_freezes(tiny_dataset, tmp_path):
         result = trainer.train(cfg, console=quiet())
         assert result.steps == 8 and rc.is_frozen()
         assert all(math.isfinite(x) for x in result.losses)
+        from dflashkit.model import drafter as drafter_mod
+        from dflashkit.train import loss as loss_mod
+
+        # train.compile=auto: the layers and the loss chunks ran as compiled regions, warmed before step 1
+        assert drafter_mod._LAYER_REGION.graphs() >= 2  # training and evaluation shapes
+        assert loss_mod._CHUNK_REGION.graphs() >= 1
     finally:
         rc.reset_runtime()
+
+
+def test_compiled_regions_follow_the_backend_and_strategy(tmp_path):
+    cfg = tiny_config(tmp_path, tmp_path / "run")
+    assert trainer.use_compiled_regions(cfg, "flex")
+    assert not trainer.use_compiled_regions(cfg, "sdpa")  # auto: the CPU default stays eager
+    assert not trainer.use_compiled_regions(cfg, "flex", "fsdp")
+    off = tiny_config(tmp_path, tmp_path / "run", **{"train.compile": "off"})
+    assert not trainer.use_compiled_regions(off, "flex")
+    on = tiny_config(tmp_path, tmp_path / "run", **{"train.compile": "on"})
+    with pytest.raises(ConfigError, match="needs the flex attention backend"):
+        trainer.use_compiled_regions(on, "sdpa")
+    with pytest.raises(ConfigError, match="FSDP"):
+        trainer.use_compiled_regions(on, "flex", "fsdp")

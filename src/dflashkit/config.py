@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from dflashkit.errors import ConfigError
 
@@ -85,13 +93,17 @@ class TrainSection(Section):
     seed: int = 0
     cache_features: bool = False  # keep each training row's target features after its first pass (small data)
     autocast: Literal["auto", "bf16", "off"] = "auto"  # auto: bf16 on GPU, off on CPU
+    # Compile each drafter layer and each loss chunk whole (fuses norms, RoPE, SwiGLU and the softmax around
+    # the matmuls; warmed before the first step like the attention). auto: on with flex on a GPU, except FSDP.
+    compile: Literal["auto", "on", "off"] = "auto"
     tensorboard: bool = False
 
-    @field_validator("autocast", mode="before")
+    @field_validator("autocast", "compile", mode="before")
     @classmethod
-    def _yaml_booleans(cls, v: Any) -> Any:
+    def _yaml_booleans(cls, v: Any, info: ValidationInfo) -> Any:
         """YAML reads a bare off/on as a boolean."""
-        return {False: "off", True: "bf16"}.get(v, v) if isinstance(v, bool) else v
+        on = "bf16" if info.field_name == "autocast" else "on"
+        return {False: "off", True: on}.get(v, v) if isinstance(v, bool) else v
 
 
 class AttentionSection(Section):
@@ -103,13 +115,18 @@ class RunSection(Section):
     out_dir: str = "runs/embedded"
     device: str = "auto"  # auto: cuda if available, else cpu
     allow_env_drift: bool = False
+    # A portable compile cache file: loaded before warm-up when it exists and was built by this environment
+    # (torch build, CUDA, triton, GPU type), written after warm-up when it was missing or stale.
+    compile_cache: str | None = None
 
 
 class DistributedSection(Section):
     """Data-parallel training under torchrun (`dflashkit train --nproc N`); a one-process run ignores it."""
 
     strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 shards weights, gradients and optimizer state
-    fsdp_param_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # FSDP compute copy; gradients reduce in fp32
+    fsdp_param_dtype: Literal["bfloat16", "float32"] = (
+        "bfloat16"  # FSDP compute copy; gradients reduce in fp32
+    )
     timeout_minutes: float = Field(30.0, gt=0)  # a collective that waits longer fails the run
 
 

@@ -190,6 +190,36 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def layer_step(
+    layer: DecoderLayer,
+    h: Tensor,
+    ctx: Tensor,
+    ctx_cos: Tensor,
+    ctx_sin: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: AttentionMask | None,
+    backend: str,
+) -> Tensor:
+    """One layer of the training forward: this layer's context K/V, then the layer over the block rows."""
+    ctx_k, ctx_v = layer.self_attn.key_value(ctx, ctx_cos, ctx_sin)
+    return layer(h, ctx_k, ctx_v, cos, sin, mask, backend)
+
+
+_LAYER_REGION = None
+
+
+def _compiled_layer_step():
+    """``layer_step`` as one compiled region, shared by every layer and drafter of the process (one graph
+    per shape, not per layer: the layer's weights are inputs of the graph)."""
+    global _LAYER_REGION
+    if _LAYER_REGION is None:
+        from dflashkit.runtime.compile import CompiledRegion
+
+        _LAYER_REGION = CompiledRegion(layer_step, "the drafter's compiled decoder layer")
+    return _LAYER_REGION
+
+
 # --- the inference cache -------------------------------------------------------------------------
 
 
@@ -248,6 +278,9 @@ class DFlashDrafter(nn.Module):
         )
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.rotary = Rotary(config)
+        # Training forward: run each layer as one compiled region (dflashkit.runtime.compile) that fuses the
+        # norms, RoPE and SwiGLU around the matmuls. The trainer turns it on for flex on a GPU (train.compile).
+        self.compiled_layers = False
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
@@ -287,9 +320,9 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = self.rotary(context_positions, dtype)
         cos, sin = self.rotary(block_positions, dtype)
         h = block_embeds.to(dtype)
+        run = _compiled_layer_step() if self.compiled_layers else layer_step
         for layer in self.layers:
-            ctx_k, ctx_v = layer.self_attn.key_value(ctx, ctx_cos, ctx_sin)
-            h = layer(h, ctx_k, ctx_v, cos, sin, _layer_mask(mask, layer.layer_type), backend)
+            h = run(layer, h, ctx, ctx_cos, ctx_sin, cos, sin, _layer_mask(mask, layer.layer_type), backend)
         return self.norm(h)
 
     def draft(

@@ -300,6 +300,68 @@ def flex_attention_entry(
 
 
 # --------------------------------------------------------------------------------------------------
+# Compiled regions: a whole function (a decoder layer, a loss chunk) compiled under the same rules
+
+REGION_RECOMPILE_LIMIT = 64  # graphs per region: (device, shape, grad mode) of every drafter in the process
+
+
+class CompiledRegion:
+    """``fn`` compiled whole (fullgraph, static shapes), so that the pointwise work around its matmuls
+    (norms, RoPE, SwiGLU, softmax) fuses into a few kernels. Same rules as the flex entry: before warm-up
+    a call that may compile holds COMPILE_LOCK; after ``freeze()`` torch's ``fail_on_recompile`` stance
+    turns a new shape into CompileAfterWarmupError. A flex_attention call inside ``fn`` is traced into
+    the region's graph (``flex_attention_entry`` sees Dynamo compiling), so the region never takes a
+    dense path: were the region ever to run eagerly, its attention would still go through the entry."""
+
+    def __init__(self, fn: Callable[..., Any], name: str):
+        self.fn = fn
+        self.name = name
+        self._compiled: Callable[..., Any] | None = None
+
+    def _build(self) -> Callable[..., Any]:
+        with COMPILE_LOCK:
+            if self._compiled is None:
+                if recompile_limit_reaches_threads():
+                    self._compiled = torch.compile(
+                        self.fn, fullgraph=True, dynamic=False, recompile_limit=REGION_RECOMPILE_LIMIT
+                    )
+                else:  # torch <= 2.11: the module-level limit is process-wide; raise it, never lower it
+                    cfg = torch._dynamo.config
+                    cfg.recompile_limit = max(cfg.recompile_limit, REGION_RECOMPILE_LIMIT)
+                    self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False)
+            return self._compiled
+
+    def graphs(self) -> int:
+        """Compiled graphs the region holds."""
+        try:
+            from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            return len(_debug_get_cache_entry_list(self.fn.__code__))
+        except (ImportError, AttributeError):  # pragma: no cover - torch moved it
+            return -1
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # inside an enclosing compile: trace straight through
+            return self.fn(*args)
+        compiled = self._compiled or self._build()
+        if not _RT.frozen:
+            with COMPILE_LOCK:  # before warm-up: any compile happens here, one thread at a time
+                return compiled(*args)
+        try:
+            return compiled(*args)
+        except RuntimeError as e:
+            if not _is_stance_error(e):
+                raise
+            reason = _first_guard_failure(str(e))
+            shapes = ", ".join(str(list(a.shape)) for a in args if isinstance(a, Tensor))
+            raise CompileAfterWarmupError(
+                f"{self.name} would compile after warm-up (inputs {shapes}"
+                + (f"; guard failed: {reason}" if reason else "")
+                + "); run one training step of this shape during warm-up, or pad it to a warmed shape"
+            ) from None
+
+
+# --------------------------------------------------------------------------------------------------
 # Shape buckets
 
 CONTEXT_BUCKETS: tuple[int, ...] = (256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
@@ -657,3 +719,34 @@ def load_compile_cache(path: str | os.PathLike[str], fp: dict[str, Any] | None =
             f"compile (caches are for speed only)"
         )
     return torch.compiler.load_cache_artifacts(data)
+
+
+@contextlib.contextmanager
+def portable_cache(path: str | os.PathLike[str] | None, console: Any = None, *, save: bool = True):
+    """Around a warm-up: load the cache file first when it exists and fits this environment, and write it
+    afterwards when it was missing or did not fit (``save=False``: never write, e.g. ranks other than 0).
+    A cache is for speed only: one that does not fit is reported and replaced, never fatal."""
+    if path is None:
+        yield
+        return
+
+    def say(text: str) -> None:
+        if console is not None:
+            console.print(text)
+
+    loaded = False
+    if Path(path).is_file():
+        t0 = time.perf_counter()
+        try:
+            load_compile_cache(path)
+            loaded = True
+            say(f"compile cache {path}: loaded in {time.perf_counter() - t0:.1f} s")
+        except CompileCacheError as e:
+            say(f"[yellow]compile cache not used: {e}[/]")
+    yield
+    if save and not loaded:
+        try:
+            save_compile_cache(path)
+            say(f"compile cache written to {path} ({Path(path).stat().st_size / 2**20:.1f} MiB)")
+        except CompileCacheError as e:
+            say(f"[yellow]compile cache not written: {e}[/]")

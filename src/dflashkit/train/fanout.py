@@ -634,7 +634,8 @@ def train_all(
     fpmod.save(fpmod.collect(), out / fpmod.FINGERPRINT_FILE)
     show_plan(fanout, console)
     share_validation_features(fanout)
-    warm_s = warm_up(fanout, console)
+    with rc.portable_cache(cfg.run.compile_cache, console):
+        warm_s = warm_up(fanout, console)
     graphs = compiled_graph_count()
     t_train = time.perf_counter()
     for w in fanout.workers:

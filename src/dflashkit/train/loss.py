@@ -87,27 +87,58 @@ def _chunk_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor) -> tuple[T
     return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
 
 
+def frozen_head_chunk(hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk through a frozen head: per-slot CE [n], argmax [n] and dCE/dhidden [n, H] (see the module
+    docstring). Plain torch; ``compiled_frozen_head_chunk`` runs it as one compiled region, where the
+    softmax, gather and argmax fuse into a few passes over the logits."""
+    logits = slot_logits(hidden, weight)  # [n, V] fp32
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
+    pred = logits.argmax(-1)
+    hit = torch.arange(logits.shape[-1], device=logits.device) == labels[:, None]
+    probs = torch.exp(logits - lse[:, None]) - hit.to(logits.dtype)  # softmax - onehot
+    return ce, pred, (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+
+
+def _frozen_head_chunk_eager(hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The same as ``frozen_head_chunk``, in place where it can be (eager memory: one fp32 logits buffer)."""
+    logits = slot_logits(hidden, weight)
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
+    pred = logits.argmax(-1)
+    probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place: the logits are not needed again
+    probs[torch.arange(labels.numel(), device=labels.device), labels] -= 1.0
+    return ce, pred, (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+
+
+_CHUNK_REGION = None
+
+
+def compiled_frozen_head_chunk(hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    global _CHUNK_REGION
+    if _CHUNK_REGION is None:
+        from dflashkit.runtime.compile import CompiledRegion
+
+        _CHUNK_REGION = CompiledRegion(frozen_head_chunk, "the compiled loss chunk")
+    return _CHUNK_REGION(hidden, weight, labels)
+
+
 class _FrozenHeadCE(torch.autograd.Function):
     """Per-slot CE and argmax of hidden [n, H] through a frozen head W [V, H]; the gradient with respect to
     hidden is computed in the forward pass (see the module docstring) and scaled in the backward."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        logits = slot_logits(hidden, weight)  # [n, V] fp32
-        lse = torch.logsumexp(logits, dim=-1)
-        ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
-        pred = logits.argmax(-1)
-        if ctx.needs_input_grad[0]:
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place: the logits are not needed again
-            probs[torch.arange(labels.numel(), device=labels.device), labels] -= 1.0
-            ctx.save_for_backward((probs.to(weight.dtype) @ weight).to(hidden.dtype))
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, compiled: bool) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        chunk = compiled_frozen_head_chunk if compiled else _frozen_head_chunk_eager
+        ce, pred, dce_dh = chunk(hidden, weight, labels)
+        ctx.save_for_backward(dce_dh)
         ctx.mark_non_differentiable(pred)
         return ce, pred
 
     @staticmethod
     def backward(ctx, grad_ce: Tensor, _grad_pred: Tensor):  # type: ignore[override]
         (dce_dh,) = ctx.saved_tensors
-        return dce_dh * grad_ce[:, None].to(dce_dh.dtype), None, None
+        return dce_dh * grad_ce[:, None].to(dce_dh.dtype), None, None, None
 
 
 def auto_chunk_blocks(batch: int, block_size: int, vocab: int) -> int:
@@ -116,12 +147,18 @@ def auto_chunk_blocks(batch: int, block_size: int, vocab: int) -> int:
 
 
 def chunked_ce(
-    hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_size: int, chunk_blocks: int
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    block_size: int,
+    chunk_blocks: int,
+    compiled: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Per-slot CE [b, N*B] float32 and argmax [b, N*B] long, computed `chunk_blocks` blocks at a time.
 
     hidden: [b, N*B, H]; lm_head_weight: [V, H]; labels: [b, N*B] long (in range everywhere).
-    Neither pass holds more than one chunk's logits (see the module docstring).
+    Neither pass holds more than one chunk's logits (see the module docstring). ``compiled`` runs the
+    frozen-head chunk as a compiled region (the trainer's choice on a GPU, train.compile).
     """
     b, q_len, H = hidden.shape
     step = chunk_blocks * block_size
@@ -130,7 +167,7 @@ def chunked_ce(
         h = hidden[:, start : start + step].reshape(-1, H)
         y = labels[:, start : start + step].reshape(-1)
         if torch.is_grad_enabled() and hidden.requires_grad and not lm_head_weight.requires_grad:
-            ce, pred = _FrozenHeadCE.apply(h, lm_head_weight, y)
+            ce, pred = _FrozenHeadCE.apply(h, lm_head_weight, y, compiled)
         elif torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
             ce, pred = checkpoint(
                 _chunk_ce, h, lm_head_weight, y, use_reentrant=False, preserve_rng_state=False
@@ -152,6 +189,7 @@ def dflash_loss(
     weighting: Weighting = "decay",
     dpace_alpha: float = 0.5,
     chunk_blocks: int | None = None,
+    compiled: bool = False,
 ) -> LossOutput:
     """The weighted block cross-entropy (see the module docstring).
 
@@ -159,6 +197,7 @@ def dflash_loss(
     lm_head_weight: [V, H], the frozen target lm_head.
     labels, mask:   [b, N*B] from `block_labels` (slot 0 is never trained).
     chunk_blocks:   blocks per chunk of logits; None picks it from LOGITS_PER_CHUNK.
+    compiled:       run each frozen-head chunk as one compiled region (fused softmax/CE/argmax).
     """
     b, q_len, _ = hidden.shape
     if q_len % block_size:
@@ -167,7 +206,7 @@ def dflash_loss(
         raise ValueError(f"unknown loss weighting {weighting!r}; choose 'decay' or 'dpace'")
     if chunk_blocks is None:
         chunk_blocks = auto_chunk_blocks(b, block_size, lm_head_weight.shape[0])
-    ce, predictions = chunked_ce(hidden, lm_head_weight, labels, block_size, chunk_blocks)
+    ce, predictions = chunked_ce(hidden, lm_head_weight, labels, block_size, chunk_blocks, compiled)
 
     mask = mask.bool()
     blocks = (b, q_len // block_size, block_size)

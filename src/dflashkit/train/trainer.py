@@ -77,6 +77,21 @@ def resolve_backend(cfg: RunConfig, device: torch.device) -> str:
     return backend
 
 
+def use_compiled_regions(cfg: RunConfig, backend: str, strategy: str = "single") -> bool:
+    """Whether the drafter's layers and the loss chunks run as compiled regions (train.compile)."""
+    want = cfg.train.compile
+    if want == "off":
+        return False
+    if backend != "flex" or strategy == "fsdp":
+        if want == "on":
+            why = "FSDP shards the layers' weights" if strategy == "fsdp" else f"the backend is {backend}"
+            raise ConfigError(
+                f"train.compile=on needs the flex attention backend without FSDP ({why}); use train.compile=auto"
+            )
+        return False
+    return True
+
+
 def target_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     if cfg.target.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -234,6 +249,7 @@ def block_step(
             weighting=cfg.train.loss_weighting,
             dpace_alpha=cfg.train.dpace_alpha,
             chunk_blocks=cfg.train.chunk_blocks,
+            compiled=dd.unwrap(drafter).compiled_layers,
         )
     stats = acceptance_stats(out.predictions, labels, label_mask, layout.block_valid, B)
     return StepOutput(out, stats, layout)
@@ -340,9 +356,7 @@ def load_rows(cfg: RunConfig, target: TargetModel) -> tuple[Rows, Rows]:
     )
 
 
-def setup_run(
-    cfg: RunConfig, *, load_data: bool = True, dist: dd.Dist | None = None, target: Any = None
-) -> Run:
+def setup_run(cfg: RunConfig, *, dist: dd.Dist | None = None, target: Any = None) -> Run:
     """Everything a run needs, on this process's device (``dist`` under torchrun: see train.distributed).
     ``target``: the target when the caller has it loaded already (a fan-out's drafters share one)."""
     from dflashkit.data.dataset import read_manifest
@@ -361,7 +375,8 @@ def setup_run(
     else:
         torch.manual_seed(cfg.train.seed)
         drafter = DFlashDrafter(dc).to(device)
-    train_rows, val_rows = load_rows(cfg, target) if load_data else (_empty_rows(), _empty_rows())
+    drafter.compiled_layers = use_compiled_regions(cfg, backend, dist.strategy if dist.parallel else "single")
+    train_rows, val_rows = load_rows(cfg, target)
     features = None
     if cfg.data.features_dir:  # offline: features and labels from `dflashkit capture`
         from dflashkit.data.features import FeatureStore, check_capture_matches
@@ -402,11 +417,6 @@ def setup_run(
         features=features,
         dist=dist,
     )
-
-
-def _empty_rows() -> Rows:
-    z = torch.zeros(0, 1, dtype=torch.long)
-    return Rows(z, z.bool(), z, z)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -709,7 +719,10 @@ def _train(
     autocast = autocast_context(cfg, run.device)
     tensorboard = open_tensorboard(cfg, out) if d.is_main else None
     if warm:
-        warm_up_attention(run, autocast, model)
+        from dflashkit.runtime.compile import portable_cache
+
+        with portable_cache(cfg.run.compile_cache, console, save=d.is_main):
+            warm_up_attention(run, autocast, model)
     order = epoch_order(len(run.train_rows), tc.seed, cursor["epoch"])
     losses: list[float] = []
     window: dict[str, Tensor] | None = None
