@@ -118,7 +118,47 @@ def time_steps(step, steps: int, device: str):
     return first, times[len(times) // 2], out
 
 
-def run_case(s: dict, context: int, anchors: int, backend: str, steps: int, device: str) -> dict:
+KERNEL_KINDS = (  # (kind, substrings of CUDA kernel names), first match wins
+    ("flex attention", ("flex", "attention", "fmha")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "sm100_", "matmul", "cublas")),
+    ("fused by compile (triton)", ("triton",)),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("eager pointwise/reduce", ("elementwise", "vectorized", "reduce", "softmax", "cat", "index", "copy")),
+)
+
+
+def profile_steps(step, device: str, n: int = 3) -> dict:
+    """CUDA kernel time of `n` steps by kind and the top kernels, per step (torch profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us and e.key not in ("ProfilerStep*",):
+            kernels[e.key] = kernels.get(e.key, 0.0) + us / 1e3 / n
+    by_kind: dict[str, float] = {}
+    for name, ms in kernels.items():
+        low = name.lower()
+        kind = next((k for k, subs in KERNEL_KINDS if any(x in low for x in subs)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "gpu_ms_per_step": sum(kernels.values()),
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": [(name[:90], ms) for name, ms in top],
+    }
+
+
+def run_case(
+    s: dict, context: int, anchors: int, backend: str, steps: int, device: str, profile: bool = False
+) -> dict:
+    """One of our paths: "flex" (the trainer's default on a GPU: flex attention, each layer and loss chunk a
+    compiled region), "flex-eager" (flex attention alone compiled, train.compile=off), "sdpa" (dense mask)."""
     import torch
 
     from dflashkit.config import load_config
@@ -134,11 +174,14 @@ def run_case(s: dict, context: int, anchors: int, backend: str, steps: int, devi
         num_target_layers=max(36, s["n_target"]), mask_token_id=s["vocab"] - 1, rope_theta=1e6,
     )  # fmt: skip
     drafter = DFlashDrafter(dc).to(device)
+    attn = "flex" if backend.startswith("flex") else backend
     cfg = load_config(
         None,
         [f"train.num_anchors={anchors}", f"train.max_len={context}", "train.gamma=7", "train.chunk_blocks=64",
-         "train.autocast=" + ("bf16" if device != "cpu" else "off")],
+         "train.autocast=" + ("bf16" if device != "cpu" else "off"),
+         "train.compile=" + ("off" if backend == "flex-eager" else "auto")],
     )  # fmt: skip
+    drafter.compiled_layers = trainer.use_compiled_regions(cfg, attn)
 
     class FrozenTarget:  # the two frozen pieces a step needs from the target
         def __init__(self):
@@ -168,7 +211,7 @@ def run_case(s: dict, context: int, anchors: int, backend: str, steps: int, devi
 
     def step():
         opt.zero_grad(set_to_none=True)
-        out = trainer.block_step(drafter, target, rows, feats, argmax, cfg, backend, g, ac)
+        out = trainer.block_step(drafter, target, rows, feats, argmax, cfg, attn, g, ac)
         out.loss.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -180,8 +223,10 @@ def run_case(s: dict, context: int, anchors: int, backend: str, steps: int, devi
     visible = float(layout.anchors.float().mean()) + s["block"]
     flops = step_flops(s, context, anchors, visible)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else float("nan")
+    prof = profile_steps(step, device) if profile and device == "cuda" else None
     return {
-        "backend": backend, "context": context, "anchors": anchors, "query_tokens": anchors * s["block"],
+        "backend": backend, "compiled_regions": drafter.compiled_layers, "profile": prof,
+        "context": context, "anchors": anchors, "query_tokens": anchors * s["block"],
         "ms_per_step": med * 1e3, "first_step_s": first, "tflop_per_step": flops["total"] / 1e12,
         "tflops": flops["total"] / med / 1e12, "query_tokens_per_s": anchors * s["block"] / med,
         "peak_gib": peak, "loss": float(out.loss.loss.detach()),
@@ -312,6 +357,8 @@ def main() -> None:
     ap.add_argument("--anchors", default="512", help="anchor counts for the flex/sdpa/peers comparison")
     ap.add_argument("--scale-anchors", default="1024,2048,4096,6144,8192", help="larger counts, flex only")
     ap.add_argument("--peers", default="speculators", help="other implementations at --anchors ('' for none)")
+    ap.add_argument("--ours", default="flex,flex-eager,sdpa", help="our paths at --anchors")
+    ap.add_argument("--profile", action="store_true", help="profile 3 steps of the first flex case")
     ap.add_argument("--budget-s", type=float, default=480)
     args = ap.parse_args()
 
@@ -331,7 +378,8 @@ def main() -> None:
         ap.error(f"unknown peers: {sorted(unknown)}")
     rows = []
     t_start = time.perf_counter()
-    cases = [(a, b) for a in counts(args.anchors) for b in ("flex", "sdpa", *peers)]
+    ours = [b for b in args.ours.split(",") if b.strip()]
+    cases = [(a, b) for a in counts(args.anchors) for b in (*ours[:1], *peers, *ours[1:])]
     cases += [(a, "flex") for a in counts(args.scale_anchors)] if not args.smoke else []
     if args.smoke:  # the CPU has no flex backward
         cases = [(16, "sdpa"), (16, "eager")] + [(16, p) for p in peers]
@@ -344,7 +392,8 @@ def main() -> None:
             if backend == "speculators":
                 r = run_speculators_case(s, context, anchors, steps, device)
             else:
-                r = run_case(s, context, anchors, backend, steps, device)
+                first_flex = args.profile and backend == "flex" and not any(x.get("profile") for x in rows)
+                r = run_case(s, context, anchors, backend, steps, device, profile=first_flex)
             if "error" not in r:
                 r["fraction_of_peak"] = r["tflops"] / peak if peak == peak else float("nan")
         except torch.OutOfMemoryError:
@@ -381,6 +430,16 @@ def main() -> None:
             f"{r['backend']:11} {r['anchors']:7d} {r['ms_per_step']:8.1f} {r['tflops']:8.0f} {r['fraction_of_peak']:8.1%} "
             f"{r['peak_gib']:9.2f} {r['first_step_s']:10.1f}  {note}"
         )
+    for r in rows:
+        if r.get("profile"):
+            pr = r["profile"]
+            print(
+                f"\nprofile, {r['backend']} at {r['anchors']} anchors: {pr['gpu_ms_per_step']:.1f} ms of GPU kernels/step"
+            )
+            for kind, ms in pr["by_kind_ms"].items():
+                print(f"  {kind:28} {ms:7.1f} ms")
+            for name, ms in pr["top_kernels_ms"]:
+                print(f"    {ms:7.2f} ms  {name}")
     side_by_side = ratios(rows)
     if side_by_side:
         print("\nours / speculators, same run, same shapes:")
