@@ -361,7 +361,8 @@ class DrafterWorker:
 @dataclass
 class TargetWorker:
     """One target worker: its side of the stream (the target copy on its device, the rows, the union of
-    the drafters' layer ids), and what it has computed: training micro-batches and their seconds."""
+    the drafters' layer ids), and what it has computed: training micro-batches and their seconds. With
+    ``train.cache_features`` each worker keeps the rows it computed in its own cache, on its device."""
 
     index: int
     run: Run
