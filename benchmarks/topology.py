@@ -21,7 +21,7 @@ share the GPUs, which skews the throughput and start-up figures (the counts stay
 
     python benchmarks/topology.py                    # 8 GPUs: 10 repetitions with 5 workers + sweep 1..4
     python benchmarks/topology.py --gpus 2           # 2 GPUs: workers on cuda:0, cuda:1; drafters on cuda:1
-    python benchmarks/topology.py --smoke            # CPU: a tiny target, sdpa, 2 workers, ~1-2 min
+    python benchmarks/topology.py --smoke            # CPU: a tiny target, sdpa, 2 workers, under a minute
 
 It prints a table and writes JSON to $OUT/topology.json if OUT is set (after every run).
 """
@@ -117,7 +117,7 @@ def startup(result, launched_at: float | None, called_at: float, firsts: list[fl
     first = min((f for f in firsts if f is not None), default=None)
     parts = {
         "process_to_fanout_s": round(called_at - launched_at, 2) if launched_at else None,
-        "setup_s": round(setup, 2),  # target copies, drafters, held-out features
+        "setup_s": round(setup, 2),  # target copies, drafters, held-out features, fingerprint
         "warmup_s": result.warmup_seconds,
         "first_step_s": first,
     }
@@ -232,7 +232,7 @@ def print_table(rows: list[dict], parallel: int) -> None:
             print(f"{r['workers']} workers: {n} x {msg}")
     print("(medians over the runs; errors, dense fall-backs and compiles after warm-up summed over all runs)")
     if parallel > 1:
-        print(f"({parallel} runs at a time shared the GPUs: throughput and start-up figures are skewed)")
+        print(f"({parallel} runs at a time shared the devices: throughput and start-up figures are skewed)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -320,7 +320,8 @@ def main() -> int:
 
         found = torch.cuda.device_count()
         if found < args.gpus:
-            print(f"this machine has {found} GPU(s); pass --gpus {found} (or --smoke on the CPU)")
+            hint = f"pass --gpus {found}" if found else "run --smoke on the CPU"
+            print(f"this machine has {found} GPU(s), not {args.gpus}; {hint}")
             return 2
     if not 1 <= args.workers <= max_workers(args.gpus, args.smoke) or any(
         not 1 <= w <= args.workers for w in args.sweep_workers
