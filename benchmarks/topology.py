@@ -17,7 +17,8 @@ fall-backs and compiles after warm-up (benchmarks/fanout.py's counting), and mea
 steps/s on its GPU, each target worker's utilisation (busy seconds / training seconds), the stream's
 micro-batches/s and the start-up: process start to the fan-out call (interpreter, imports), set-up (target
 copies, drafters, held-out features), warm-up (compiles) and the first step. With --parallel > 1 runs
-share the GPUs, which skews the throughput and start-up figures (the counts stay valid).
+share the GPUs, which skews the throughput and start-up figures (the counts stay valid). --set KEY=VALUE
+adds a config override to every run (e.g. train.compile=off: only the attention compiled).
 
     python benchmarks/topology.py                    # 8 GPUs: 10 repetitions with 5 workers + sweep 1..4
     python benchmarks/topology.py --gpus 2           # 2 GPUs: workers on cuda:0, cuda:1; drafters on cuda:1
@@ -97,7 +98,7 @@ def run_config(args: argparse.Namespace, out: Path, targets: list[str], drafters
         "fanout.target_devices": f"[{', '.join(targets)}]",
         "fanout.variants": f"[{variants}]",
     }
-    return load_config(None, [f"{k}={v}" for k, v in over.items()])
+    return load_config(None, [f"{k}={v}" for k, v in over.items()] + args.set)
 
 
 def first_step_s(metrics: Path) -> float | None:
@@ -253,6 +254,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=None, help="the base variants' block (default 16)")
     ap.add_argument("--rows", type=int, default=64, help="random training rows")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads in each run")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--target-dir", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -294,6 +298,7 @@ def passthrough(args: argparse.Namespace) -> list[str]:
         *("--anchors", str(args.anchors), "--block-size", str(args.block_size)),
         *("--parallel", str(args.parallel)),
         *(["--threads", str(args.threads)] if args.threads else []),
+        *(x for kv in args.set for x in ("--set", kv)),
     ]
 
 
@@ -330,6 +335,15 @@ def main() -> int:
         print(f"--workers and --sweep: 1 .. {most} target workers on this layout (--sweep at most --workers)")
         return 2
 
+    if args.set:  # a misspelt key fails here, before the target is built
+        from dflashkit.config import load_config
+        from dflashkit.errors import ConfigError
+
+        try:
+            load_config(None, args.set)
+        except ConfigError as e:
+            print(f"--set: {e}")
+            return 2
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="topology-bench-"))
     prepare(args, work)
