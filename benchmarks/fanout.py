@@ -76,6 +76,21 @@ TARGET_SHAPES = {
             max_position_embeddings=40960,
         ),
     ),
+    # Qwen3-8B (benchmarks/topology.py: the story's target)
+    "qwen3-8b": (
+        "Qwen3Config",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+            max_position_embeddings=40960,
+        ),
+    ),
     # a tiny Llama for the CPU smoke run
     "tiny": (
         "LlamaConfig",
@@ -97,15 +112,21 @@ TARGET_SHAPES = {
 # Inputs made once by the driver: a random-weight target folder and a random-token dataset
 
 
-def make_target(shape: str, folder: Path, dtype: str) -> Path:
+def make_target(shape: str, folder: Path, dtype: str, device: str = "cpu") -> Path:
+    """A random-weight target of a TARGET_SHAPES shape, saved to `folder`. Built on `device`: random
+    initialisation of billions of weights takes seconds on a GPU and minutes on the CPU."""
     import torch
     import transformers
 
     cls_name, kwargs = TARGET_SHAPES[shape]
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(folder)
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()
     return folder
 
 
@@ -146,14 +167,9 @@ def placement_devices(placement: str) -> tuple[str, str]:
     return {"split": ("cuda:0", "cuda:1"), "shared": ("cuda:0", "cuda:0"), "cpu": ("cpu", "cpu")}[placement]
 
 
-def run_config(args: argparse.Namespace, out: Path):
-    from dflashkit.config import load_config
-
-    target_dev, drafter_dev = placement_devices(args.child)
-    variants = (
-        f"[{{name: l1, device: '{drafter_dev}'}},"
-        f" {{name: l2, overrides: {{drafter.layers: 2, train.lr: 3.0e-4}}, device: '{drafter_dev}'}}]"
-    )
+def base_overrides(args: argparse.Namespace, out: Path) -> dict:
+    """The run config's keys besides the fanout section: the shapes of --steps, --max-len, --anchors and
+    --block-size, flex on the GPU (sdpa with --smoke), checkpoints and evaluation only at the end."""
     over = {
         "target.path": args.target_dir,
         "target.dtype": "float32" if args.smoke else "bfloat16",
@@ -173,13 +189,23 @@ def run_config(args: argparse.Namespace, out: Path):
         "train.save_every": args.steps,
         "train.cache_features": False,  # the target runs for every micro-batch
         "attention.backend": "sdpa" if args.smoke else "flex",
-        "fanout.target_device": target_dev,
-        "fanout.variants": variants,
     }
     if args.target != "embedded":
         from dflashkit.target.hf import load_target_config
 
         over["drafter.mask_token_id"] = int(load_target_config(args.target_dir).vocab_size) - 1
+    return over
+
+
+def run_config(args: argparse.Namespace, out: Path):
+    from dflashkit.config import load_config
+
+    target_dev, drafter_dev = placement_devices(args.child)
+    variants = (
+        f"[{{name: l1, device: '{drafter_dev}'}},"
+        f" {{name: l2, overrides: {{drafter.layers: 2, train.lr: 3.0e-4}}, device: '{drafter_dev}'}}]"
+    )
+    over = base_overrides(args, out) | {"fanout.target_device": target_dev, "fanout.variants": variants}
     return load_config(None, [f"{k}={v}" for k, v in over.items()])
 
 
@@ -194,19 +220,12 @@ def steady_steps_per_s(metrics: Path, skip: int) -> float | None:
     return (rows[-1]["step"] - rows[0]["step"]) / (rows[-1]["seconds"] - rows[0]["seconds"])
 
 
-def child(args: argparse.Namespace) -> dict:
+def watch_dense_warnings() -> list[str]:
+    """From now on, collect torch's "flex_attention called without torch.compile" warnings (the dense
+    path) into the returned list."""
     import warnings
 
-    import torch
-    from rich.console import Console
-
-    from dflashkit.train import fanout, trainer
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not args.smoke and torch.cuda.device_count() < (2 if args.child == "split" else 1):
-        return {"placement": args.child, "skipped": f"needs 2 GPUs, found {torch.cuda.device_count()}"}
-    dense_warnings = []
+    dense_warnings: list[str] = []
     shown = warnings.showwarning
 
     def count_dense(message, category, filename, lineno, file=None, line=None):
@@ -215,16 +234,25 @@ def child(args: argparse.Namespace) -> dict:
         shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = count_dense
-    out = Path(tempfile.mkdtemp(prefix=f"fanout-{args.child}-"))
-    cfg = run_config(args, out / "fan")
+    return dense_warnings
+
+
+def counted_fanout(cfg, args: argparse.Namespace, report: dict, dense_warnings: list[str]):
+    """Train the fan-out of `cfg` and count into `report`: errors, dense fall-backs, compiles after
+    warm-up, each drafter's steady steps/s, the target's batches. Returns the FanoutResult, or None when
+    the run raised (the error is counted, not raised: the table is the point)."""
+    import torch
+    from rich.console import Console
+
+    from dflashkit.train import fanout
+
     t0 = time.perf_counter()
-    report: dict = {"placement": args.child, "devices": placement_devices(args.child)}
     try:
         result = fanout.train_fanout(cfg, console=Console(quiet=True))
-    except Exception as e:  # counted, not raised: the table is the point
+    except Exception as e:
         report["errors"] = {"run": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         report["wall_s"] = round(time.perf_counter() - t0, 2)
-        return report
+        return None
     drafters = []
     for d in result.drafters:
         drafters.append(
@@ -261,6 +289,24 @@ def child(args: argparse.Namespace) -> dict:
             "torch_git": torch.version.git_version,
         }
     )
+    return result
+
+
+def child(args: argparse.Namespace) -> dict:
+    import torch
+
+    from dflashkit.train import fanout, trainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.smoke and torch.cuda.device_count() < (2 if args.child == "split" else 1):
+        return {"placement": args.child, "skipped": f"needs 2 GPUs, found {torch.cuda.device_count()}"}
+    dense_warnings = watch_dense_warnings()
+    out = Path(tempfile.mkdtemp(prefix=f"fanout-{args.child}-"))
+    cfg = run_config(args, out / "fan")
+    report: dict = {"placement": args.child, "devices": placement_devices(args.child)}
+    if counted_fanout(cfg, args, report, dense_warnings) is None:
+        return report
     if args.sequential:  # the same variants one after another, each with its own target pass per batch
         from dflashkit.config import apply_overrides
 
@@ -290,11 +336,16 @@ def child(args: argparse.Namespace) -> dict:
 # The driver
 
 
-def run_one(placement: str, rep: int, args: argparse.Namespace, passthrough: list[str]) -> dict:
+def run_one(
+    placement: str, rep: int, args: argparse.Namespace, passthrough: list[str], script: str = __file__
+) -> dict:
+    """One repetition: `script --child placement ...` in a fresh process with a fresh (cold) compile cache;
+    its RESULT line, or the error that ended it. The child finds its launch time in BENCH_LAUNCHED_AT."""
     cache = tempfile.mkdtemp(prefix=f"fanout-cache-{placement}-{rep}-")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)  # cold: a fresh compile cache each time
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // args.parallel)))
-    cmd = [sys.executable, __file__, "--child", placement, *passthrough]
+    env["BENCH_LAUNCHED_AT"] = repr(time.time())
+    cmd = [sys.executable, script, "--child", placement, *passthrough]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)

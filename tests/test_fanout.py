@@ -319,3 +319,35 @@ def test_flex_fanout_on_gpu_warms_every_drafter_then_freezes(tiny_dataset, tmp_p
         assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())
     finally:
         rc.reset_runtime()
+
+
+@pytest.mark.gpu
+def test_two_target_workers_on_the_gpus(tiny_dataset, tmp_path):
+    """Target workers on cuda:0 and cuda:1 (fanout.target_devices), compiled flex drafters on the other
+    GPUs (or beside the second worker): the workers share the passes, every drafter gets the stream in
+    order (a wrong batch would raise FeedError), no compile after warm-up."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        pytest.skip("needs 2 GPUs")
+    rc.reset_runtime()
+    cfg = fanout_config(
+        tiny_dataset,
+        tmp_path / "fan",
+        variants=f"[{A}, {B}]",
+        **{
+            "run.device": "auto",
+            "attention.backend": "flex",
+            "target.dtype": "bfloat16",
+            "train.autocast": "bf16",
+            "fanout.target_devices": "[cuda:0, cuda:1]",
+        },
+    )
+    try:
+        result = fanout.train_fanout(cfg, console=quiet())
+        assert result.ok and result.compiles_after_warmup == 0 and rc.is_frozen()
+        assert [(t.device, t.batches) for t in result.target_workers] == [("cuda:0", 3), ("cuda:1", 3)]
+        pool = [f"cuda:{i}" for i in range(2, count)] or ["cuda:1"]
+        assert [d.device for d in result.drafters] == [pool[0], pool[1 % len(pool)]]
+        assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())
+    finally:
+        rc.reset_runtime()

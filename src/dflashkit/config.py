@@ -158,13 +158,49 @@ class FanoutVariant(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     overrides: dict[str, Any] = Field(default_factory=dict)
-    device: str = "auto"  # auto: the GPUs other than the target's, in turn; else the target's device
+    device: str = "auto"  # auto: the GPUs without a target worker in turn, else the last worker's device
+
+
+def _device_key(text: str) -> str:
+    """A device as written, normalised for comparison: ``cuda`` and ``cuda:0`` are the same GPU."""
+    key = text.strip()
+    return "cuda:0" if key == "cuda" else key
 
 
 class FanoutSection(Section):
-    target_device: str = "auto"  # auto: run.device when set, else cuda:0 when there is a GPU, else cpu
+    # One target worker: auto = run.device when set, else cuda:0 when there is a GPU, else cpu.
+    target_device: str = "auto"
+    # Several target workers, one per device (e.g. [cuda:0, cuda:1]): each holds a copy of the target and
+    # computes every W-th micro-batch; the drafters still get them in stream order. Instead of target_device.
+    target_devices: list[str] | None = Field(None, min_length=1)
     queue_depth: int = Field(2, ge=1)  # micro-batches of features waiting per drafter
     variants: list[FanoutVariant] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_target_devices(self) -> FanoutSection:
+        devices = self.target_devices
+        if devices is None:
+            return self
+        if self.target_device != "auto":
+            raise ValueError(
+                f"fanout.target_device ({self.target_device}) and fanout.target_devices "
+                f"({', '.join(devices)}) both place the target; keep one: target_device for one target "
+                "worker, target_devices for one worker per device"
+            )
+        keys = [_device_key(d) for d in devices]
+        if "auto" in keys:
+            raise ValueError("fanout.target_devices names devices (cuda:0, cuda:1, ...); auto is not one")
+        if len({k.split(":")[0] for k in keys}) > 1:
+            raise ValueError(
+                f"fanout.target_devices mixes device kinds ({', '.join(devices)}); use GPUs or cpu"
+            )
+        twice = sorted({k for k in keys if keys.count(k) > 1 and k != "cpu"})
+        if twice:
+            raise ValueError(
+                f"fanout.target_devices names {', '.join(twice)} more than once; one target worker per GPU "
+                "(only cpu may repeat: workers there share one copy of the target)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_variants(self) -> FanoutSection:

@@ -1,28 +1,34 @@
-"""Fan-out training: one target, several drafter variants trained at the same time, as threads of one process.
+"""Fan-out training: target workers and several drafter variants trained at the same time, as threads of
+one process.
 
 The story's topology (DESIGN.md, "Placement"): the target's forward is the expensive part, so a sweep of
-K drafters (block sizes, layer counts, learning rates) should cost about one target pass per batch, not K.
+K drafters (block sizes, layer counts, learning rates) should cost about one target pass per batch, not K;
+and when one target device cannot keep up, W target workers on W devices share the passes.
 Read top to bottom:
 
 - `placement` and `variant_configs`: each variant is the base config plus its dotted overrides (the
   config's ``fanout`` section); its run folder is run.out_dir/<name>, its device one of `placement`'s.
-- `setup_fanout`: the target is loaded once; each variant gets an ordinary trainer Run (`setup_run`)
-  that shares it. A drafter on another device than the target's sees it through a `TargetView` (its
-  own copies of the frozen embedding and lm_head there).
+  The target workers' devices are ``fanout.target_device`` (one) or ``fanout.target_devices`` (several).
+- `setup_fanout`: the target is loaded once per target device (`load_replicas`); each variant gets an
+  ordinary trainer Run (`setup_run`) that shares the copy on its device, or else sees the first copy
+  through a `TargetView` (its own copies of the frozen embedding and lm_head there).
 - `share_validation_features`: one target pass per held-out row, handed to every drafter.
 - `warm_up`: before any thread starts, every flex attention shape of every drafter on every device,
   forward and backward, is compiled serially under runtime.compile.COMPILE_LOCK (`warm_up_attention`);
   then runtime.compile.freeze(): any later compile is an error naming shape and device.
-- `feed_drafters` (the target worker, the calling thread): walks the micro-batch stream that
-  `trainer.train` walks, runs the target once per micro-batch and puts the features into a bounded
-  queue per drafter that still needs them (`Feed`).
+- `feed_drafters` (the target workers, one thread each): together they walk the micro-batch stream that
+  `trainer.train` walks; worker i runs the target once for every W-th micro-batch (k = i mod W, counting
+  from the first one needed), waits for its turn (`Turns`), and puts the features into the bounded queue
+  of every drafter that still needs them (`Feed`): each drafter gets them in stream order, whatever W.
 - the drafter threads run `trainer.train` itself, with their features taken from the feed. A drafter
   that raises stops alone: its error is recorded (the traceback in <name>/error.txt), its checkpoints
-  stay as they were, the target stops feeding it and the others go on.
+  stay as they were, the target stops feeding it and the others go on. A target worker that raises stops
+  the fan-out: every drafter stops with its checkpoints kept, and the first worker's error is raised.
 - `train_fanout` ends with a table comparing the variants, also written to run.out_dir/fanout.json.
 
 A fan-out runs at the pace of its slowest drafter: the target puts each batch into every queue, and a
-queue holds at most ``fanout.queue_depth`` batches.
+queue holds at most ``fanout.queue_depth`` batches; each target worker holds at most one more, computed
+and waiting for its turn.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ POLL_S = 0.05  # how often a waiting queue call looks at the stop flag
 
 
 class FanoutStopped(DflashkitError):
-    """The fan-out stopped (its target worker failed, or it was interrupted) before this drafter finished."""
+    """The fan-out stopped (a target worker failed, or it was interrupted) before this drafter finished."""
 
 
 class FeedError(DflashkitError):
@@ -108,18 +114,30 @@ def _device(text: str, where: str) -> torch.device:
     return dev
 
 
-def placement(cfg: RunConfig) -> tuple[torch.device, list[torch.device]]:
-    """(the target's device, one device per variant). ``auto`` puts the target on run.device when that
-    is set, else on cuda:0 (or the CPU), and the drafters on the other GPUs in turn (or beside the target)."""
+def target_devices(cfg: RunConfig) -> list[torch.device]:
+    """One device per target worker: ``fanout.target_devices``, or the one of ``fanout.target_device``
+    (auto: run.device when that is set, else cuda:0, or the CPU). The config has checked that no GPU
+    repeats (the CPU may: workers there share one copy of the target)."""
     fc = _section(cfg)
+    if fc.target_devices is not None:
+        return [_device(d, f"fanout.target_devices[{i}]") for i, d in enumerate(fc.target_devices)]
     want = fc.target_device if fc.target_device != "auto" else cfg.run.device
     if want == "auto":
         want = "cuda:0" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu"
-    target = _device(want, "fanout.target_device")
+    return [_device(want, "fanout.target_device")]
+
+
+def placement(cfg: RunConfig) -> tuple[list[torch.device], list[torch.device]]:
+    """(the target workers' devices, one device per variant). A variant's ``auto`` device is one of the
+    GPUs without a target worker, in turn, or else the last target worker's device."""
+    fc = _section(cfg)
+    targets = target_devices(cfg)
     gpus = (
-        [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if target.type == "cuda" else []
+        [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        if targets[0].type == "cuda"
+        else []
     )
-    pool = [g for g in gpus if g != target] or [target]
+    pool = [g for g in gpus if g not in targets] or [targets[-1]]
     devices: list[torch.device] = []
     auto = 0
     for v in fc.variants:
@@ -128,7 +146,7 @@ def placement(cfg: RunConfig) -> tuple[torch.device, list[torch.device]]:
             auto += 1
         else:
             devices.append(_device(v.device, f"fanout variant {v.name} device"))
-    return target, devices
+    return targets, devices
 
 
 def variant_configs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
@@ -190,20 +208,14 @@ class TargetView:
         return feats.to(self.device), labels.to(self.device) if labels is not None else None
 
 
-def feature_columns(
-    union: list[int], layer_ids: list[int], hidden: int, device: torch.device
-) -> Tensor | None:
+def feature_columns(union: list[int], layer_ids: list[int], hidden: int) -> Tensor | None:
     """Columns of a drafter's layers in features of the ``union`` of layers (outputs concatenated in
-    layer order, ``hidden`` wide each); None when the drafter reads them all."""
+    layer order, ``hidden`` wide each), on the CPU; None when the drafter reads them all."""
     mine = sorted(layer_ids)
     if mine == union:
         return None
     cols = [torch.arange(union.index(i) * hidden, (union.index(i) + 1) * hidden) for i in mine]
-    return torch.cat(cols).to(device)
-
-
-def _select(features: Tensor, columns: Tensor | None) -> Tensor:
-    return features if columns is None else features.index_select(-1, columns)
+    return torch.cat(cols)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,7 +248,7 @@ def resume_point(run: Run) -> tuple[int, int]:
 @dataclass
 class Batch:
     """Micro-batch n of the stream: its rows, and the target's features (of the union of the drafters'
-    layers) and argmax labels for them, on the target's device."""
+    layers) and argmax labels for them, on the device of the target worker that computed them."""
 
     n: int
     idx: list[int]
@@ -245,10 +257,11 @@ class Batch:
 
 
 class Feed:
-    """The bounded queue from the target worker to one drafter: micro-batches [start, end) of the stream.
+    """The bounded queue from the target workers to one drafter: micro-batches [start, end) of the stream,
+    in stream order.
 
-    The target worker calls `wants` and `put`; the drafter's training loop calls the feed itself, as its
-    source of features (`trainer.train(features=feed)`), and `close` when it ends."""
+    The target workers call `wants` and `put` (one at a time, in turn); the drafter's training loop calls
+    the feed itself, as its source of features (`trainer.train(features=feed)`), and `close` when it ends."""
 
     def __init__(
         self, name: str, start: int, end: int, depth: int, columns: Tensor | None, stop: threading.Event
@@ -260,6 +273,7 @@ class Feed:
         self.queue: queue.Queue[Batch] = queue.Queue(maxsize=depth)
         self.closed = threading.Event()
         self.taken = 0  # micro-batches the drafter has taken
+        self._columns_on: dict[torch.device, Tensor] = {}  # the columns on each target worker's device
 
     def wants(self, n: int) -> bool:
         return self.start <= n < self.end and not self.closed.is_set()
@@ -286,9 +300,18 @@ class Feed:
             self.taken += 1
             return batch
 
+    def select(self, features: Tensor) -> Tensor:
+        """This drafter's layers of features of the union of layers (on the device they are on)."""
+        if self.columns is None:
+            return features
+        columns = self._columns_on.get(features.device)
+        if columns is None:
+            columns = self._columns_on[features.device] = self.columns.to(features.device)
+        return features.index_select(-1, columns)
+
     def features(self, batch: Batch, device: torch.device) -> tuple[Tensor, Tensor]:
         """This drafter's features and labels of a batch, on its device."""
-        return _select(batch.features, self.columns).to(device), batch.argmax.to(device)
+        return self.select(batch.features).to(device), batch.argmax.to(device)
 
     def __call__(self, run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tensor, Tensor]:
         batch = self.next()
@@ -336,17 +359,56 @@ class DrafterWorker:
 
 
 @dataclass
+class TargetWorker:
+    """One target worker: its side of the stream (the target copy on its device, the rows, the union of
+    the drafters' layer ids), and what it has computed: training micro-batches and their seconds. With
+    ``train.cache_features`` each worker keeps the rows it computed in its own cache, on its device."""
+
+    index: int
+    run: Run
+    batches: int = 0
+    seconds: float = 0.0  # busy: the target passes themselves, not the waits for a turn or a queue
+    error: BaseException | None = None  # what stopped it, when it raised
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.device
+
+
+@dataclass
 class Fanout:
     cfg: RunConfig  # the base config, with its fanout section
-    target_run: Run  # the target's side: the target on its device, the rows, the union of layer ids
+    targets: list[TargetWorker]  # worker 0 also computes the validation features
     workers: list[DrafterWorker]
     stop: threading.Event = field(default_factory=threading.Event)
-    target_batches: int = 0  # training micro-batches the target worker has computed
-    target_seconds: float = 0.0  # and the time it took
+
+    @property
+    def target_run(self) -> Run:
+        return self.targets[0].run
+
+    @property
+    def target_batches(self) -> int:
+        """Training micro-batches the target workers have computed, together."""
+        return sum(t.batches for t in self.targets)
+
+    @property
+    def target_seconds(self) -> float:
+        """Their busy seconds, summed over the workers."""
+        return sum(t.seconds for t in self.targets)
+
+
+def load_replicas(cfg: RunConfig, devices: list[torch.device]) -> dict[torch.device, TargetModel]:
+    """The target, loaded once per device (workers on one device, the CPU, share its copy)."""
+    replicas: dict[torch.device, TargetModel] = {}
+    for d in devices:
+        if d not in replicas:
+            replicas[d] = TargetModel.load(cfg.target.path, dtype=trainer.target_dtype(cfg, d), device=d)
+    return replicas
 
 
 def setup_fanout(cfg: RunConfig, *, resume: bool = False) -> Fanout:
-    """Load the target once and set up every variant's run around it (on the variant's device)."""
+    """Load the target once per target device and set up every variant's run around it (on the variant's
+    device: the copy there, or a view of the first copy)."""
     from dflashkit.train import distributed as dd
 
     fc = _section(cfg)
@@ -354,40 +416,43 @@ def setup_fanout(cfg: RunConfig, *, resume: bool = False) -> Fanout:
         raise ConfigError(
             "a fan-out runs in one process (its drafters are threads); start it without torchrun"
         )
-    target_device, _ = placement(cfg)
+    devices, _ = placement(cfg)
     variants = variant_configs(cfg)
-    target = TargetModel.load(
-        cfg.target.path, dtype=trainer.target_dtype(cfg, target_device), device=target_device
-    )
-    seen: dict[torch.device, Any] = {target_device: target}
+    replicas = load_replicas(cfg, devices)
+    first = replicas[devices[0]]
+    seen: dict[torch.device, Any] = dict(replicas)
     runs: list[Run] = []
     for _, vcfg in variants:
         device = trainer.resolve_device(vcfg)
         if device not in seen:
-            seen[device] = TargetView(target, device)
+            seen[device] = TargetView(first, device)
         run = trainer.setup_run(vcfg, target=seen[device])
         if runs:  # the shared data keys give every variant the same rows: keep one copy
             run.train_rows, run.val_rows = runs[0].train_rows, runs[0].val_rows
         runs.append(run)
     union = sorted(set().union(*(r.drafter.config.target_layer_ids for r in runs)))
-    target_run = dataclasses.replace(
-        runs[0],
-        out_dir=Path(cfg.run.out_dir),
-        device=target_device,
-        target=target,
-        cached={},
-        feature_layer_ids=union,
-    )
+    targets = [
+        TargetWorker(
+            i,
+            dataclasses.replace(
+                runs[0],
+                out_dir=Path(cfg.run.out_dir),
+                device=d,
+                target=replicas[d],
+                cached={},
+                feature_layer_ids=union,
+            ),
+        )
+        for i, d in enumerate(devices)
+    ]
     stop = threading.Event()
     workers = []
     for (name, _), run in zip(variants, runs, strict=True):
         step, start = resume_point(run) if resume else (0, 0)
         end = start + max(run.total_steps - step, 0) * run.cfg.train.grad_accum
-        columns = feature_columns(
-            union, run.drafter.config.target_layer_ids, target.hidden_size, target_device
-        )
+        columns = feature_columns(union, run.drafter.config.target_layer_ids, first.hidden_size)
         workers.append(DrafterWorker(name, run, Feed(name, start, end, fc.queue_depth, columns, stop), step))
-    return Fanout(cfg, target_run, workers, stop)
+    return Fanout(cfg, targets, workers, stop)
 
 
 def share_validation_features(fanout: Fanout) -> None:
@@ -401,7 +466,7 @@ def share_validation_features(fanout: Fanout) -> None:
         feats, argmax = trainer.features_for(tr, "validation", [i], rows)
         for w in fanout.workers:
             w.run.cached[("validation", i)] = (
-                _select(feats[0], w.feed.columns).to(w.run.device),
+                w.feed.select(feats[0]).to(w.run.device),
                 argmax[0].to(w.run.device),
             )
     tr.cached.clear()
@@ -445,37 +510,111 @@ def warm_up(fanout: Fanout, console: Any = None) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# The target worker and the drafter threads
+# The target workers and the drafter threads
+
+
+class Turns:
+    """Whose turn it is to hand a micro-batch to the feeds: micro-batch n goes in only after n - 1 went
+    in (or was skipped), so that every drafter gets the stream in order, whichever worker computed it."""
+
+    def __init__(self, first: int, give_up: Callable[[], bool]):
+        self.next = first
+        self.give_up = give_up  # the fan-out stopped, or no drafter needs anything more
+        self._cond = threading.Condition()
+
+    def wait(self, n: int) -> bool:
+        """Wait until n is next; False when giving up meanwhile (checked every POLL_S)."""
+        with self._cond:
+            while self.next != n:
+                if self.give_up():
+                    return False
+                self._cond.wait(POLL_S)
+        return True
+
+    def advance(self, n: int) -> None:
+        """n went into the feeds (or nobody wanted it): n + 1 is next."""
+        with self._cond:
+            self.next = n + 1
+            self._cond.notify_all()
+
+
+def _finished(fanout: Fanout) -> bool:
+    return fanout.stop.is_set() or all(w.feed.closed.is_set() for w in fanout.workers)
+
+
+def compute_batch(tw: TargetWorker, n: int) -> Batch:
+    """Micro-batch n of the stream on worker tw: one target pass (counted in tw.batches, tw.seconds)."""
+    tr = tw.run
+    t0 = time.perf_counter()
+    idx = stream_rows(n, len(tr.train_rows), tr.cfg.train.batch_size, tr.cfg.train.seed)
+    rows = tr.train_rows.take(idx, tr.device)
+    feats, argmax = trainer.features_for(tr, "train", idx, rows)
+    if tr.device.type == "cuda":
+        torch.cuda.synchronize(tr.device)  # the features are whole before a drafter copies them
+    tw.seconds += time.perf_counter() - t0
+    tw.batches += 1
+    return Batch(n, idx, feats, argmax)
+
+
+def run_target_worker(fanout: Fanout, tw: TargetWorker, share: range, turns: Turns) -> None:
+    """A target worker: each micro-batch of its share that some drafter still needs, computed, then in
+    its turn put into every feed that still wants it."""
+    feeds = [w.feed for w in fanout.workers]
+    with _on_device(tw.device):
+        for n in share:
+            if _finished(fanout):
+                break
+            batch = compute_batch(tw, n) if any(f.wants(n) for f in feeds) else None
+            if not turns.wait(n):
+                break
+            if batch is not None:
+                for f in feeds:
+                    if f.wants(n):
+                        f.put(batch)
+            turns.advance(n)
 
 
 def feed_drafters(fanout: Fanout, on_batch: Callable[[], None] | None = None) -> dict[str, float]:
-    """The target worker: for each micro-batch some drafter still needs, one target pass, and the
-    features into every such drafter's queue. Counts into fanout.target_batches and .target_seconds
-    (the target's own time) and returns them as {"batches", "seconds"}."""
-    tr = fanout.target_run
+    """The target workers, one thread each, over the micro-batches some drafter still needs: worker i of
+    W takes every W-th one from the i-th on. This thread waits for them, calling ``on_batch`` now and then
+    (the progress display). The first worker that raises stops the fan-out, and its error is raised here
+    once every worker has ended (so is an interruption of this thread). Returns the workers' batches and
+    busy seconds together, as {"batches", "seconds"} (each worker's are in fanout.targets)."""
     feeds = [w.feed for w in fanout.workers]
-    bs, seed, num_rows = tr.cfg.train.batch_size, tr.cfg.train.seed, len(tr.train_rows)
     first = min((f.start for f in feeds if f.start < f.end), default=0)
-    last = max((f.end for f in feeds), default=0)
-    for n in range(first, last):
-        if fanout.stop.is_set() or all(f.closed.is_set() for f in feeds):
-            break
-        wanting = [f for f in feeds if f.wants(n)]
-        if not wanting:
-            continue
-        t0 = time.perf_counter()
-        idx = stream_rows(n, num_rows, bs, seed)
-        rows = tr.train_rows.take(idx, tr.device)
-        feats, argmax = trainer.features_for(tr, "train", idx, rows)
-        if tr.device.type == "cuda":
-            torch.cuda.synchronize(tr.device)
-        fanout.target_seconds += time.perf_counter() - t0
-        fanout.target_batches += 1
-        batch = Batch(n, idx, feats, argmax)
-        for f in wanting:
-            f.put(batch)
-        if on_batch is not None:
-            on_batch()
+    stream = range(first, max((f.end for f in feeds), default=0))
+    turns = Turns(first, lambda: _finished(fanout))
+    failed: list[TargetWorker] = []
+    lock = threading.Lock()
+
+    def work(tw: TargetWorker) -> None:
+        try:
+            run_target_worker(fanout, tw, stream[tw.index :: len(fanout.targets)], turns)
+        except BaseException as e:  # handed to the calling thread, which raises it
+            with lock:
+                tw.error = e
+                failed.append(tw)
+            fanout.stop.set()
+
+    threads = [
+        threading.Thread(target=work, args=(tw,), name=f"target-{tw.index}", daemon=True)
+        for tw in fanout.targets
+    ]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(POLL_S * 5)
+                if on_batch is not None:
+                    on_batch()
+    except BaseException:  # interrupted: every worker stops at its next check
+        fanout.stop.set()
+        for t in threads:
+            t.join()
+        raise
+    if failed:
+        raise failed[0].error  # type: ignore[misc]
     return {"batches": fanout.target_batches, "seconds": fanout.target_seconds}
 
 
@@ -551,11 +690,19 @@ class DrafterSummary:
 
 
 @dataclass
+class TargetWorkerSummary:
+    device: str
+    batches: int  # training micro-batches it computed
+    seconds: float  # busy in target passes
+    utilisation: float  # busy seconds / training seconds
+
+
+@dataclass
 class FanoutResult:
     out_dir: Path
-    target_device: str
-    target_batches: int  # target passes over training micro-batches (once each, whatever K is)
-    target_seconds: float
+    target_workers: list[TargetWorkerSummary]
+    target_batches: int  # target passes over training micro-batches (once each, whatever K is), all workers
+    target_seconds: float  # their busy seconds, summed over the workers
     warmup_seconds: float
     compiles_after_warmup: int
     training_seconds: float  # from the drafter threads' start to the last one's end
@@ -570,6 +717,11 @@ class FanoutResult:
 
 def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def summarize_target_worker(tw: TargetWorker, training_seconds: float) -> TargetWorkerSummary:
+    busy = round(tw.seconds / training_seconds, 3) if training_seconds > 0 else 0.0
+    return TargetWorkerSummary(str(tw.device), tw.batches, round(tw.seconds, 2), busy)
 
 
 def summarize_drafter(w: DrafterWorker) -> DrafterSummary:
@@ -622,7 +774,7 @@ def train_all(
     t_start: float | None = None,
 ) -> FanoutResult:
     """Share the validation features, warm up, then train every drafter of a set-up fan-out in its
-    thread while this thread runs the target; write and show the summary."""
+    thread while the target workers feed them; write and show the summary."""
     from rich.console import Console
 
     console = console or Console()
@@ -657,20 +809,21 @@ def train_all(
                 while w.thread is not None and w.thread.is_alive():
                     w.thread.join(0.5)
                     progress.update()
-        except BaseException as e:  # the target worker failed, or Ctrl-C: every drafter stops
+        except BaseException as e:  # a target worker failed, or Ctrl-C: every drafter stops
             failure = e
             fanout.stop.set()
             for w in fanout.workers:
                 if w.thread is not None:
                     w.thread.join()
+    training_s = time.perf_counter() - t_train
     result = FanoutResult(
         out_dir=out,
-        target_device=str(fanout.target_run.device),
+        target_workers=[summarize_target_worker(tw, training_s) for tw in fanout.targets],
         target_batches=fanout.target_batches,
         target_seconds=round(fanout.target_seconds, 2),
         warmup_seconds=round(warm_s, 2),
         compiles_after_warmup=compiled_graph_count() - graphs,
-        training_seconds=round(time.perf_counter() - t_train, 2),
+        training_seconds=round(training_s, 2),
         seconds=round(time.perf_counter() - t_start, 2),
         drafters=[summarize_drafter(w) for w in fanout.workers],
         results={w.name: w.result for w in fanout.workers if w.result is not None},
@@ -679,12 +832,20 @@ def train_all(
     show_summary(result, console)
     if isinstance(failure, Exception) and not isinstance(failure, DflashkitError):
         raise DflashkitError(
-            f"the target worker failed ({type(failure).__name__}: {_first_line(failure)}); every drafter "
-            "stopped with its checkpoints kept: fix the cause and continue with `dflashkit fanout --resume`"
+            f"{_who_failed(fanout, failure)} failed ({type(failure).__name__}: {_first_line(failure)}); "
+            "every drafter stopped with its checkpoints kept: fix the cause and continue with "
+            "`dflashkit fanout --resume`"
         ) from failure
     if failure is not None:
         raise failure
     return result
+
+
+def _who_failed(fanout: Fanout, failure: BaseException) -> str:
+    if len(fanout.targets) == 1:
+        return "the target worker"
+    tw = next((t for t in fanout.targets if t.error is failure), None)
+    return f"target worker {tw.index} (on {tw.device})" if tw is not None else "the fan-out"
 
 
 def write_summary(result: FanoutResult) -> Path:
@@ -702,8 +863,10 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 def show_plan(fanout: Fanout, console: Any) -> None:
     tr = fanout.target_run
     names = ", ".join(f"{w.name} on {w.run.device}" for w in fanout.workers)
+    where = ", ".join(str(t.device) for t in fanout.targets)
+    workers = f"{len(fanout.targets)} workers on " if len(fanout.targets) > 1 else ""
     console.print(
-        f"fan-out: target {tr.target.name} on {tr.device} (layers {tr.feature_layer_ids}); "
+        f"fan-out: target {tr.target.name} on {workers}{where} (layers {tr.feature_layer_ids}); "
         f"{len(fanout.workers)} drafters: {names}"
     )
 
@@ -728,12 +891,20 @@ def show_summary(result: FanoutResult, console: Any) -> None:
             d.error or "",
         )
     console.print(table)
-    rate = result.target_batches / result.target_seconds if result.target_seconds > 0 else 0.0
+    for t in result.target_workers if len(result.target_workers) > 1 else []:
+        console.print(
+            f"target worker on {t.device}: {t.batches} micro-batches, busy {t.seconds:.1f} s "
+            f"({100 * t.utilisation:.0f}% of the training time)"
+        )
+    where = ", ".join(t.device for t in result.target_workers)
+    busy = f"{result.target_seconds:.1f} s of target time"
+    if len(result.target_workers) == 1:
+        rate = result.target_batches / result.target_seconds if result.target_seconds > 0 else 0.0
+        busy += f" ({rate:.2f}/s, {100 * result.target_workers[0].utilisation:.0f}% busy)"
     console.print(
-        f"target on {result.target_device}: {result.target_batches} micro-batches of features in "
-        f"{result.target_seconds:.1f} s ({rate:.2f}/s), once each for all drafters; warm-up "
-        f"{result.warmup_seconds:.1f} s; compiles after warm-up: {result.compiles_after_warmup}; "
-        f"wall {result.seconds:.1f} s"
+        f"target on {where}: {result.target_batches} micro-batches of features in {busy}, once each for "
+        f"all drafters; warm-up {result.warmup_seconds:.1f} s; compiles after warm-up: "
+        f"{result.compiles_after_warmup}; wall {result.seconds:.1f} s"
     )
 
 
@@ -786,10 +957,14 @@ def dry_run_fanout(cfg: RunConfig, console: Any) -> dict[str, Any]:
     """Check every variant (config, data, target, drafter) without loading weights; show the placement."""
     from dflashkit.train.plan import dry_run
 
-    target_device, devices = placement(cfg)
+    targets, devices = placement(cfg)
     plans = {}
     for (name, vcfg), dev in zip(variant_configs(cfg), devices, strict=True):
         console.print(f"[bold]variant {name}[/] on {dev}")
         plans[name] = dry_run(vcfg, console)
-    console.print(f"fan-out: target on {target_device}; {len(plans)} drafters; every variant checks out")
-    return {"target_device": str(target_device), "variants": plans}
+    where = ", ".join(str(d) for d in targets)
+    console.print(
+        f"fan-out: target on {where} ({len(targets)} worker(s)); {len(plans)} drafters; "
+        "every variant checks out"
+    )
+    return {"target_devices": [str(d) for d in targets], "variants": plans}
