@@ -169,6 +169,23 @@ def test_a_capture_that_does_not_belong_to_the_run_is_refused(tiny_dataset, fp32
         setup(tmp_path / "nowhere")
 
 
+def test_dry_run_checks_the_capture_and_shows_ranks(tiny_dataset, fp32_capture, tmp_path):
+    from rich.console import Console
+
+    from dflashkit.train.plan import dry_run
+
+    def plan(nproc=None, **over):
+        cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"data.features_dir": str(fp32_capture), **over})
+        return dry_run(cfg, Console(quiet=True), nproc=nproc)
+
+    ok = plan(nproc=2)
+    assert ok["features"].startswith("offline") and ok["ranks"].startswith("2")
+    assert "2 x batch 1 x accum 1 = 2 rows per step" in ok["train"]
+    with pytest.raises(ConfigError, match="train.max_len=96, this run has 128"):
+        plan(**{"train.max_len": 128})
+    assert not (tmp_path / "run").exists()
+
+
 def test_fp8_round_trip_error_is_bounded(tiny_dataset, fp32_capture, tmp_path):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 50, 3 * 64, generator=g)

@@ -12,7 +12,8 @@ from dflashkit.config import RunConfig
 from dflashkit.errors import ConfigError
 
 
-def dry_run(cfg: RunConfig, console: Any) -> dict[str, Any]:
+def dry_run(cfg: RunConfig, console: Any, nproc: int | None = None) -> dict[str, Any]:
+    """``nproc``: the ranks a data-parallel launch would start (``--nproc``); None for one process."""
     from dflashkit.data.dataset import read_manifest
     from dflashkit.target.hf import identity_of_folder, load_target_config
     from dflashkit.train.trainer import (
@@ -20,10 +21,13 @@ def dry_run(cfg: RunConfig, console: Any) -> dict[str, Any]:
         drafter_config,
         resolve_backend,
         resolve_device,
+        use_compiled_regions,
     )
 
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)
+    ranks = nproc or 1
+    compiled = use_compiled_regions(cfg, backend, cfg.distributed.strategy if ranks > 1 else "single")
     target_cfg = load_target_config(cfg.target.path)
     ident = identity_of_folder(cfg.target.path)
     dc = drafter_config(cfg, target_cfg, ident)
@@ -32,13 +36,39 @@ def dry_run(cfg: RunConfig, console: Any) -> dict[str, Any]:
     check_data_matches_target(manifest, ident, dc, str(data_dir))
     if cfg.drafter.init and not Path(cfg.drafter.init).is_dir():
         raise ConfigError(f"drafter.init={cfg.drafter.init} is not a checkpoint folder")
+    features = "online (the target runs every step)"
+    if cfg.data.features_dir:  # everything but the packed rows' digest, which needs the tokenizer
+        from dflashkit.data.features import check_capture_matches, read_features_manifest
+
+        fm = read_features_manifest(cfg.data.features_dir)
+        check_capture_matches(
+            fm,
+            where=cfg.data.features_dir,
+            ident=ident,
+            layer_ids=dc.target_layer_ids,
+            max_len=cfg.train.max_len,
+            data_manifest=manifest,
+            rows={},
+        )
+        features = f"offline, {cfg.data.features_dir} ({fm['dtype']}, layers {fm['target_layer_ids']})"
+    per_step = ranks * cfg.train.batch_size * cfg.train.grad_accum
+    cache = cfg.run.compile_cache
     plan = {
         "device": str(device),
+        "ranks": f"{ranks} ({cfg.distributed.strategy})" if ranks > 1 else "1",
         "attention backend": backend,
+        "compiled": "flex attention, each layer and loss chunk"
+        if compiled
+        else ("flex attention" if backend == "flex" else "nothing"),
+        "compile cache": "none"
+        if not cache
+        else f"{cache} ({'exists' if Path(cache).is_file() else 'written after warm-up'})",
+        "features": features,
         "target": f"{ident['name']} ({ident['architecture']}, {ident['num_layers']} layers, hidden {ident['hidden_size']})",
         "drafter": f"{dc.num_hidden_layers} layers, block {dc.block_size}, target layers {dc.target_layer_ids}, mask id {dc.mask_token_id}",
         "data": f"{data_dir}: {manifest.get('counts', {})}",
-        "train": f"lr {cfg.train.lr}, {cfg.train.num_anchors} anchors x {cfg.train.max_len} tokens, batch {cfg.train.batch_size} x accum {cfg.train.grad_accum}",
+        "train": f"lr {cfg.train.lr}, {cfg.train.num_anchors} anchors x {cfg.train.max_len} tokens, "
+        f"{ranks} x batch {cfg.train.batch_size} x accum {cfg.train.grad_accum} = {per_step} rows per step",
         "loss": f"{cfg.train.loss_weighting}, gamma {cfg.decay_gamma():.2f}, labels from {cfg.train.labels}",
         "out": cfg.run.out_dir,
     }
