@@ -126,7 +126,7 @@ def test_dry_run_checks_without_training(tiny_dataset, tmp_path):
 
 
 def test_ready_configs_validate():
-    for name in ("configs/embedded.yaml", "configs/qwen3-8b-paper.yaml"):
+    for name in ("configs/embedded.yaml", "configs/embedded-gpu.yaml", "configs/qwen3-8b-paper.yaml"):
         cfg = load_config(name)
         assert cfg.train.lr > 0
     paper = load_config("configs/qwen3-8b-paper.yaml")
