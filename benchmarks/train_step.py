@@ -181,7 +181,7 @@ def run_case(
          "train.autocast=" + ("bf16" if device != "cpu" else "off"),
          "train.compile=" + ("off" if backend == "flex-eager" else "auto")],
     )  # fmt: skip
-    drafter.compiled_layers = trainer.use_compiled_regions(cfg, attn)
+    drafter.compiled_regions = trainer.use_compiled_regions(cfg, attn)
 
     class FrozenTarget:  # the two frozen pieces a step needs from the target
         def __init__(self):
@@ -225,7 +225,7 @@ def run_case(
     peak = torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else float("nan")
     prof = profile_steps(step, device) if profile and device == "cuda" else None
     return {
-        "backend": backend, "compiled_regions": drafter.compiled_layers, "profile": prof,
+        "backend": backend, "compiled_regions": drafter.compiled_regions, "profile": prof,
         "context": context, "anchors": anchors, "query_tokens": anchors * s["block"],
         "ms_per_step": med * 1e3, "first_step_s": first, "tflop_per_step": flops["total"] / 1e12,
         "tflops": flops["total"] / med / 1e12, "query_tokens_per_s": anchors * s["block"] / med,

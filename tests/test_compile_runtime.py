@@ -387,3 +387,47 @@ def test_portable_cache_around_warmup_writes_loads_and_replaces_a_stale_file(war
     assert rc.read_compile_cache(path)[0]["key"] == header["key"]
     with rc.portable_cache(None, Console()):  # no file configured: nothing happens
         pass
+
+
+def test_portable_cache_problems_are_reported_not_fatal(warm, tmp_path):
+    said: list[str] = []
+
+    class Console:
+        def print(self, text: str) -> None:
+            said.append(text)
+
+    folder = tmp_path / "a-folder"  # a path that cannot be read or written as a file
+    folder.mkdir()
+    with rc.portable_cache(folder, Console()):
+        pass
+    assert "not written" in said[-1]
+    junk = tmp_path / "junk.cache"
+    junk.write_bytes(b"not a cache")
+    with rc.portable_cache(junk, Console(), save=False):
+        pass
+    assert any("not used" in s for s in said) and not any("written to" in s for s in said)
+
+
+def _breaks_the_graph(x):
+    torch._dynamo.graph_break()
+    return x + 1
+
+
+def _doubles(x):
+    return x * 2
+
+
+def test_compiled_region_errors_are_one_clear_line():
+    rc.unfreeze()
+    with pytest.raises(DflashkitError, match="failed to compile .*train.compile=off"):
+        rc.CompiledRegion(_breaks_the_graph, "a region")(torch.ones(3))
+    region = rc.CompiledRegion(_doubles, "the doubling region")
+    try:
+        assert torch.equal(region(torch.ones(4)), torch.full((4,), 2.0))
+        rc.freeze()
+        assert torch.equal(region(torch.ones(4)), torch.full((4,), 2.0))  # warm: runs
+        with pytest.raises(rc.CompileAfterWarmupError, match=r"the doubling region .*\[5\]"):
+            region(torch.ones(5))
+        assert region.graphs() == 1
+    finally:
+        rc.unfreeze()

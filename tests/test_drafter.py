@@ -441,22 +441,22 @@ def test_compiled_layers_match_eager_and_new_anchors_do_not_recompile():
 
     def run(anchors, compiled):
         layout = BlockLayout(anchors, torch.ones_like(anchors, dtype=torch.bool), DOCS, config.block_size)
-        d.compiled_layers = compiled
+        d.compiled_regions = compiled
         with torch.no_grad():
             return d(feats, embeds, ctx_pos, blk_pos, build_block_masks(config, layout, "flex"), "flex")
 
     try:
         torch.testing.assert_close(run(ANCHORS, True), run(ANCHORS, False), rtol=1e-4, atol=1e-4)
-        assert drafter_mod._LAYER_REGION.graphs() == 1  # both layers, one graph
+        assert drafter_mod.LAYER_REGION.graphs() == 1  # both layers, one graph
         freeze()
         other = torch.tensor([[1, 6, 8], [2, 3, 10]])
         got = run(other, True)  # would raise CompileAfterWarmupError if the new mask recompiled
         unfreeze()
         torch.testing.assert_close(got, run(other, False), rtol=1e-4, atol=1e-4)
-        assert drafter_mod._LAYER_REGION.graphs() == 1
+        assert drafter_mod.LAYER_REGION.graphs() == 1
     finally:
         unfreeze()
-        d.compiled_layers = False
+        d.compiled_regions = False
 
 
 @pytest.mark.gpu
@@ -472,7 +472,7 @@ def test_compiled_layers_forward_and_backward_match_eager_on_gpu():
     outs, grads = {}, {}
     for compiled in (False, True):
         d = random_drafter(config).cuda()
-        d.compiled_layers = compiled
+        d.compiled_regions = compiled
         outs[compiled] = d(*inputs, build_block_masks(config, layout, "flex"), "flex")
         outs[compiled].square().mean().backward()
         grads[compiled] = {n: p.grad for n, p in d.named_parameters()}

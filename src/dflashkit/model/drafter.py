@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from dflashkit.attention.backends import AttentionMask, attention, build_mask
 from dflashkit.attention.masks import BlockLayout
 from dflashkit.model.config import DrafterConfig
+from dflashkit.runtime.compile import CompiledRegion
 
 # One mask for every layer, or one per layer type ("full_attention", "sliding_attention").
 Masks = AttentionMask | Mapping[str, AttentionMask] | None
@@ -206,18 +207,9 @@ def layer_step(
     return layer(h, ctx_k, ctx_v, cos, sin, mask, backend)
 
 
-_LAYER_REGION = None
-
-
-def _compiled_layer_step():
-    """``layer_step`` as one compiled region, shared by every layer and drafter of the process (one graph
-    per shape, not per layer: the layer's weights are inputs of the graph)."""
-    global _LAYER_REGION
-    if _LAYER_REGION is None:
-        from dflashkit.runtime.compile import CompiledRegion
-
-        _LAYER_REGION = CompiledRegion(layer_step, "the drafter's compiled decoder layer")
-    return _LAYER_REGION
+# ``layer_step`` as one compiled region, shared by every layer and drafter of the process (one graph per
+# shape, not per layer: the layer's weights are inputs of the graph). Creating it compiles nothing.
+LAYER_REGION = CompiledRegion(layer_step, "the drafter's compiled decoder layer")
 
 
 # --- the inference cache -------------------------------------------------------------------------
@@ -278,9 +270,10 @@ class DFlashDrafter(nn.Module):
         )
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.rotary = Rotary(config)
-        # Training forward: run each layer as one compiled region (dflashkit.runtime.compile) that fuses the
-        # norms, RoPE and SwiGLU around the matmuls. The trainer turns it on for flex on a GPU (train.compile).
-        self.compiled_layers = False
+        # Training: run each layer (and, in the loss, each frozen-head chunk) as one compiled region
+        # (dflashkit.runtime.compile) that fuses the norms, RoPE and SwiGLU around the matmuls. The trainer
+        # turns it on for flex on a GPU (train.compile).
+        self.compiled_regions = False
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
@@ -320,7 +313,7 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = self.rotary(context_positions, dtype)
         cos, sin = self.rotary(block_positions, dtype)
         h = block_embeds.to(dtype)
-        run = _compiled_layer_step() if self.compiled_layers else layer_step
+        run = LAYER_REGION if self.compiled_regions else layer_step
         for layer in self.layers:
             h = run(layer, h, ctx, ctx_cos, ctx_sin, cos, sin, _layer_mask(mask, layer.layer_type), backend)
         return self.norm(h)

@@ -19,7 +19,11 @@ thread compiles can hit torch's process-global FX-tracing flag. The rules here:
    assignment is thread-local from torch 2.12 on).
 4. `preflight_dense` refuses any non-flex path whose score matrix would exceed a memory budget.
 5. `save_compile_cache` / `load_compile_cache` move torch.compiler cache artifacts between machines,
-   keyed by the environment fingerprint; a cache from another build is refused.
+   keyed by the environment fingerprint; a cache from another build is refused (`portable_cache` wraps a
+   warm-up with them: `run.compile_cache`).
+6. `CompiledRegion` compiles a larger function (a drafter layer, a loss chunk) by the same rules: under the
+   lock before warm-up, frozen after it, torch's failures turned into one clear error. Flex attention
+   inside a region is traced into the region's graph.
 
 We never set `error_on_nested_fx_trace=False` or `suppress_errors`.
 """
@@ -30,6 +34,7 @@ import contextlib
 import inspect
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -112,12 +117,13 @@ def _config_reaches_threads(name: str, value: int) -> bool:
     return bool(seen) and seen[0] == value
 
 
-def _build_compiled(recompile_limit: int) -> tuple[Callable[..., Tensor], int]:
-    """torch.compile(_flex_or_die) with the limit passed so that every thread sees it; returns the
-    compiled function and the limit in effect."""
+def _compile(fn: Callable[..., Any], recompile_limit: int) -> tuple[Callable[..., Any], int]:
+    """torch.compile(fn, fullgraph, static shapes) with the limit passed so that every thread sees it;
+    returns the compiled function and the limit in effect."""
     if recompile_limit_reaches_threads():
-        fn = torch.compile(_flex_or_die, fullgraph=True, dynamic=False, recompile_limit=recompile_limit)
-        return fn, recompile_limit
+        return torch.compile(
+            fn, fullgraph=True, dynamic=False, recompile_limit=recompile_limit
+        ), recompile_limit
     # torch <= 2.11 has no keyword, and there a module-level config assignment is still process-wide
     # (it is shared with every other compiled function: raise it, never lower it).
     cfg = torch._dynamo.config
@@ -127,7 +133,21 @@ def _build_compiled(recompile_limit: int) -> tuple[Callable[..., Tensor], int]:
             f"torch {torch.__version__} has neither torch.compile(recompile_limit=) nor process-wide dynamo "
             "config, so a recompile limit cannot reach worker threads; use torch 2.11 or >= 2.13"
         )
-    return torch.compile(_flex_or_die, fullgraph=True, dynamic=False), cfg.recompile_limit
+    return torch.compile(fn, fullgraph=True, dynamic=False), cfg.recompile_limit
+
+
+def _build_compiled(recompile_limit: int) -> tuple[Callable[..., Tensor], int]:
+    return _compile(_flex_or_die, recompile_limit)
+
+
+def _cache_entries(fn: Callable[..., Any]) -> int | None:
+    """Compiled graphs (Dynamo cache entries) of a function's code object; None where torch hides them."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(fn.__code__))
+    except (ImportError, AttributeError):  # pragma: no cover - torch moved it
+        return None
 
 
 @dataclass
@@ -302,16 +322,20 @@ def flex_attention_entry(
 # --------------------------------------------------------------------------------------------------
 # Compiled regions: a whole function (a decoder layer, a loss chunk) compiled under the same rules
 
-REGION_RECOMPILE_LIMIT = 64  # graphs per region: (device, shape, grad mode) of every drafter in the process
+# Graphs per region: one per (device, shape, grad mode) of every drafter in the process. Generous: the freeze
+# after warm-up is what stops late compiles; this only bounds a runaway before it.
+REGION_RECOMPILE_LIMIT = 256
 
 
 class CompiledRegion:
     """``fn`` compiled whole (fullgraph, static shapes), so that the pointwise work around its matmuls
     (norms, RoPE, SwiGLU, softmax) fuses into a few kernels. Same rules as the flex entry: before warm-up
-    a call that may compile holds COMPILE_LOCK; after ``freeze()`` torch's ``fail_on_recompile`` stance
-    turns a new shape into CompileAfterWarmupError. A flex_attention call inside ``fn`` is traced into
-    the region's graph (``flex_attention_entry`` sees Dynamo compiling), so the region never takes a
-    dense path: were the region ever to run eagerly, its attention would still go through the entry."""
+    a call that may compile holds COMPILE_LOCK (the warm-up also runs the backward under it, where torch
+    compiles the backward graph); after ``freeze()`` torch's ``fail_on_recompile`` stance turns a new
+    shape into CompileAfterWarmupError. A flex_attention call inside ``fn`` is traced into the region's
+    graph (``flex_attention_entry`` sees Dynamo compiling), so the region never takes a dense path: were
+    the region ever to run eagerly, its attention would still go through the entry. Creating a region
+    compiles nothing."""
 
     def __init__(self, fn: Callable[..., Any], name: str):
         self.fn = fn
@@ -321,44 +345,54 @@ class CompiledRegion:
     def _build(self) -> Callable[..., Any]:
         with COMPILE_LOCK:
             if self._compiled is None:
-                if recompile_limit_reaches_threads():
-                    self._compiled = torch.compile(
-                        self.fn, fullgraph=True, dynamic=False, recompile_limit=REGION_RECOMPILE_LIMIT
-                    )
-                else:  # torch <= 2.11: the module-level limit is process-wide; raise it, never lower it
-                    cfg = torch._dynamo.config
-                    cfg.recompile_limit = max(cfg.recompile_limit, REGION_RECOMPILE_LIMIT)
-                    self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False)
+                self._compiled, _ = _compile(self.fn, REGION_RECOMPILE_LIMIT)
             return self._compiled
 
     def graphs(self) -> int:
-        """Compiled graphs the region holds."""
-        try:
-            from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-            return len(_debug_get_cache_entry_list(self.fn.__code__))
-        except (ImportError, AttributeError):  # pragma: no cover - torch moved it
-            return -1
+        """Compiled graphs the region holds (-1 where torch hides them)."""
+        n = _cache_entries(self.fn)
+        return -1 if n is None else n
 
     def __call__(self, *args: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():  # inside an enclosing compile: trace straight through
             return self.fn(*args)
         compiled = self._compiled or self._build()
-        if not _RT.frozen:
-            with COMPILE_LOCK:  # before warm-up: any compile happens here, one thread at a time
-                return compiled(*args)
+        if _RT.frozen:
+            return self._guarded(compiled, args)
+        with COMPILE_LOCK:  # before warm-up: any compile happens here, one thread at a time
+            return self._guarded(compiled, args)
+
+    def _describe(self, args: tuple[Any, ...]) -> str:
+        return ", ".join(str(list(a.shape)) for a in args if isinstance(a, Tensor))
+
+    def _guarded(self, compiled: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Call the compiled region; turn torch's compile failures into one line that says what to do."""
+        from torch._dynamo import exc as dynamo_exc
+
+        limit_hit = getattr(dynamo_exc, "FailOnRecompileLimitHit", None) or dynamo_exc.FailOnCacheLimitHit
         try:
             return compiled(*args)
-        except RuntimeError as e:
-            if not _is_stance_error(e):
-                raise
-            reason = _first_guard_failure(str(e))
-            shapes = ", ".join(str(list(a.shape)) for a in args if isinstance(a, Tensor))
-            raise CompileAfterWarmupError(
-                f"{self.name} would compile after warm-up (inputs {shapes}"
-                + (f"; guard failed: {reason}" if reason else "")
-                + "); run one training step of this shape during warm-up, or pad it to a warmed shape"
+        except limit_hit:
+            raise DflashkitError(
+                f"{self.name} reached its recompile limit ({REGION_RECOMPILE_LIMIT} graphs) at inputs "
+                f"{self._describe(args)}: too many shapes or devices in one process; pad shapes to fewer "
+                "buckets, or set train.compile=off"
             ) from None
+        except RuntimeError as e:
+            if _is_stance_error(e):
+                reason = _first_guard_failure(str(e))
+                raise CompileAfterWarmupError(
+                    f"{self.name} would compile after warm-up (inputs {self._describe(args)}"
+                    + (f"; guard failed: {reason}" if reason else "")
+                    + "); run one training step of this shape during warm-up, or pad it to a warmed shape"
+                ) from None
+            if not isinstance(e, dynamo_exc.TorchDynamoException):  # e.g. out of memory: not a compile's
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise DflashkitError(  # Unsupported, BackendCompilerFailed, ...
+                f"{self.name} failed to compile ({type(e).__name__}: {first}); train with train.compile=off "
+                "(only the attention compiled) and report the torch build (`dflashkit doctor`)"
+            ) from e
 
 
 # --------------------------------------------------------------------------------------------------
@@ -553,12 +587,8 @@ def warmup(
 
 def compiled_graphs() -> int:
     """How many compiled graphs (Dynamo cache entries) the entry holds; the recompile limit counts them."""
-    try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return len(_debug_get_cache_entry_list(_flex_or_die.__code__))
-    except (ImportError, AttributeError):  # pragma: no cover - torch moved it: count our own keys
-        return len(_RT.compiled_keys)
+    n = _cache_entries(_flex_or_die)
+    return len(_RT.compiled_keys) if n is None else n
 
 
 def _set_frozen() -> None:
@@ -679,11 +709,15 @@ def save_compile_cache(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = {"format": CACHE_FORMAT, "key": cache_key(), "bytes": len(data)}
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(header, sort_keys=True).encode() + b"\n")
-        f.write(data)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # per writer
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(header, sort_keys=True).encode() + b"\n")
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return path
 
 
@@ -718,14 +752,24 @@ def load_compile_cache(path: str | os.PathLike[str], fp: dict[str, Any] | None =
             f"{header['key'].get(first)!r} there, {here[first]!r} here); delete it and let this machine "
             f"compile (caches are for speed only)"
         )
-    return torch.compiler.load_cache_artifacts(data)
+    try:
+        return torch.compiler.load_cache_artifacts(data)
+    except Exception as e:  # a payload torch cannot read: the cache is only for speed
+        raise CompileCacheError(f"{path} could not be loaded by torch ({type(e).__name__}: {e})") from None
+
+
+def _fx_cache_misses() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_miss"])
 
 
 @contextlib.contextmanager
 def portable_cache(path: str | os.PathLike[str] | None, console: Any = None, *, save: bool = True):
     """Around a warm-up: load the cache file first when it exists and fits this environment, and write it
-    afterwards when it was missing or did not fit (``save=False``: never write, e.g. ranks other than 0).
-    A cache is for speed only: one that does not fit is reported and replaced, never fatal."""
+    afterwards when the warm-up compiled anything the file did not hold (``save=False``: never write, e.g.
+    ranks other than 0). A cache is for speed only: one that does not fit or cannot be read or written is
+    reported, never fatal."""
     if path is None:
         yield
         return
@@ -741,12 +785,13 @@ def portable_cache(path: str | os.PathLike[str] | None, console: Any = None, *, 
             load_compile_cache(path)
             loaded = True
             say(f"compile cache {path}: loaded in {time.perf_counter() - t0:.1f} s")
-        except CompileCacheError as e:
+        except (CompileCacheError, OSError) as e:
             say(f"[yellow]compile cache not used: {e}[/]")
+    misses = _fx_cache_misses()
     yield
-    if save and not loaded:
+    if save and (not loaded or _fx_cache_misses() > misses):
         try:
             save_compile_cache(path)
             say(f"compile cache written to {path} ({Path(path).stat().st_size / 2**20:.1f} MiB)")
-        except CompileCacheError as e:
+        except (CompileCacheError, OSError) as e:
             say(f"[yellow]compile cache not written: {e}[/]")

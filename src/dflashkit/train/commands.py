@@ -50,7 +50,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         from dflashkit.train.plan import dry_run
 
-        dry_run(cfg, console, nproc=args.nproc)
+        dry_run(cfg, console, nproc=args.nproc, nnodes=args.nnodes)
         return 0
     if launch is not None:
         import subprocess

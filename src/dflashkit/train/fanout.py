@@ -484,8 +484,9 @@ def compiled_graph_count() -> int:
 
 
 def warm_up(fanout: Fanout, console: Any = None) -> float:
-    """Compile every flex attention shape of every drafter on its device (a training micro-batch forward
-    and backward, an evaluation row), serially under COMPILE_LOCK, then freeze. Returns the seconds.
+    """Compile every shape of every drafter on its device (flex attention, and the compiled layer and
+    loss-chunk regions where train.compile is on; a training micro-batch forward and backward, an
+    evaluation row), serially under COMPILE_LOCK, then freeze. Returns the seconds.
     Must run before any drafter thread starts. A drafter whose warm-up raises (e.g. out of memory on
     its device) is marked failed and will not start; the others are warmed."""
     flex = [w for w in fanout.workers if w.run.backend == "flex"]
@@ -494,7 +495,8 @@ def warm_up(fanout: Fanout, console: Any = None) -> float:
     t0 = time.perf_counter()
     with rc.COMPILE_LOCK:
         rc.unfreeze()  # nothing runs concurrently yet; a previous fan-out may have frozen other shapes
-        # Each drafter adds at most a training and an evaluation graph per layer type (full, sliding).
+        # Flex attention outside a region: each drafter adds at most a training and an evaluation graph per
+        # layer type (full, sliding). (Inside a region it is part of the region's graph and limit.)
         limit = rc.compiled_graphs() + 4 * len(flex) + 2
         if limit > rc.runtime_state()["recompile_limit"]:
             rc.set_recompile_limit(limit)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from dflashkit.runtime.compile import CompiledRegion
 from dflashkit.train.metrics import per_position_counts
 
 Weighting = Literal["decay", "dpace"]
@@ -89,38 +90,18 @@ def _chunk_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor) -> tuple[T
 
 def frozen_head_chunk(hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk through a frozen head: per-slot CE [n], argmax [n] and dCE/dhidden [n, H] (see the module
-    docstring). Plain torch; ``compiled_frozen_head_chunk`` runs it as one compiled region, where the
-    softmax, gather and argmax fuse into a few passes over the logits."""
+    docstring). Eager, it holds one fp32 logits buffer (the softmax is taken in place); as
+    ``CHUNK_REGION`` (train.compile) the softmax, gather and argmax fuse into a few passes over the logits."""
     logits = slot_logits(hidden, weight)  # [n, V] fp32
     lse = torch.logsumexp(logits, dim=-1)
     ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
     pred = logits.argmax(-1)
-    hit = torch.arange(logits.shape[-1], device=logits.device) == labels[:, None]
-    probs = torch.exp(logits - lse[:, None]) - hit.to(logits.dtype)  # softmax - onehot
-    return ce, pred, (probs.to(weight.dtype) @ weight).to(hidden.dtype)
-
-
-def _frozen_head_chunk_eager(hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The same as ``frozen_head_chunk``, in place where it can be (eager memory: one fp32 logits buffer)."""
-    logits = slot_logits(hidden, weight)
-    lse = torch.logsumexp(logits, dim=-1)
-    ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
-    pred = logits.argmax(-1)
     probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place: the logits are not needed again
-    probs[torch.arange(labels.numel(), device=labels.device), labels] -= 1.0
+    probs[torch.arange(labels.numel(), device=labels.device), labels] -= 1.0  # softmax - onehot
     return ce, pred, (probs.to(weight.dtype) @ weight).to(hidden.dtype)
 
 
-_CHUNK_REGION = None
-
-
-def compiled_frozen_head_chunk(hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    global _CHUNK_REGION
-    if _CHUNK_REGION is None:
-        from dflashkit.runtime.compile import CompiledRegion
-
-        _CHUNK_REGION = CompiledRegion(frozen_head_chunk, "the compiled loss chunk")
-    return _CHUNK_REGION(hidden, weight, labels)
+CHUNK_REGION = CompiledRegion(frozen_head_chunk, "the compiled loss chunk")
 
 
 class _FrozenHeadCE(torch.autograd.Function):
@@ -129,7 +110,7 @@ class _FrozenHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, compiled: bool) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        chunk = compiled_frozen_head_chunk if compiled else _frozen_head_chunk_eager
+        chunk = CHUNK_REGION if compiled else frozen_head_chunk
         ce, pred, dce_dh = chunk(hidden, weight, labels)
         ctx.save_for_backward(dce_dh)
         ctx.mark_non_differentiable(pred)

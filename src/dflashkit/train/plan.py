@@ -12,8 +12,9 @@ from dflashkit.config import RunConfig
 from dflashkit.errors import ConfigError
 
 
-def dry_run(cfg: RunConfig, console: Any, nproc: int | None = None) -> dict[str, Any]:
-    """``nproc``: the ranks a data-parallel launch would start (``--nproc``); None for one process."""
+def dry_run(cfg: RunConfig, console: Any, nproc: int | None = None, nnodes: int = 1) -> dict[str, Any]:
+    """``nproc`` x ``nnodes``: the ranks a data-parallel launch would start (``--nproc``, ``--nnodes``);
+    None for one process."""
     from dflashkit.data.dataset import read_manifest
     from dflashkit.target.hf import identity_of_folder, load_target_config
     from dflashkit.train.trainer import (
@@ -26,7 +27,7 @@ def dry_run(cfg: RunConfig, console: Any, nproc: int | None = None) -> dict[str,
 
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)
-    ranks = nproc or 1
+    ranks = (nproc or 1) * (nnodes if nproc else 1)
     compiled = use_compiled_regions(cfg, backend, cfg.distributed.strategy if ranks > 1 else "single")
     target_cfg = load_target_config(cfg.target.path)
     ident = identity_of_folder(cfg.target.path)

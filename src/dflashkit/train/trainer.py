@@ -249,7 +249,7 @@ def block_step(
             weighting=cfg.train.loss_weighting,
             dpace_alpha=cfg.train.dpace_alpha,
             chunk_blocks=cfg.train.chunk_blocks,
-            compiled=dd.unwrap(drafter).compiled_layers,
+            compiled=dd.unwrap(drafter).compiled_regions,
         )
     stats = acceptance_stats(out.predictions, labels, label_mask, layout.block_valid, B)
     return StepOutput(out, stats, layout)
@@ -375,7 +375,9 @@ def setup_run(cfg: RunConfig, *, dist: dd.Dist | None = None, target: Any = None
     else:
         torch.manual_seed(cfg.train.seed)
         drafter = DFlashDrafter(dc).to(device)
-    drafter.compiled_layers = use_compiled_regions(cfg, backend, dist.strategy if dist.parallel else "single")
+    drafter.compiled_regions = use_compiled_regions(
+        cfg, backend, dist.strategy if dist.parallel else "single"
+    )
     train_rows, val_rows = load_rows(cfg, target)
     features = None
     if cfg.data.features_dir:  # offline: features and labels from `dflashkit capture`
