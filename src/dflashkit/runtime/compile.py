@@ -21,9 +21,10 @@ thread compiles can hit torch's process-global FX-tracing flag. The rules here:
 5. `save_compile_cache` / `load_compile_cache` move torch.compiler cache artifacts between machines,
    keyed by the environment fingerprint; a cache from another build is refused (`portable_cache` wraps a
    warm-up with them: `run.compile_cache`).
-6. `CompiledRegion` compiles a larger function (a drafter layer, a loss chunk) by the same rules: under the
-   lock before warm-up, frozen after it, torch's failures turned into one clear error. Flex attention
-   inside a region is traced into the region's graph.
+6. `CompiledRegion` compiles a larger function (a drafter layer, a loss chunk, a decode engine's fixed-shape
+   step, the last as CUDA graphs on a GPU) by the same rules: under the lock before warm-up, frozen after
+   it, torch's failures turned into one clear error. Flex attention inside a region is traced into the
+   region's graph.
 
 We never set `error_on_nested_fx_trace=False` or `suppress_errors`.
 """
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils import _pytree as pytree
 
 from dflashkit.attention.block_mask import flex_block_mask
 from dflashkit.attention.masks import BlockLayout
@@ -117,12 +119,14 @@ def _config_reaches_threads(name: str, value: int) -> bool:
     return bool(seen) and seen[0] == value
 
 
-def _compile(fn: Callable[..., Any], recompile_limit: int) -> tuple[Callable[..., Any], int]:
-    """torch.compile(fn, fullgraph, static shapes) with the limit passed so that every thread sees it;
-    returns the compiled function and the limit in effect."""
+def _compile(
+    fn: Callable[..., Any], recompile_limit: int, mode: str | None = None
+) -> tuple[Callable[..., Any], int]:
+    """torch.compile(fn, fullgraph, static shapes, ``mode``) with the limit passed so that every thread
+    sees it; returns the compiled function and the limit in effect."""
     if recompile_limit_reaches_threads():
         return torch.compile(
-            fn, fullgraph=True, dynamic=False, recompile_limit=recompile_limit
+            fn, fullgraph=True, dynamic=False, mode=mode, recompile_limit=recompile_limit
         ), recompile_limit
     # torch <= 2.11 has no keyword, and there a module-level config assignment is still process-wide
     # (it is shared with every other compiled function: raise it, never lower it).
@@ -133,7 +137,7 @@ def _compile(fn: Callable[..., Any], recompile_limit: int) -> tuple[Callable[...
             f"torch {torch.__version__} has neither torch.compile(recompile_limit=) nor process-wide dynamo "
             "config, so a recompile limit cannot reach worker threads; use torch 2.11 or >= 2.13"
         )
-    return torch.compile(fn, fullgraph=True, dynamic=False), cfg.recompile_limit
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode), cfg.recompile_limit
 
 
 def _build_compiled(recompile_limit: int) -> tuple[Callable[..., Tensor], int]:
@@ -335,17 +339,43 @@ class CompiledRegion:
     shape into CompileAfterWarmupError. A flex_attention call inside ``fn`` is traced into the region's
     graph (``flex_attention_entry`` sees Dynamo compiling), so the region never takes a dense path: were
     the region ever to run eagerly, its attention would still go through the entry. Creating a region
-    compiles nothing."""
+    compiles nothing.
 
-    def __init__(self, fn: Callable[..., Any], name: str):
+    ``mode`` is torch.compile's: None (the default inductor mode) or ``"reduce-overhead"``, which on a
+    GPU records each shape's kernels once as a CUDA graph and replays it (one launch per call; use
+    ``graph_mode(device)``). A CUDA graph's outputs live in memory the next replay overwrites, so such
+    a region starts a new CUDA-graph step before each call and returns copies of its outputs; tensors
+    it mutates in place must have fixed addresses (``torch._dynamo.mark_static_address``), and its
+    warm-up calls each shape three times (warm, record, replay) before ``freeze()``. ``warm_with`` and
+    ``off_switch`` say, in its errors, what warms a shape and what turns the region off."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        *,
+        mode: str | None = None,
+        warm_with: str = "one training step of this shape",
+        off_switch: str = "train.compile=off: only the attention compiled",
+    ):
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
         self.fn = fn
         self.name = name
+        self.mode = mode
+        self.warm_with = warm_with
+        self.off_switch = off_switch
         self._compiled: Callable[..., Any] | None = None
+
+    @property
+    def graphed(self) -> bool:
+        """True when calls replay CUDA graphs (mode reduce-overhead)."""
+        return self.mode == "reduce-overhead"
 
     def _build(self) -> Callable[..., Any]:
         with COMPILE_LOCK:
             if self._compiled is None:
-                self._compiled, _ = _compile(self.fn, REGION_RECOMPILE_LIMIT)
+                self._compiled, _ = _compile(self.fn, REGION_RECOMPILE_LIMIT, self.mode)
             return self._compiled
 
     def graphs(self) -> int:
@@ -371,12 +401,12 @@ class CompiledRegion:
 
         limit_hit = getattr(dynamo_exc, "FailOnRecompileLimitHit", None) or dynamo_exc.FailOnCacheLimitHit
         try:
-            return compiled(*args)
+            return self._invoke(compiled, args)
         except limit_hit:
             raise DflashkitError(
                 f"{self.name} reached its recompile limit ({REGION_RECOMPILE_LIMIT} graphs) at inputs "
                 f"{self._describe(args)}: too many shapes or devices in one process; pad shapes to fewer "
-                "buckets, or set train.compile=off"
+                f"buckets, or turn compiling off ({self.off_switch})"
             ) from None
         except RuntimeError as e:
             if _is_stance_error(e):
@@ -384,15 +414,31 @@ class CompiledRegion:
                 raise CompileAfterWarmupError(
                     f"{self.name} would compile after warm-up (inputs {self._describe(args)}"
                     + (f"; guard failed: {reason}" if reason else "")
-                    + "); run one training step of this shape during warm-up, or pad it to a warmed shape"
+                    + f"); run {self.warm_with} during warm-up, or pad it to a warmed shape"
                 ) from None
             if not isinstance(e, dynamo_exc.TorchDynamoException):  # e.g. out of memory: not a compile's
                 raise
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise DflashkitError(  # Unsupported, BackendCompilerFailed, ...
-                f"{self.name} failed to compile ({type(e).__name__}: {first}); train with train.compile=off "
-                "(only the attention compiled) and report the torch build (`dflashkit doctor`)"
+                f"{self.name} failed to compile ({type(e).__name__}: {first}); turn compiling off "
+                f"({self.off_switch}) and report the torch build (`dflashkit doctor`)"
             ) from e
+
+    def _invoke(self, compiled: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if not self.graphed:
+            return compiled(*args)
+        torch.compiler.cudagraph_mark_step_begin()  # outputs of earlier replays may now be overwritten
+        out = compiled(*args)
+        return pytree.tree_map_only(Tensor, torch.clone, out)  # the caller's own copies
+
+
+COMPILE_MODES: tuple[str | None, ...] = (None, "reduce-overhead")
+
+
+def graph_mode(device: torch.device | str) -> str | None:
+    """The compile mode of a fixed-shape step on ``device``: CUDA graphs on a GPU (one launch per step
+    instead of one per kernel), the default mode elsewhere (CUDA graphs exist only on CUDA)."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else None
 
 
 # --------------------------------------------------------------------------------------------------
