@@ -8,6 +8,9 @@
 - ``embed`` / ``lm_head``: the frozen embedding and output head the drafter shares.
 - ``forward_step`` with a ``TargetCache``: the decode loop's prefill and verify passes, returning
   logits and features of the new positions; ``TargetCache.crop(n)`` keeps the first n positions.
+- ``walk`` with a ``StaticTargetCache``: the same pass for the static engine, written as a plain walk
+  over the decoder layers that returns the wanted layers' outputs (no hooks), into a preallocated
+  cache, so that a fixed-shape step compiles whole (``dflashkit.infer.engine``).
 - ``identity()``: name, architecture, shape and a hash of config and weights, for manifests and checks.
 
 The model is frozen (eval mode, no gradients) and runs in fp32 or bf16 on the CPU or a GPU.
@@ -145,6 +148,37 @@ class TargetCache:
             self.hf.crop(n - len(self))
 
 
+# Decoders whose forward is exactly: embed, causal mask, rotary tables, the layers, final norm. ``walk``
+# repeats that forward; other architectures (scaled embeddings, sliding layers, ...) keep the dynamic engine.
+STATIC_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class StaticTargetCache:
+    """The target's K/V cache for the static engine: transformers' StaticCache, allocated once for
+    ``capacity`` positions and never reallocated (compiled steps and CUDA graphs keep its addresses).
+
+    Nothing is ever cropped or moved. A step at ``start`` first sets every layer's write position to
+    ``start`` (``seek``), then writes its rows at start, start+1, ...; its queries sit at those
+    positions, and the causal mask lets a query at p read rows 0..p only, so rows left beyond by a
+    longer earlier step (rejected drafts) are never read, and the next step overwrites them.
+    "Keep the first n positions" is therefore just "the next step starts at n".
+    """
+
+    def __init__(self, config: Any, capacity: int, dtype: torch.dtype, device: torch.device):
+        from transformers import StaticCache
+
+        self.capacity = capacity
+        self.hf = StaticCache(config=config, max_cache_len=capacity)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.hf.early_initialization(1, config.num_key_value_heads, head_dim, dtype, torch.device(device))
+
+    def seek(self, start: Tensor) -> None:
+        """Make the next write land at position ``start`` (a 0-d tensor: a compiled step must not
+        specialise on it). In place, so the tensors keep their addresses."""
+        for layer in self.hf.layers:
+            layer.cumulative_length.copy_(start)
+
+
 class TargetModel:
     """A frozen HF causal LM with the accessors DFlash needs. Build with ``TargetModel.load``."""
 
@@ -231,6 +265,8 @@ class TargetModel:
 
     def _hook(self, i: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():  # a compiled ``walk`` returns its features itself; and a
+                return  # per-thread capture in a graph would be a guard that every eager call flips
             wanted = getattr(self._capture, "wanted", None)
             if wanted is not None and i in wanted:
                 wanted[i] = output[0] if isinstance(output, tuple) else output
@@ -307,6 +343,56 @@ class TargetModel:
         with self._capturing(layer_ids) as wanted:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
         return out.logits, self._concat(wanted)
+
+    def check_static(self) -> None:
+        """Refuse a target that ``walk`` cannot run exactly as its own forward does."""
+        model_type = getattr(self.config, "model_type", None)
+        sliding = "sliding_attention" in (getattr(self.config, "layer_types", None) or [])
+        if model_type not in STATIC_MODEL_TYPES or sliding:
+            what = "has sliding-window layers" if sliding else f"is a {model_type!r} model"
+            raise DflashkitError(
+                f"{self.name} {what}; the static decode engine runs {', '.join(STATIC_MODEL_TYPES)} targets "
+                "with full attention only: use the dynamic engine (--engine dynamic)"
+            )
+
+    def new_static_cache(self, capacity: int) -> StaticTargetCache:
+        self.check_static()
+        return StaticTargetCache(self.config, capacity, self.dtype, self.device)
+
+    def walk(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        cache: StaticTargetCache,
+        layer_ids: Sequence[int],
+        *,
+        last_only: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """The decoder's forward over new tokens [1, t] at ``positions`` [1, t] (consecutive), written
+        into ``cache`` from ``positions[0, 0]`` on, as a plain walk over the layers: traceable whole by
+        torch.compile. Returns logits [t, V] (or [1, V] of the last position with ``last_only``) and the
+        features [1, t, n*H] (raw outputs of ``layer_ids``, in id order, as ``forward_step`` returns)."""
+        from transformers.masking_utils import create_causal_mask
+
+        cache.seek(positions[0, 0])
+        h = self.decoder.embed_tokens(input_ids)
+        mask = create_causal_mask(self.config, h, None, cache.hf, positions)  # positional: 5.17 and 5.24
+        rotary = self.decoder.rotary_emb(h, position_ids=positions)
+        wanted = []
+        for i, layer in enumerate(self.layers):
+            h = layer(
+                h,
+                attention_mask=mask,
+                position_ids=positions,
+                position_embeddings=rotary,
+                use_cache=True,
+                **{self._cache_kwarg: cache.hf},
+            )
+            h = h[0] if isinstance(h, tuple) else h
+            if i in layer_ids:
+                wanted.append(h)
+        last = self.decoder.norm(h[:, -1:] if last_only else h)
+        return self.lm_head(last)[0], torch.cat(wanted, dim=-1)
 
     # --- identity ------------------------------------------------------------------------------
 
