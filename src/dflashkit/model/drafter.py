@@ -16,6 +16,9 @@ One module serves both uses:
   ``dflashkit.attention`` (built once per step, e.g. with ``build_block_masks``);
 - inference, ``draft``: one block at a time over a ``DraftCache`` of context K/V that grows with the
   verified tokens and is cropped after each step. The block's own K/V are never cached.
+- inference with fixed shapes (the static engine): ``write_context`` puts context rows into a
+  preallocated ``StaticDraftCache`` (row r = position r), and ``draft_block`` runs the block over the
+  rows before its anchor; both compile once per shape (``dflashkit.infer.engine``).
 """
 
 from __future__ import annotations
@@ -253,6 +256,45 @@ class DraftCache:
             self.positions = self.positions[:, :n]
 
 
+class StaticDraftCache:
+    """Context K/V per drafter layer in buffers allocated once, [1, kv_heads, capacity, head_dim]: the
+    static engine's DraftCache. Context rows are the committed positions 0, 1, 2, ... in order, so
+    row r holds position r, and a write needs no length: rows go where their positions say.
+
+    A block anchored at position a reads rows 0..a-1 only (``context_mask``). Rows at a or beyond
+    (features of rejected drafts, or never written) are never read; committing those positions later
+    writes them again. Nothing is cropped, and no buffer moves (compiled steps and CUDA graphs keep
+    their addresses).
+    """
+
+    def __init__(self, config: DrafterConfig, capacity: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (1, config.num_key_value_heads, capacity, config.head_dim)
+        self.capacity = capacity
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        ]
+        self.rows = torch.arange(capacity, device=device)  # the position each row holds
+        for t in (*self.keys, *self.values, self.rows):
+            torch._dynamo.mark_static_address(t)
+
+    def write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Rows k, v [1, kv_heads, s, head_dim] of positions [s] into one layer's buffers, in place."""
+        self.keys[layer].index_copy_(2, positions, k.to(self.keys[layer].dtype))
+        self.values[layer].index_copy_(2, positions, v.to(self.values[layer].dtype))
+
+    def context_mask(self, block_positions: Tensor, window: int | None, backend: str) -> AttentionMask:
+        """Keys [capacity context rows | B block slots]: a slot sees the rows before the block's anchor
+        (within ``window`` of its own position for a sliding layer) and the whole block."""
+        anchor = block_positions[:, :1, None]  # [1, 1, 1]
+        sees_ctx = (self.rows[None, None, :] < anchor).expand(-1, block_positions.shape[1], -1)
+        if window is not None:
+            sees_ctx = sees_ctx & ((block_positions[:, :, None] - self.rows[None, None, :]) < window)
+        sees_block = torch.ones_like(sees_ctx[..., :1]).expand(-1, -1, block_positions.shape[1])
+        dense = torch.cat([sees_ctx, sees_block], dim=-1)[:, None]
+        return AttentionMask(backend, dense=dense, rows_visible=torch.ones_like(dense[..., :1]))
+
+
 # --- the drafter ---------------------------------------------------------------------------------
 
 
@@ -350,6 +392,41 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
+
+    # --- fixed shapes (the static engine) -------------------------------------------------------
+
+    def new_static_cache(self, capacity: int) -> StaticDraftCache:
+        return StaticDraftCache(self.config, capacity, self.fc.weight.dtype, self.fc.weight.device)
+
+    def write_context(self, features: Tensor, positions: Tensor, cache: StaticDraftCache) -> None:
+        """Fuse context features [1, s, n*H] at positions [1, s] and write their K/V, per layer, into
+        the rows of those positions."""
+        dtype = self.fc.weight.dtype
+        ctx = self.context(features)
+        cos, sin = self.rotary(positions, dtype)
+        for i, layer in enumerate(self.layers):
+            cache.write(i, positions[0], *layer.self_attn.key_value(ctx, cos, sin))
+
+    def draft_block(
+        self, block_embeds: Tensor, block_positions: Tensor, cache: StaticDraftCache, backend: str = "sdpa"
+    ) -> Tensor:
+        """One block (embeds [1, B, H] at positions [1, B]) over the cached rows before its anchor, as
+        ``draft`` does over a DraftCache. Returns hidden [1, B, H] after the final norm."""
+        if backend == "flex":
+            raise ValueError("the static engine drafts on the sdpa or eager backend, not flex")
+        cos, sin = self.rotary(block_positions, self.fc.weight.dtype)
+        masks = {
+            kind: cache.context_mask(
+                block_positions, self.config.sliding_window if sliding else None, backend
+            )
+            for kind, sliding in (("full_attention", False), ("sliding_attention", True))
+            if any(layer.layer_type == kind for layer in self.layers)
+        }
+        h = block_embeds.to(self.fc.weight.dtype)
+        for i, layer in enumerate(self.layers):
+            mask = masks[layer.layer_type]
+            h = layer(h, cache.keys[i], cache.values[i], cos, sin, mask, backend)
+        return self.norm(h)
 
 
 def build_block_masks(config: DrafterConfig, layout: BlockLayout, backend: str) -> dict[str, AttentionMask]:
