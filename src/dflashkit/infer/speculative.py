@@ -9,6 +9,10 @@ One round, batch 1:
   4. the target cache is cropped to the committed length; the drafter's cache only ever holds context
      rows, so it needs no crop; the bonus token is the next anchor.
 
+The passes run on a decode engine (``dflashkit.infer.engine``): "dynamic" (growing caches, eager; the
+default) or "static" (preallocated caches, fixed-shape steps, compiled once per shape). Both loops below
+take the same engine, so speculative and autoregressive decoding are always compared like for like.
+
 Acceptance rules (`rule`):
   - "exact": the reference rule. The target draws its own token at every position (argmax when greedy,
     a sample otherwise); a draft token is accepted while it equals that token. Lossless by construction.
@@ -28,6 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from dflashkit.infer.engine import Engine, make_engine
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 
@@ -138,43 +143,39 @@ def speculative_generate(
     sampling: Sampling | None = None,
     stopper: Stopper | None = None,
     backend: str = "sdpa",
+    engine: str | Engine = "dynamic",
 ) -> Generation:
-    """Generate up to ``max_new_tokens`` after the prompt with DFlash speculative decoding (batch 1)."""
+    """Generate up to ``max_new_tokens`` after the prompt with DFlash speculative decoding (batch 1).
+
+    ``engine``: "dynamic", "static" (a one-off static engine, eager, sized for this call) or an engine
+    object built once and reused over many calls (e.g. a compiled, warmed-up ``StaticEngine``)."""
     s = sampling or Sampling()
     dev = target.device
-    cfg = drafter.config
-    B, layer_ids, mask_id = cfg.block_size, cfg.target_layer_ids, cfg.mask_token_id
+    B = drafter.config.block_size
+    P = len(prompt_ids)
+    dec = make_engine(engine, target, drafter, capacity=P + max_new_tokens + B, backend=backend)
+    dec.reserve(P, max_new_tokens)
     gen = _new_generator(s, dev)
     _sync(dev)
     t0 = time.perf_counter()
 
     # Prefill: the target reads the prompt; its features become the drafter's first context rows.
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    P = prompt.shape[1]
-    tcache = target.new_cache()
-    logits, feats = target.forward_step(prompt, tcache, layer_ids, all_logits=False)
-    first = int(choose(logits[0, -1], s, gen))
+    first = int(choose(dec.prefill(prompt), s, gen))
     new: list[int] = [first]
-    dcache = drafter.new_cache()
-    pending_feats, pending_pos = feats, torch.arange(P, device=dev)[None]
     start = P  # position of the newest committed token: the next anchor
     _sync(dev)
     out = Generation(tokens=new)
     out.prefill_seconds = time.perf_counter() - t0
-    slot = torch.arange(B, device=dev)[None]
 
     stopped = stopper.check(new, 0)[1] if stopper else None
     while stopped is None and len(new) < max_new_tokens:
-        # 1. draft
-        block = torch.full((1, B), mask_id, dtype=torch.long, device=dev)
-        block[0, 0] = new[-1]
-        hidden = drafter.draft(pending_feats, pending_pos, target.embed(block), start + slot, dcache, backend)
-        draft_logits = target.lm_head(hidden[:, 1:])[0]  # [B-1, V]
+        # 1. draft: the block [anchor, MASK x (B-1)] at positions start .. start+B-1
+        draft_logits = dec.draft(new[-1], start)  # [B-1, V]
         drafts = choose(draft_logits, s, gen)  # [B-1]
         # 2. verify: the target reads the anchor and the drafts at positions start .. start+B-1
-        block[0, 1:] = drafts
-        logits, feats = target.forward_step(block, tcache, layer_ids)
-        logits = logits[0]  # [B, V]: logits[i] is the target's distribution for position start+i+1
+        block = torch.cat([drafts.new_full((1,), new[-1]), drafts])[None]
+        logits = dec.verify(block)  # [B, V]: logits[i] is the target's distribution for position start+i+1
         # 3. accept
         if s.greedy or s.rule == "exact":
             choices = choose(logits, s, gen)  # the target's own token at every position
@@ -193,8 +194,7 @@ def speculative_generate(
             del new[len(trimmed) :]
         # 4. crop: keep the anchor and the accepted drafts; their features feed the drafter next round
         kept = acc + 1
-        tcache.crop(start + kept)
-        pending_feats, pending_pos = feats[:, :kept], start + slot[:, :kept]
+        dec.crop(start + kept)
         start += kept
     _sync(dev)
     out.seconds = time.perf_counter() - t0
@@ -232,24 +232,27 @@ def autoregressive_generate(
     sampling: Sampling | None = None,
     stopper: Stopper | None = None,
     layer_ids: Sequence[int] = (0,),
+    engine: str | Engine = "dynamic",
 ) -> Generation:
-    """The baseline on the same engine: same target, same cache, same kernels, one token per pass."""
+    """The baseline on the same engine: same target, same cache, same kernels, one token per pass.
+    ``engine`` as for ``speculative_generate`` (an engine object brings its own layer ids)."""
     s = sampling or Sampling()
     dev = target.device
+    P = len(prompt_ids)
+    dec = make_engine(engine, target, capacity=P + max_new_tokens + 1, layer_ids=layer_ids)
+    dec.reserve(P, max_new_tokens)
     gen = _new_generator(s, dev)
     _sync(dev)
     t0 = time.perf_counter()
-    tcache = target.new_cache()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    logits, _ = target.forward_step(prompt, tcache, layer_ids, all_logits=False)
-    new = [int(choose(logits[0, -1], s, gen))]
+    new = [int(choose(dec.prefill(prompt), s, gen))]
     _sync(dev)
     out = Generation(tokens=new)
     out.prefill_seconds = time.perf_counter() - t0
     stopped = stopper.check(new, 0)[1] if stopper else None
     while stopped is None and len(new) < max_new_tokens:
-        logits, _ = target.forward_step(torch.tensor([[new[-1]]], device=dev), tcache, layer_ids)
-        new.append(int(choose(logits[0, -1], s, gen)))
+        logits = dec.verify(torch.tensor([[new[-1]]], device=dev))
+        new.append(int(choose(logits[-1], s, gen)))
         out.accept_lengths.append(1)
         if stopper is not None:
             trimmed, stopped = stopper.check(new, len(new) - 1)
