@@ -1,0 +1,227 @@
+"""Decode engines: the static engine (preallocated caches, fixed-shape steps) decodes exactly as the dynamic
+one, eager and compiled; rows beyond the valid length of either static cache are never read; its errors."""
+
+import pytest
+import torch
+
+from dflashkit.errors import DflashkitError
+from dflashkit.infer.engine import DynamicEngine, StaticEngine, make_engine
+from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
+from dflashkit.model.config import config_for_target
+from dflashkit.model.drafter import DFlashDrafter
+from dflashkit.target.embedded import MASK_TOKEN_ID
+from dflashkit.target.hf import TargetModel
+
+B = 4
+LAYERS = [1, 15, 27]
+POISON = 1e4  # what stale rows are filled with: were one ever read, outputs would change beyond any tolerance
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TargetModel.load("embedded")
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    cfg = config_for_target(
+        target.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
+    )
+    torch.manual_seed(1)
+    return DFlashDrafter(cfg).eval()
+
+
+def prompts(*lengths):
+    return [
+        torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths
+    ]
+
+
+class ScriptedDrafts:
+    """An engine whose drafts are the reference continuation for the first k slots and a wrong token
+    after, with k cycling 0 .. B-1 over the rounds, so that every acceptance length and every crop
+    occurs. The real drafter pass still runs (its cache fills and is overwritten as usual)."""
+
+    def __init__(self, engine, continuation):
+        self.engine, self.continuation, self.rounds = engine, continuation, 0
+        self.name, self.target, self.drafter = engine.name, engine.target, engine.drafter
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def draft(self, anchor, start):
+        logits = self.engine.draft(anchor, start)
+        k, self.rounds = self.rounds % B, self.rounds + 1
+        right = self.continuation[start + 1 : start + B]
+        tokens = [right[i] if i < k and i < len(right) else 7 for i in range(B - 1)]
+        scripted = torch.zeros_like(logits)
+        scripted[torch.arange(B - 1), tokens] = 1.0
+        return scripted
+
+
+def test_static_target_cache_never_reads_rows_beyond_the_valid_length(target):
+    ids = torch.tensor([prompts(20)[0]])
+    positions = torch.arange(20)[None]
+    ref_logits, ref_feats = target.forward_step(ids, target.new_cache(), LAYERS)
+    cache = target.new_static_cache(32)
+    with torch.no_grad():
+        target.walk(ids[:, :12], positions[:, :12], cache, LAYERS)
+        target.walk(ids[:, 12:20], positions[:, 12:20], cache, LAYERS)  # a block of 8 ...
+        for layer in cache.hf.layers:  # ... of which 5 were rejected: poison every row from 15 on
+            layer.keys[:, :, 15:] = POISON
+            layer.values[:, :, 15:] = POISON
+        logits, feats = target.walk(ids[:, 15:20], positions[:, 15:20], cache, LAYERS)  # crop = start at 15
+    torch.testing.assert_close(logits, ref_logits[0, 15:], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(feats, ref_feats[:, 15:], atol=5e-3, rtol=1e-4)
+
+
+def test_static_draft_cache_reads_only_rows_before_the_anchor(target, drafter):
+    feats, _ = target.features(torch.tensor([prompts(16)[0]]), layer_ids=LAYERS, labels="none")
+    embeds = target.embed(torch.tensor([[5] + [MASK_TOKEN_ID] * (B - 1)]))
+    block_positions = torch.arange(11, 11 + B)[None]
+    with torch.no_grad():
+        ref = drafter.draft(
+            feats[:, :11], torch.arange(11)[None], embeds, block_positions, drafter.new_cache()
+        )
+        cache = drafter.new_static_cache(24)
+        drafter.write_context(feats, torch.arange(16)[None], cache)  # rows 11..15: rejected drafts' features
+        for k, v in zip(cache.keys, cache.values, strict=True):
+            k[:, :, 11:] = POISON
+            v[:, :, 11:] = POISON
+        out = drafter.draft_block(embeds, block_positions, cache)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_static_engine_decodes_as_the_dynamic_engine(target, drafter):
+    """Greedy tokens and per-round acceptance lengths are the same, for the real drafter (every round
+    rejects) and for scripted drafts (every acceptance length, every crop); AR too. One static engine
+    serves every prompt and both loops."""
+    static = StaticEngine(target, drafter, capacity=64)
+    for prompt in prompts(5, 13):
+        ar = autoregressive_generate(target, prompt, 20, layer_ids=LAYERS)
+        assert autoregressive_generate(target, prompt, 20, engine=static).tokens == ar.tokens
+        dyn = speculative_generate(target, drafter, prompt, 20)
+        sta = speculative_generate(target, drafter, prompt, 20, engine=static)
+        assert sta.tokens == dyn.tokens == ar.tokens
+        assert sta.accept_lengths == dyn.accept_lengths
+        scripted = {}
+        for name, engine in (("dynamic", DynamicEngine(target, drafter)), ("static", static)):
+            g = speculative_generate(
+                target, drafter, prompt, 20, engine=ScriptedDrafts(engine, prompt + ar.tokens)
+            )
+            scripted[name] = g
+            assert g.tokens == ar.tokens
+        assert scripted["static"].accept_lengths == scripted["dynamic"].accept_lengths
+        assert set(scripted["static"].accept_lengths[:-1]) == set(range(1, B + 1))
+
+
+def test_static_engine_errors(target, drafter):
+    static = StaticEngine(target, drafter, capacity=24)
+    with pytest.raises(
+        DflashkitError, match=r"holds 24 positions, but a prompt of 13 tokens \+ max_new_tokens 10"
+    ):
+        speculative_generate(target, drafter, prompts(13)[0], 10, engine=static)
+    with pytest.raises(ValueError, match="take 1 or 4 tokens"):
+        static.verify(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(DflashkitError, match="another target or drafter"):
+        speculative_generate(target, drafter, [1, 2], 4, engine=StaticEngine(target, capacity=24))
+    with pytest.raises(DflashkitError, match="unknown decode engine 'fast'"):
+        make_engine("fast", target)
+    with pytest.raises(DflashkitError, match="sdpa or eager backend"):
+        StaticEngine(target, drafter, capacity=24, backend="flex")
+
+
+def test_static_engine_refuses_targets_it_cannot_walk(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(
+        DflashkitError, match=r"sliding-window layers; the static decode engine .* \(--engine dynamic\)"
+    ):
+        StaticEngine(TargetModel.load(tmp_path), capacity=16)
+
+
+def graphs(engine):
+    """Compiled graphs of the engine's steps (a frozen region raises rather than compile; this says so too)."""
+    return engine._target_step.graphs(), engine._draft_step.graphs()
+
+
+@pytest.mark.slow
+def test_compiled_static_engine_decodes_as_the_dynamic_engine(target, drafter):
+    """torch.compile of each step shape (the default mode on the CPU), warmed up then frozen: the same
+    tokens and acceptance lengths, and nothing compiles after warm-up (it would raise)."""
+    from dflashkit.runtime.compile import is_frozen, unfreeze
+
+    static = StaticEngine(target, drafter, capacity=48, compile=True)
+    try:
+        warmed = static.warm_up()
+        assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]"] and is_frozen()
+        warm = graphs(static)
+        prompt = prompts(9)[0]
+        ar = autoregressive_generate(target, prompt, 16, layer_ids=LAYERS)
+        assert autoregressive_generate(target, prompt, 16, engine=static).tokens == ar.tokens
+        reference = prompt + ar.tokens
+        dyn = speculative_generate(
+            target, drafter, prompt, 16, engine=ScriptedDrafts(DynamicEngine(target, drafter), reference)
+        )
+        sta = speculative_generate(target, drafter, prompt, 16, engine=ScriptedDrafts(static, reference))
+        assert sta.tokens == dyn.tokens == ar.tokens and sta.accept_lengths == dyn.accept_lengths
+        real = speculative_generate(target, drafter, prompt, 16)
+        assert (
+            speculative_generate(target, drafter, prompt, 16, engine=static).accept_lengths
+            == real.accept_lengths
+        )
+        assert graphs(static) == warm, "compiled after warm-up"
+    finally:
+        unfreeze()
+
+
+@pytest.mark.gpu
+def test_static_engine_replays_cuda_graphs_on_gpu():
+    """On CUDA the compiled steps are CUDA graphs (mode reduce-overhead): the same greedy output and
+    acceptance lengths as the dynamic engine (fp32), no compile and no skipped CUDA graph after warm-up,
+    over prompts of several lengths and every acceptance length."""
+    from torch._dynamo.utils import counters
+
+    from dflashkit.runtime.compile import unfreeze
+
+    gpu = TargetModel.load("embedded", device="cuda")
+    cfg = config_for_target(
+        gpu.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
+    )
+    torch.manual_seed(1)
+    d = DFlashDrafter(cfg).cuda().eval()
+    static = StaticEngine(gpu, d, capacity=128, compile=True)
+    assert static.mode == "reduce-overhead"
+    try:
+        static.warm_up()
+        warm, skips = graphs(static), counters["inductor"]["cudagraph_skips"]
+        for prompt in prompts(5, 13, 40):
+            ar = autoregressive_generate(gpu, prompt, 48, layer_ids=LAYERS)
+            assert autoregressive_generate(gpu, prompt, 48, engine=static).tokens == ar.tokens
+            reference = prompt + ar.tokens
+            dyn = speculative_generate(
+                gpu, d, prompt, 48, engine=ScriptedDrafts(DynamicEngine(gpu, d), reference)
+            )
+            sta = speculative_generate(gpu, d, prompt, 48, engine=ScriptedDrafts(static, reference))
+            assert sta.tokens == dyn.tokens == ar.tokens and sta.accept_lengths == dyn.accept_lengths
+            real = speculative_generate(gpu, d, prompt, 48)
+            assert (
+                speculative_generate(gpu, d, prompt, 48, engine=static).accept_lengths == real.accept_lengths
+            )
+        assert graphs(static) == warm, "compiled after warm-up"
+        assert counters["inductor"]["cudagraph_skips"] == skips == 0, "a step ran without its CUDA graph"
+    finally:
+        unfreeze()
