@@ -178,10 +178,7 @@ def speculative_generate(
         logits = dec.verify(block)  # [B, V]: logits[i] is the target's distribution for position start+i+1
         # 3. accept
         if s.greedy or s.rule == "exact":
-            choices = choose(logits, s, gen)  # the target's own token at every position
-            matches = (drafts == choices[:-1]).long()
-            acc = int(matches.cumprod(0).sum())
-            committed = drafts[:acc].tolist() + [int(choices[acc])]
+            acc, committed = _exact(drafts, choose(logits, s, gen))
         else:
             acc, committed = _rejection(drafts, draft_logits, logits, s, gen)
         room = max_new_tokens - len(new)
@@ -200,6 +197,17 @@ def speculative_generate(
     out.seconds = time.perf_counter() - t0
     out.stopped = stopped or "length"
     return out
+
+
+def _exact(drafts: Tensor, choices: Tensor) -> tuple[int, list[int]]:
+    """The exact rule over one block: drafts [B-1] are accepted while they equal the target's own tokens
+    choices [B]; then the target's token follows. Returns (accepted drafts, committed tokens); one copy
+    from the device."""
+    n = drafts.shape[0]
+    both = torch.cat([drafts, choices]).tolist()
+    d, c = both[:n], both[n:]
+    acc = next((i for i in range(n) if d[i] != c[i]), n)
+    return acc, d[:acc] + [c[acc]]
 
 
 def _rejection(
@@ -245,14 +253,16 @@ def autoregressive_generate(
     _sync(dev)
     t0 = time.perf_counter()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    new = [int(choose(dec.prefill(prompt), s, gen))]
+    token = choose(dec.prefill(prompt), s, gen)  # on the device: the next step's input, no copy back
+    new = [int(token)]
     _sync(dev)
     out = Generation(tokens=new)
     out.prefill_seconds = time.perf_counter() - t0
     stopped = stopper.check(new, 0)[1] if stopper else None
     while stopped is None and len(new) < max_new_tokens:
-        logits = dec.verify(torch.tensor([[new[-1]]], device=dev))
-        new.append(int(choose(logits[-1], s, gen)))
+        logits = dec.verify(token.view(1, 1))
+        token = choose(logits[-1], s, gen)
+        new.append(int(token))
         out.accept_lengths.append(1)
         if stopper is not None:
             trimmed, stopped = stopper.check(new, len(new) - 1)
