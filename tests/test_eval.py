@@ -72,3 +72,20 @@ def test_eval_refuses_a_template_mismatch(untrained_drafter, tiny_dataset, tmp_p
     (data / "manifest.json").write_text(json.dumps(manifest))
     assert main(_eval_args(untrained_drafter, data, tmp_path / "out")) == 2
     assert "chat template mismatch" in capsys.readouterr().err
+
+
+def test_eval_on_the_static_engine(untrained_drafter, tiny_dataset, tmp_path, capsys):
+    """--engine static: one static engine sized from the prompts decodes both loops, losslessly."""
+    args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--engine", "static")
+    assert main(args) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["engine"] == "static" and report["lossless"] is True
+    assert "decode engine" in capsys.readouterr().out
+
+
+def test_generate_on_the_static_engine(untrained_drafter, capsys):
+    args = ["generate", "--drafter", str(untrained_drafter), "--dtype", "float32", "--max-new-tokens", "6"]
+    assert main([*args, "--engine", "static", "Hello"]) == 0
+    static = capsys.readouterr().out
+    assert main([*args, "Hello"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == static.splitlines()[0]  # the same text

@@ -132,6 +132,10 @@ def _eval(args: argparse.Namespace) -> int:
     prompt_ids, source = eval_prompts(args, tokenizer, thinking)
     sampling = _sampling(args)
     backend = "sdpa"
+    longest = max((len(p) for p in prompt_ids), default=0)
+    engine = _engine(
+        args, target, drafter, longest + args.max_new_tokens + drafter.config.block_size, console
+    )
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"decoding {len(prompt_ids)} prompts", total=len(prompt_ids))
         report = evaluate(
@@ -148,6 +152,7 @@ def _eval(args: argparse.Namespace) -> int:
                 task, advance=1, description=f"prompt {i + 1}: tau {g.mean_acceptance_length:.2f}"
             ),
             names=(str(args.drafter), target.name),
+            engine=engine,
         )
     training_tau = None
     metrics = Path(args.drafter) / "metrics.json"
@@ -167,6 +172,7 @@ def _eval(args: argparse.Namespace) -> int:
         t.add_row("training metric (held-out, exact)", f"{training_tau:.3f} ({gap:+.1%} served vs trained)")
     t.add_row("per-position acceptance", " ".join(f"{p:.2f}" for p in report.per_position_acceptance))
     t.add_row("tau histogram (1..B)", " ".join(str(c) for c in report.accept_length_histogram[1:]))
+    t.add_row("decode engine", report.engine)
     t.add_row("speculative tokens/s", f"{report.spec_tokens_per_second:.1f}")
     if report.ar_tokens_per_second:
         t.add_row("autoregressive tokens/s", f"{report.ar_tokens_per_second:.1f}")
@@ -176,6 +182,22 @@ def _eval(args: argparse.Namespace) -> int:
     console.print(t)
     console.print(f"wrote {js} and {png}")
     return 0
+
+
+def _engine(args: argparse.Namespace, target: Any, drafter: Any, capacity: int, console: Any) -> Any:
+    """The decode engine of --engine: "dynamic", or a static engine of this capacity (compiled and warmed
+    up on a GPU: its compile time is reported, and kept out of the measured decoding)."""
+    from dflashkit.infer.engine import ready_engine
+
+    engine, warm = ready_engine(args.engine, target, drafter, capacity=capacity)
+    if warm:
+        steps = ", ".join(f"{name} {s:.1f} s" for name, s in warm.items())
+        console.print(f"static engine: {capacity} positions; compiled and warmed up ({steps})")
+    return engine
+
+
+# A static engine for `generate` holds this many prompt tokens (more when a one-shot prompt is longer).
+GENERATE_PROMPT_ROOM = 1024
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -190,9 +212,22 @@ def _generate(args: argparse.Namespace) -> int:
     stopper = Stopper(_eos_ids(target, tokenizer), args.stop or [], tokenizer)
     sampling = _sampling(args)
 
+    engines: list[Any] = []  # the static engine, built for the first prompt and rebuilt if one is longer
+
+    def engine_for(prompt_len: int) -> Any:
+        room = args.max_new_tokens + drafter.config.block_size
+        if args.engine == "dynamic":
+            return "dynamic"
+        if not engines or engines[0].capacity < prompt_len + room:
+            engines[:] = [
+                _engine(args, target, drafter, max(prompt_len, GENERATE_PROMPT_ROOM) + room, console)
+            ]
+        return engines[0]
+
     def one(text: str) -> None:
         ids = generation_prompt_ids(tokenizer, [{"role": "user", "content": text}], enable_thinking=thinking)
-        g = speculative_generate(target, drafter, ids, args.max_new_tokens, sampling, stopper)
+        engine = engine_for(len(ids))
+        g = speculative_generate(target, drafter, ids, args.max_new_tokens, sampling, stopper, engine=engine)
         # show the accepted blocks: each round's tokens in alternating colours
         pos, parts = 0, []
         for i, tau in enumerate(g.accept_lengths):
@@ -246,6 +281,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-thinking", action="store_true")
+    p.add_argument(
+        "--engine",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="decode engine: dynamic (growing caches, eager; any target) or static (preallocated caches, "
+        "fixed-shape steps compiled once as CUDA graphs on a GPU; llama/mistral/qwen2/qwen3 targets)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

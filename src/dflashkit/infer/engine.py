@@ -342,3 +342,24 @@ def make_engine(
             target, drafter, capacity=capacity, layer_ids=layer_ids, compile=compile, backend=backend
         )
     raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
+
+
+def ready_engine(
+    name: str,
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    *,
+    capacity: int,
+    compile: bool | None = None,
+) -> tuple[str | Engine, dict[str, float]]:
+    """What the commands and benchmarks decode with: "dynamic" (an engine per call), or one static engine
+    of this capacity, compiled and warmed up (compiles then frozen) when ``compile`` is True, or None and
+    the target is on a GPU. Returns it and the warm-up seconds per step shape."""
+    if name not in ENGINES:
+        raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
+    if name == "dynamic":
+        return name, {}
+    if compile is None:
+        compile = target.device.type == "cuda"
+    engine = StaticEngine(target, drafter, capacity=capacity, compile=compile)
+    return engine, engine.warm_up()

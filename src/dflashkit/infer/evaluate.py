@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.errors import DflashkitError
+from dflashkit.infer.engine import Engine
 from dflashkit.infer.speculative import (
     Generation,
     Sampling,
@@ -55,6 +56,7 @@ class EvalReport:
     speedup: float | None
     lossless: bool | None
     results: list[PromptResult] = field(default_factory=list)
+    engine: str = "dynamic"  # the decode engine both loops ran on
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,19 +104,21 @@ def evaluate(
     backend: str = "sdpa",
     progress: Any = None,
     names: tuple[str, str] = ("drafter", "target"),
+    engine: str | Engine = "dynamic",
 ) -> EvalReport:
-    """Decode every prompt speculatively (and autoregressively for the baseline/lossless check)."""
+    """Decode every prompt speculatively (and autoregressively for the baseline/lossless check), both on
+    ``engine`` (a name, or an engine built once for all prompts: ``dflashkit.infer.engine``)."""
     if check_lossless and not sampling.greedy:
         raise DflashkitError("--check-lossless compares greedy outputs token for token: use --temperature 0")
     stopper = Stopper(eos_ids)
     gens: list[tuple[Generation, Generation | None]] = []
     results = []
     for i, ids in enumerate(prompt_ids):
-        spec = speculative_generate(target, drafter, ids, max_new_tokens, sampling, stopper, backend)
+        spec = speculative_generate(target, drafter, ids, max_new_tokens, sampling, stopper, backend, engine)
         ar = None
         if baseline or check_lossless:
             ar = autoregressive_generate(
-                target, ids, max_new_tokens, sampling, stopper, drafter.config.target_layer_ids
+                target, ids, max_new_tokens, sampling, stopper, drafter.config.target_layer_ids, engine
             )
         diff = first_difference(spec.tokens, ar.tokens) if (check_lossless and ar is not None) else None
         gens.append((spec, ar))
@@ -155,6 +159,7 @@ def evaluate(
         speedup=spec_tps / ar_tps if ar_tps else None,
         lossless=True if check_lossless else None,
         results=results,
+        engine=engine if isinstance(engine, str) else engine.name,
     )
 
 
