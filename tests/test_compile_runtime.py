@@ -431,3 +431,23 @@ def test_compiled_region_errors_are_one_clear_line():
         assert region.graphs() == 1
     finally:
         rc.unfreeze()
+
+
+def test_region_compile_modes():
+    """A region compiles in the default mode or as CUDA graphs (reduce-overhead, the mode of a fixed-shape
+    decode step on a GPU); a graphed region returns copies, so a later replay cannot overwrite them."""
+    assert rc.graph_mode("cuda:0") == "reduce-overhead" and rc.graph_mode("cpu") is None
+    with pytest.raises(ValueError, match="compile mode must be one of"):
+        rc.CompiledRegion(lambda x: x, "bad", mode="max-autotune")
+    calls = []
+    region = rc.CompiledRegion(lambda x: x, "identity", mode="reduce-overhead")
+    region._compiled = lambda x: calls.append(x) or x  # the wrapper alone, without compiling
+    x = torch.ones(3)
+    out = region(x)
+    assert calls == [x] and torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+    rc.unfreeze()
+    step = rc.CompiledRegion(_breaks_the_graph, "a decode step", off_switch="--engine dynamic")
+    with pytest.raises(
+        DflashkitError, match=r"a decode step failed to compile .*turn compiling off \(--engine dynamic\)"
+    ):
+        step(torch.ones(3))
