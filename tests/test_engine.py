@@ -131,6 +131,24 @@ def test_static_engine_errors(target, drafter):
         StaticEngine(target, drafter, capacity=24, backend="flex")
 
 
+def test_a_step_that_does_not_compile_ends_in_one_line(target, drafter, monkeypatch):
+    from torch._dynamo.exc import TorchDynamoException
+
+    from dflashkit.runtime.compile import is_frozen
+
+    static = StaticEngine(target, drafter, capacity=24, compile=True)
+
+    def fails(*args):
+        raise TorchDynamoException("graph break in a decoder layer\nmore detail")
+
+    monkeypatch.setattr(static, "_target_step", fails)
+    with pytest.raises(
+        DflashkitError, match=r"target \[1, 1\] step did not compile .*graph break in a decoder layer\)"
+    ):
+        static.warm_up()
+    assert not is_frozen()
+
+
 def test_static_engine_refuses_targets_it_cannot_walk(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen3Config
 

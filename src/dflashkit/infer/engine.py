@@ -287,15 +287,13 @@ class StaticEngine:
         if self.drafter is not None:
             steps[f"draft [1, {B}]"] = self._warm_draft
         seconds: dict[str, float] = {}
-        with (
-            COMPILE_LOCK,
-            torch.no_grad(),
-        ):  # as the decode loops run: grad mode is part of every graph's guards
+        # under no_grad, as the decode loops run: grad mode is part of every graph's guards
+        with COMPILE_LOCK, torch.no_grad():
             unfreeze()
             for name, step in steps.items():
                 t0 = time.perf_counter()
                 for _ in range(calls):
-                    step()
+                    _compiling(name, step)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 seconds[name] = time.perf_counter() - t0
@@ -312,6 +310,20 @@ class StaticEngine:
         rows = torch.zeros(1, self.block_size, width, dtype=self.target.dtype, device=self.target.device)
         B = self.block_size
         self._draft_step(rows, self._positions(0, B), self._block, self._positions(B, B))
+
+
+def _compiling(name: str, step: Callable[[], Any]) -> None:
+    """Run one warm-up call; a compile that fails ends in one line (never in an eager fall-back)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    try:
+        step()
+    except TorchDynamoException as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DflashkitError(
+            f"the static engine's {name} step did not compile ({type(e).__name__}: {first[:300]}); "
+            "decode with --engine dynamic (DFLASHKIT_TRACEBACK=1 shows where it failed)"
+        ) from e
 
 
 # --------------------------------------------------------------------------------------------------
