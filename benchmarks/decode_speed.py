@@ -111,13 +111,13 @@ def print_table(rows: list[dict], ratios: list[dict]) -> None:
     print()
     print(
         f"{'dtype':9} {'engine':8} {'device':6} {'prompts':>7} {'AR tok/s':>9} {'spec tok/s':>10} "
-        f"{'speedup':>8} {'tau':>6} {'identical':>9}"
+        f"{'speedup':>8} {'tau':>6} {'identical':>9} {'graph skips':>11}"
     )
     for r in rows:
         print(
             f"{r['dtype']:9} {r['engine']:8} {r['device']:6} {r['prompts']:7d} {r['ar_tokens_per_s']:9.1f} "
             f"{r['spec_tokens_per_s']:10.1f} {r['speedup']:7.2f}x {r['mean_acceptance_length']:6.2f} "
-            f"{r['identical_greedy_outputs']:5d}/{r['prompts']}"
+            f"{r['identical_greedy_outputs']:5d}/{r['prompts']} {r['cudagraph_skips']:11d}"
         )
     for q in ratios:
         print(
@@ -149,6 +149,7 @@ def main() -> None:
         return
 
     import torch
+    from torch._dynamo.utils import counters
 
     from dflashkit.infer.engine import ready_engine
     from dflashkit.infer.speculative import Stopper
@@ -169,6 +170,9 @@ def main() -> None:
         stop = Stopper([int(target.config.eos_token_id)])
         capacity = max(len(p) for p in prompts) + n_new + drafter.config.block_size
         for name in args.engine.split(","):
+            skips = counters["inductor"]["cudagraph_skips"]
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             engine, warm = ready_engine(name, target, drafter, capacity=capacity, compile=compile_steps)
             if warm:
                 print(
@@ -185,6 +189,9 @@ def main() -> None:
                 "max_new_tokens": n_new,
                 "block_size": drafter.config.block_size,
                 **measure(target, drafter, engine, prompts, n_new, stop),
+                # steps that ran without their CUDA graph (must be 0), and the peak memory of this engine
+                "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
             }
             rows.append(row)
             del engine
