@@ -163,7 +163,7 @@ class StaticEngine:
         compile: bool = False,
         backend: str = "sdpa",
     ):
-        from dflashkit.runtime.compile import CompiledRegion, graph_mode
+        from dflashkit.runtime.compile import graph_mode
 
         if backend not in ("sdpa", "eager"):
             raise DflashkitError(f"the static engine drafts on the sdpa or eager backend, not {backend!r}")
@@ -182,10 +182,15 @@ class StaticEngine:
         self._target_step: Callable[..., tuple[Tensor, Tensor]] = self._target_block
         self._draft_step: Callable[..., Tensor] = self._draft_block
         if compile:
-            self._target_step = CompiledRegion(
-                self._target_block, "the static engine's target step", self.mode
-            )
-            self._draft_step = CompiledRegion(self._draft_block, "the static engine's draft step", self.mode)
+            self._target_step = self._region(self._target_block, "the static engine's target step")
+            self._draft_step = self._region(self._draft_block, "the static engine's draft step")
+
+    def _region(self, step: Callable[..., Any], name: str) -> Callable[..., Any]:
+        from dflashkit.runtime.compile import CompiledRegion
+
+        return CompiledRegion(
+            step, name, mode=self.mode, warm_with="StaticEngine.warm_up()", off_switch="--engine dynamic"
+        )
 
     def _positions(self, start: int, t: int) -> Tensor:
         """Positions [1, t] from ``start``: every step input is made this one way (a compiled step is
@@ -293,7 +298,7 @@ class StaticEngine:
             for name, step in steps.items():
                 t0 = time.perf_counter()
                 for _ in range(calls):
-                    _compiling(name, step)
+                    step()  # a step that fails to compile raises one line (the region's)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 seconds[name] = time.perf_counter() - t0
@@ -310,20 +315,6 @@ class StaticEngine:
         rows = torch.zeros(1, self.block_size, width, dtype=self.target.dtype, device=self.target.device)
         B = self.block_size
         self._draft_step(rows, self._positions(0, B), self._block, self._positions(B, B))
-
-
-def _compiling(name: str, step: Callable[[], Any]) -> None:
-    """Run one warm-up call; a compile that fails ends in one line (never in an eager fall-back)."""
-    from torch._dynamo.exc import TorchDynamoException
-
-    try:
-        step()
-    except TorchDynamoException as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DflashkitError(
-            f"the static engine's {name} step did not compile ({type(e).__name__}: {first[:300]}); "
-            "decode with --engine dynamic (DFLASHKIT_TRACEBACK=1 shows where it failed)"
-        ) from e
 
 
 # --------------------------------------------------------------------------------------------------
