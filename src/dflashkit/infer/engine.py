@@ -25,16 +25,18 @@ Engines:
   shape through ``CompiledRegion`` (CUDA graphs on a GPU: one launch per step) during ``warm_up()``,
   and compiles are frozen after it. The prefill (any prompt length) runs eagerly.
 
-Greedy outputs are token for token the same on both engines (fp32; bf16 differs for both in the same
-way, as batched and single-token passes round differently). An engine object holds the state of one
-generation at a time; reuse it for the next prompt (``prefill`` starts afresh), not from two threads.
+In fp32 greedy outputs and acceptance lengths are token for token the same on both engines (tested).
+In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
+mask), so their outputs may part after a near tie, as bf16 speculative and AR outputs already do. An
+engine object holds the state of one generation at a time; reuse it for the next prompt (``prefill``
+starts afresh), not from two threads.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -43,7 +45,6 @@ from dflashkit.errors import DflashkitError
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 
-EngineName = Literal["dynamic", "static"]
 ENGINES: tuple[str, ...] = ("dynamic", "static")
 WARM_CALLS_GRAPHED = 3  # a CUDA-graph region warms, records, then replays: all three before freezing
 
