@@ -172,6 +172,7 @@ class FanoutSection(Section):
     target_device: str = "auto"
     # Several target workers, one per device (e.g. [cuda:0, cuda:1]): each holds a copy of the target and
     # computes every W-th micro-batch; the drafters still get them in stream order. Instead of target_device.
+    # With train.cache_features each worker keeps its own cache, so a row may be computed on several devices.
     target_devices: list[str] | None = Field(None, min_length=1)
     queue_depth: int = Field(2, ge=1)  # micro-batches of features waiting per drafter
     variants: list[FanoutVariant] = Field(min_length=1)
