@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,10 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import write_report  # noqa: E402
-
-RESULT_PREFIX = "RESULT "
-
+from report import print_result, run_child, write_report  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # One repetition (the child process)
@@ -174,16 +169,8 @@ def run_one(mode: str, rep: int, args: argparse.Namespace, passthrough: list[str
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // args.parallel)))
     cmd = [sys.executable, __file__, "--child", mode, *passthrough]
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-        if lines:
-            out = json.loads(lines[-1][len(RESULT_PREFIX) :])
-        else:
-            tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
-            out = {"mode": mode, "errors": {"process": f"exit {p.returncode}: {tail[:160]}"}}
-    except subprocess.TimeoutExpired:
-        out = {"mode": mode, "errors": {"process": f"timed out after {args.timeout_s} s"}}
+    out = run_child(cmd, env, args.timeout_s)
+    out.setdefault("mode", mode)
     out["rep"] = rep
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
@@ -261,7 +248,7 @@ def main() -> int:
             setattr(args, k, v)
 
     if args.child:
-        print(RESULT_PREFIX + json.dumps(child(args)), flush=True)
+        print_result(child(args))
         return 0
 
     modes = [m for m in args.modes.split(",") if m]

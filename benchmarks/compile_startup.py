@@ -48,10 +48,8 @@ $OUT/compile_startup.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,7 +63,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fanout import (  # noqa: E402
-    RESULT_PREFIX,
     TARGET_SHAPES,
     _median,
     make_dataset,
@@ -73,7 +70,7 @@ from fanout import (  # noqa: E402
     placement_devices,
     run_config,
 )
-from report import write_report  # noqa: E402
+from report import print_result, run_child, write_report  # noqa: E402
 
 MODES = ("cold", "warm", "portable")
 PLACEMENTS = ("single", "fanout")
@@ -271,22 +268,7 @@ def run_one(
     cmd = [sys.executable, __file__, "--child", placement, "--mode", mode, "--rep", str(rep)]
     cmd += ["--artifact", str(artifact), *passthrough]
     t0 = time.time()
-    try:
-        p = subprocess.run(
-            [*cmd, "--spawned-at", repr(time.time())],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=args.timeout_s,
-        )
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-        if lines:
-            out = json.loads(lines[-1][len(RESULT_PREFIX) :])
-        else:
-            tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
-            out = {"errors": {"process": f"exit {p.returncode}: {tail[:200]}"}}
-    except subprocess.TimeoutExpired:
-        out = {"errors": {"process": f"timed out after {args.timeout_s} s"}}
+    out = run_child([*cmd, "--spawned-at", repr(time.time())], env, args.timeout_s)
     out.update(placement=placement, mode=mode, rep=rep, process_s=round(time.time() - t0, 1))
     return out
 
@@ -433,7 +415,7 @@ def main() -> int:
             setattr(args, k, v)
 
     if args.child:
-        print(RESULT_PREFIX + json.dumps(child(args)), flush=True)
+        print_result(child(args))
         return 0
 
     t0 = time.perf_counter()

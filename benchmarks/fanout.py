@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,9 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import write_report  # noqa: E402
-
-RESULT_PREFIX = "RESULT "
+from report import print_result, run_child, write_report  # noqa: E402
 
 # Random-weight targets: (transformers config class, its keyword arguments).
 TARGET_SHAPES = {
@@ -347,16 +344,8 @@ def run_one(
     env["BENCH_LAUNCHED_AT"] = repr(time.time())
     cmd = [sys.executable, script, "--child", placement, *passthrough]
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-        if lines:
-            out = json.loads(lines[-1][len(RESULT_PREFIX) :])
-        else:
-            tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
-            out = {"placement": placement, "errors": {"process": f"exit {p.returncode}: {tail[:200]}"}}
-    except subprocess.TimeoutExpired:
-        out = {"placement": placement, "errors": {"process": f"timed out after {args.timeout_s} s"}}
+    out = run_child(cmd, env, args.timeout_s)
+    out.setdefault("placement", placement)
     out["rep"] = rep
     out["process_s"] = round(time.perf_counter() - t0, 1)
     return out
@@ -457,7 +446,7 @@ def main() -> int:
             setattr(args, k, v)
 
     if args.child:
-        print(RESULT_PREFIX + json.dumps(child(args)), flush=True)
+        print_result(child(args))
         return 0
 
     t0 = time.perf_counter()

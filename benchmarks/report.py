@@ -1,11 +1,15 @@
-"""Where benchmark scripts leave their full results: $OUT/<name> as JSON (the GPU tool fetches $OUT)."""
+"""What benchmark scripts share: their full results as JSON in $OUT/<name> (the GPU tool fetches $OUT), and
+the child process each repetition runs in (fresh process, its result on one `RESULT {json}` line)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
+
+RESULT_PREFIX = "RESULT "
 
 
 def write_report(name: str, report: Any) -> Path | None:
@@ -18,3 +22,21 @@ def write_report(name: str, report: Any) -> Path | None:
     path.write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {path}")
     return path
+
+
+def print_result(result: Any) -> None:
+    """A child's result, the one line its driver reads."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_child(cmd: list[str], env: dict[str, str], timeout_s: float) -> dict:
+    """Run one child; its last RESULT line, or {"errors": {"process": why}} when it printed none."""
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"errors": {"process": f"timed out after {timeout_s} s"}}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if lines:
+        return json.loads(lines[-1][len(RESULT_PREFIX) :])
+    tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return {"errors": {"process": f"exit {p.returncode}: {tail[:200]}"}}

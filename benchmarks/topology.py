@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fanout as bench  # noqa: E402  (benchmarks/fanout.py: target, data, counting, the child runner)
-from report import write_report  # noqa: E402
+from report import print_result, write_report  # noqa: E402
 
 # (name, overrides of the base: block --block-size, 1 layer, lr 6e-4)
 VARIANTS = (
@@ -318,7 +318,7 @@ def status_line(r: dict) -> str:
 def main() -> int:
     args = parse_args()
     if args.child:
-        print(bench.RESULT_PREFIX + json.dumps(child(args)), flush=True)
+        print_result(child(args))
         return 0
     if not args.smoke:
         import torch
