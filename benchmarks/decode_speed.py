@@ -47,6 +47,15 @@ def write_prompts(path: Path, count: int) -> None:
     print(f"wrote {len(ids)} prompts to {path}")
 
 
+def read_prompts(path: Path) -> list[list[int]]:
+    """A JSON list of token-id lists, or a dataset folder: the prompts of its held-out validation split."""
+    if path.is_dir():
+        from dflashkit.data.dataset import load_dataset, prompt_ids
+
+        return prompt_ids(load_dataset(path, "validation"))
+    return json.loads(path.read_text())
+
+
 def measure(target, drafter, engine, prompts: list[list[int]], n_new: int, stop) -> dict:
     """Both loops on one engine over every prompt: tokens/s of each, acceptance lengths, outputs."""
     from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
@@ -130,7 +139,11 @@ def print_table(rows: list[dict], ratios: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", default="runs/embedded/best")
-    ap.add_argument("--prompts", default=".bench/prompts.json", help="JSON list of prompt token-id lists")
+    ap.add_argument(
+        "--prompts",
+        default=".bench/prompts.json",
+        help="JSON list of prompt token-id lists, or a dataset folder (its validation prompts)",
+    )
     ap.add_argument("--max-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="bfloat16,float32")
@@ -158,7 +171,7 @@ def main() -> None:
     from dflashkit.target.hf import TargetModel
 
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    prompts = json.loads(Path(args.prompts).read_text())[: 2 if args.smoke else args.max_prompts]
+    prompts = read_prompts(Path(args.prompts))[: 2 if args.smoke else args.max_prompts]
     n_new = 16 if args.smoke else args.max_new_tokens
     compile_steps = {"auto": None, "on": True, "off": False}[args.compile]
     fp = fingerprint.collect()

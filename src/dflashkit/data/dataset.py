@@ -338,3 +338,14 @@ def load_dataset(
         TokenizedRecord(rid, input_ids[offsets[i] : offsets[i + 1]], loss_mask[offsets[i] : offsets[i + 1]])
         for i, rid in enumerate(ids)
     ]
+
+
+def prompt_ids(records: list[TokenizedRecord]) -> list[list[int]]:
+    """The prompt of each record as token ids: everything before its first supervised (assistant) token.
+    Records without one are left out."""
+    out = []
+    for rec in records:
+        supervised = rec.loss_mask.nonzero()
+        if len(supervised):
+            out.append(rec.input_ids[: int(supervised[0])].tolist())
+    return out

@@ -85,16 +85,12 @@ def eval_prompts(args: argparse.Namespace, tokenizer: Any, thinking: bool) -> tu
     from dflashkit.data.sources import load_prompts, read_mtbench, select_prompts
 
     if args.prompts == "validation":
-        from dflashkit.data.dataset import load_dataset
+        from dflashkit.data.dataset import load_dataset, prompt_ids
         from dflashkit.errors import ConfigError
 
         if not args.data:
             raise ConfigError("--prompts validation needs the dataset folder (--data DIR or --config)")
-        ids = []
-        for rec in load_dataset(args.data, "validation")[: args.max_prompts]:
-            supervised = rec.loss_mask.nonzero()
-            if len(supervised):  # the prompt is everything before the first assistant token
-                ids.append(rec.input_ids[: int(supervised[0])].tolist())
+        ids = prompt_ids(load_dataset(args.data, "validation")[: args.max_prompts])
         return ids, f"{args.data} (validation split)"
     prompts = read_mtbench() if args.prompts == "mtbench" else load_prompts(args.prompts).prompts
     prompts = (

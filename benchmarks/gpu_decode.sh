@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The decode benchmark on the lent GPU machine, in stages, one or more per command (each command is at most
+# 10 minutes, and the machine keeps what a command wrote only while it stays warm, about 30 s between commands).
+# What each stage needs carried is in benchmarks/README.md ("Decode on the GPU, step by step").
+#
+#   bash benchmarks/gpu_decode.sh part1                 # carry .bench/p1: GGUF part 1 to /root/m
+#   bash benchmarks/gpu_decode.sh join tests prepare    # carry .bench/p2 .bench/p3 .whl runs/embedded/best
+#   bash benchmarks/gpu_decode.sh prepare train         # finish the dataset if cut short, then train the drafter
+#   bash benchmarks/gpu_decode.sh decode trainstep      # decode_speed.py runs; train_step.py's flex row again
+#
+# Outputs (logs, JSON reports, the training metrics and plot) go to $OUT when it is set.
+set -uo pipefail
+M=/root/m                                   # outside the repository: survives between commands on a warm machine
+OUT=${OUT:-/tmp/out}
+mkdir -p "$M" "$OUT"
+export DFLASHKIT_EMBEDDED_GGUF=$M/smollm2.gguf
+export PYTHONPATH=/tmp/site:$PWD/src
+GPU_CFG=configs/embedded-gpu.yaml
+
+stage() { echo "=== $1 $(date +%T), ${SECONDS}s into this command"; }
+# seconds a step may take: its own cap, or what is left of this command's 10 minutes (BUDGET, default 580)
+cap() { local left=$(( ${BUDGET:-580} - SECONDS )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
+
+for s in "$@"; do
+  case $s in
+    part1)
+      stage part1; cp .bench/p1/gguf.part.aa "$M/" && ls -la "$M" ;;
+    join)
+      stage join
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+      cat "$M/gguf.part.aa" .bench/p2/gguf.part.ab > "$DFLASHKIT_EMBEDDED_GGUF" && rm "$M/gguf.part.aa"
+      ls -la "$M"; cp -r runs/embedded/best "$M/cpu-drafter"
+      # the first load converts the GGUF and caches safetensors (~/.cache/dflashkit)
+      python3 -c "from dflashkit.target.hf import TargetModel; TargetModel.load('embedded')" || exit 1 ;;
+    tests)
+      stage tests; timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_engine.py 2>&1 | tail -15 ;;
+    prepare)
+      # chitchat's prompts travel as .bench/p3/chitchat.jsonl (the package's 40 MB JSON would not fit)
+      stage prepare
+      timeout $(cap 400) python3 -m dflashkit.cli prepare -c $GPU_CFG --source .bench/p3/chitchat.jsonl --device cuda --no-progress 2>&1 | tail -20 ;;
+    train)
+      stage train
+      timeout $(cap 540) python3 -m dflashkit.cli train -c $GPU_CFG 2>&1 | grep -v "Loading weights" | tail -40
+      cp runs/embedded-gpu/metrics.jsonl runs/embedded-gpu/training.png runs/embedded-gpu/data/manifest.json "$OUT/" 2>/dev/null
+      cp -r runs/embedded-gpu/best "$M/gpu-drafter" ;;
+    decode)
+      # the GPU-trained drafter on MT-Bench with both engines, then the static engine alone on the held-out
+      # chitchat prompts and with the main job's CPU-trained drafter (the dynamic engine is the slow reference)
+      stage decode
+      run_decode() {  # drafter, prompts, engines, report name
+        echo "--- drafter $1, prompts $2, engines $3"
+        timeout $(cap 300) python3 benchmarks/decode_speed.py --drafter "$M/$1" --prompts "$2" --max-prompts 10 \
+          --max-new-tokens 128 --dtypes bfloat16 --engine "$3" 2>&1 | grep -v "Loading weights" | tail -8
+        mv "$OUT/decode_speed.json" "$OUT/decode_speed-$4.json" 2>/dev/null
+      }
+      run_decode gpu-drafter .bench/p2/prompts.json dynamic,static gpu-drafter-mtbench
+      run_decode gpu-drafter runs/embedded-gpu/data static gpu-drafter-chitchat
+      run_decode cpu-drafter .bench/p2/prompts.json static cpu-drafter-mtbench ;;
+    trainstep)
+      stage trainstep
+      timeout $(cap 240) python3 benchmarks/train_step.py --ours flex --peers '' --scale-anchors '' 2>&1 | tail -12 ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
+stage done
