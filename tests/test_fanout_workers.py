@@ -205,7 +205,9 @@ def test_a_failing_target_worker_stops_the_fanout_cleanly(tiny, tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trainer, "target_pass", failing)
-        with pytest.raises(DflashkitError, match=r"target worker 1 \(on cpu\) failed \(RuntimeError: injected"):
+        with pytest.raises(
+            DflashkitError, match=r"target worker 1 \(on cpu\) failed \(RuntimeError: injected"
+        ):
             run_bounded(lambda: fanout.train_fanout(cfg, console=quiet()))
     left = [t.name for t in threading.enumerate() if t.name.startswith(("target-", "drafter-"))]
     assert left == []
@@ -239,5 +241,7 @@ def test_target_devices_config(tiny, tmp_path):
         with pytest.raises(ConfigError, match=message):
             workers_config(tiny, tmp_path, **over)
     if not torch.cuda.is_available():
-        with pytest.raises(DeviceError, match=r"fanout.target_devices\[0\] is cuda:0 but this machine has no"):
+        with pytest.raises(
+            DeviceError, match=r"fanout.target_devices\[0\] is cuda:0 but this machine has no"
+        ):
             fanout.placement(workers_config(tiny, tmp_path, ["cuda:0", "cuda:1"]))
