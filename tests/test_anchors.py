@@ -10,6 +10,7 @@ from dflashkit.train.anchors import (
     block_inputs,
     block_labels,
     block_positions,
+    covering_layouts,
     pack_sequences,
     sample_anchors,
     valid_anchor_positions,
@@ -245,3 +246,24 @@ def test_packed_rows_feed_the_sampler():
     # every anchor and its next position are supervised and in one document
     assert loss[rows, a].all() and loss[rows, a + 1].all() and torch.equal(docs[rows, a], docs[rows, a + 1])
     assert block_positions(pos, lay).shape == (ids.shape[0], 24)
+
+
+def test_covering_layouts_hold_every_valid_anchor_once_in_a_fixed_number_of_passes():
+    T, N, B = 23, 4, 3
+    loss_mask = torch.zeros(2, T, dtype=torch.bool)
+    loss_mask[0, 3:9] = True  # row 0: a 6-token response (5 anchors) ...
+    loss_mask[0, 12:20] = True  # ... and an 8-token one (7 anchors)
+    doc_ids = torch.zeros(2, T, dtype=torch.long)
+    doc_ids[0, 10:] = 1  # row 0: two documents
+    doc_ids[1, 15:] = -1  # row 1: padding after 15; no response at all
+    layouts = covering_layouts(loss_mask, doc_ids, N, B)
+    assert len(layouts) == -(-T // N)  # fixed by T and N alone, whatever the rows hold
+    valid = valid_anchor_positions(loss_mask, doc_ids)
+    for r in range(2):
+        got = torch.cat([lay.anchors[r][lay.block_valid[r]] for lay in layouts])
+        assert got.tolist() == valid[r].nonzero().flatten().tolist()
+    assert all(lay.anchors.shape == (2, N) and lay.block_size == B for lay in layouts)
+    assert not any(lay.block_valid[1].any() for lay in layouts)
+    assert all(int(lay.anchors.max()) <= T - 1 for lay in layouts)
+    with pytest.raises(ValueError):
+        covering_layouts(loss_mask, doc_ids, 0, B)

@@ -136,3 +136,30 @@ def test_all_reduce_sums_over_two_ranks(tmp_path):
     for rank in (0, 1):
         for k in want:
             assert torch.equal(reduced[rank][k], want[k]), (rank, k)
+
+
+def test_served_order_walk_replays_serving():
+    """Serving drafts from the first response token, then from anchor + tau: the walk takes exactly those
+    blocks, per run of consecutive anchors (one response each), and skips the anchors it jumps over."""
+    from dflashkit.train.metrics import served_order_walk
+
+    anchors = torch.tensor([*range(10, 20), *range(30, 34), 40])
+    lengths = torch.tensor([3, 9, 9, 2, 9, 1, 1, 4, 9, 9, 1, 2, 9, 1, 5])
+    valid = torch.ones(15, dtype=torch.bool)
+    valid[-1] = False  # a padding block is never a place to draft from
+    rounds = served_order_walk(anchors, lengths, valid)
+    # response 1: 10 (+3) -> 13 (+2) -> 15 (+1) -> 16 (+1) -> 17 (+4) -> 21, past its end
+    # response 2: 30 (+1) -> 31 (+2) -> 33 (+1) -> 34, past its end
+    assert rounds == [3, 2, 1, 1, 4, 1, 2, 1]
+    # the mean over anchors counts the 9s it never serves from: not what serving measures
+    assert sum(rounds) / len(rounds) == 15 / 8
+    assert lengths[valid].float().mean().item() == pytest.approx(69 / 14)
+    assert served_order_walk(anchors[:0], lengths[:0], valid[:0]) == []
+
+
+def test_served_tau_prefers_the_served_order_and_reads_older_results():
+    from dflashkit.train.metrics import served_tau
+
+    assert served_tau({"acceptance_length": 2.0, "served_acceptance_length": 1.7}) == 1.7
+    assert served_tau({"acceptance_length": 2.0}) == 2.0
+    assert math.isnan(served_tau({}))

@@ -211,3 +211,40 @@ def test_compiled_regions_follow_the_backend_and_strategy(tmp_path):
         trainer.use_compiled_regions(on, "sdpa")
     with pytest.raises(ConfigError, match="FSDP"):
         trainer.use_compiled_regions(on, "flex", "fsdp")
+
+
+def test_served_order_walk_equals_real_speculative_decoding(tiny_dataset, tmp_path):
+    """The served-order acceptance that evaluation reports is what serving measures: on each record whose
+    reply is the target's own greedy continuation, the walk over blocks measured at every anchor gives the very
+    acceptance lengths, round by round, of speculative decoding with the same drafter (fp32; the last round
+    may differ, where serving reads past the recorded reply)."""
+    from dflashkit.data.dataset import load_dataset, prompt_ids
+    from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
+
+    cfg = tiny_config(
+        tiny_dataset,
+        tmp_path / "run",
+        **{"train.max_steps": 40, "train.eval_every": 40, "train.max_len": 256},
+    )
+    result = trainer.train(cfg, console=quiet())
+    run = trainer.setup_run(cfg)
+    run.drafter = load_drafter(result.out_dir / "best", run.target).eval()
+    layer_ids = run.drafter.config.target_layer_ids
+    compared, rounds_seen = 0, []
+    with torch.no_grad():
+        for rec in load_dataset(tiny_dataset, "train"):
+            if len(rec.input_ids) > cfg.train.max_len:
+                continue  # a row would hold it truncated
+            (prompt,) = prompt_ids([rec])
+            reply = rec.input_ids[rec.loss_mask].tolist()  # the supervised tokens: the target's reply
+            if autoregressive_generate(run.target, prompt, len(reply), layer_ids=layer_ids).tokens != reply:
+                continue  # batched generation at prepare rounded differently: not this record's claim
+            rows = trainer.pack_rows([rec], cfg.train.max_len, 0)
+            feats, argmax = trainer.target_pass(run.target, rows, layer_ids)
+            walk = trainer.served_rounds(trainer.blocks_at_every_anchor(run, rows, feats, argmax))
+            served = speculative_generate(run.target, run.drafter, prompt, len(reply)).accept_lengths
+            assert walk[:-1] == served[: len(walk) - 1], (walk, served)
+            compared += 1
+            rounds_seen += walk[:-1]
+    assert compared >= 4
+    assert max(rounds_seen) >= 2  # the drafter accepts: rounds of several lengths were compared

@@ -70,6 +70,35 @@ def sample_anchors(
     return BlockLayout(anchors=anchors, block_valid=block_valid, doc_ids=doc_ids, block_size=block_size)
 
 
+def covering_layouts(
+    loss_mask: Tensor, doc_ids: Tensor, num_anchors: int, block_size: int
+) -> list[BlockLayout]:
+    """Every valid anchor of every row, in order, dealt into layouts of `num_anchors` anchors per row.
+
+    Evaluation uses this to measure a block at each position a drafter could be asked to draft from, which the
+    served-order acceptance length needs (`metrics.served_order_walk`). Always ceil(T / num_anchors) layouts for
+    rows of length T, whatever the rows hold, so that ranks evaluating different rows stay in step and every
+    layout has the warmed shape [b, num_anchors]; unused blocks are padding blocks, as in `sample_anchors`."""
+    if num_anchors < 1 or block_size < 2:
+        raise ValueError(f"need num_anchors >= 1 and block_size >= 2 (got {num_anchors}, {block_size})")
+    b, T = loss_mask.shape
+    valid = valid_anchor_positions(loss_mask, doc_ids)
+    passes = -(-T // num_anchors)
+    # positions in order, invalid ones keyed T so that a stable sort puts them last
+    pos = torch.arange(T, device=loss_mask.device).expand(b, T)
+    keys = torch.where(valid, pos, torch.full_like(pos, T)).sort(dim=1, stable=True).values
+    keys = torch.cat([keys, keys.new_full((b, passes * num_anchors - T), T)], dim=1)
+    layouts = []
+    for k in range(passes):
+        part = keys[:, k * num_anchors : (k + 1) * num_anchors]
+        layouts.append(
+            BlockLayout(
+                anchors=part.clamp(max=T - 1), block_valid=part < T, doc_ids=doc_ids, block_size=block_size
+            )
+        )
+    return layouts
+
+
 def block_indices(layout: BlockLayout) -> Tensor:
     """Context position of every block slot, anchor + k: [b, N*B] long (may exceed T - 1 near the end)."""
     k = torch.arange(layout.block_size, device=layout.anchors.device)

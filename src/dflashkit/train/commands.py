@@ -56,6 +56,7 @@ def _train(args: argparse.Namespace) -> int:
         import subprocess
 
         return subprocess.call(launch)
+    from dflashkit.train.metrics import served_tau
     from dflashkit.train.trainer import train
 
     result = train(cfg, resume=args.resume, console=console)
@@ -64,7 +65,8 @@ def _train(args: argparse.Namespace) -> int:
     val = result.final_val
     console.print(
         f"[bold green]done[/]: {result.steps} steps in {result.seconds:.0f} s; validation acceptance length "
-        f"{val.get('acceptance_length', float('nan')):.3f} (best {result.best_acceptance_length:.3f}); "
+        f"{val.get('acceptance_length', float('nan')):.3f}, in served order {served_tau(val):.3f} "
+        f"(best {result.best_acceptance_length:.3f}); "
         f"best drafter in {result.out_dir / 'best'}"
     )
     return 0

@@ -58,6 +58,7 @@ from dflashkit.runtime import fingerprint as fpmod
 from dflashkit.target.hf import TargetModel
 from dflashkit.train import state as st
 from dflashkit.train import trainer
+from dflashkit.train.metrics import served_tau
 from dflashkit.train.trainer import Rows, Run, TrainResult
 
 SUMMARY_FILE = "fanout.json"
@@ -735,7 +736,7 @@ def summarize_drafter(w: DrafterWorker) -> DrafterSummary:
     losses = [r["loss"] for r in log if r.get("loss") is not None]
     vals = [r["val"] for r in log if "val" in r]
     best_file = w.run.out_dir / trainer.BEST / "metrics.json"
-    best = json.loads(best_file.read_text()).get("acceptance_length") if best_file.is_file() else None
+    best = served_tau(json.loads(best_file.read_text())) if best_file.is_file() else None
     if w.result is not None:
         best = w.result.best_acceptance_length
     steps = w.steps
@@ -748,7 +749,7 @@ def summarize_drafter(w: DrafterWorker) -> DrafterSummary:
         total_steps=w.run.total_steps,
         micro_batches=w.feed.taken,
         final_loss=_finite(w.result.losses[-1] if w.result and w.result.losses else (losses or [None])[-1]),
-        val_acceptance_length=_finite(vals[-1].get("acceptance_length")) if vals else None,
+        val_acceptance_length=_finite(served_tau(vals[-1])) if vals else None,
         best_acceptance_length=_finite(best),
         steps_per_s=round((steps - w.start_step) / w.seconds, 3) if w.seconds > 0 else 0.0,
         seconds=round(w.seconds, 2),

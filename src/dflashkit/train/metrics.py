@@ -7,6 +7,11 @@ exactly on training blocks (a block also stops at its first untrained slot, e.g.
 response). The "product of marginals" estimate 1 + sum_k prod_{i <= k} acc_i, which assumes slots fail
 independently, is reported beside it for comparison; it is not what serving measures.
 
+The mean over anchors is not the served mean either: serving drafts the next block from where the last one
+stopped, so it spends more rounds where the drafter is weak. `served_order_walk` replays that order on held-out
+rows measured at every anchor; its tokens / rounds is the served-order acceptance length, the one evaluation
+reports as the number to expect at serving and the one the best checkpoint is chosen by.
+
 Stats are sums and counts (long tensors) so that they add across batches (`add_stats`) and ranks
 (`all_reduce_stats`); `finalize_stats` turns a sum into plain numbers.
 """
@@ -28,6 +33,45 @@ def per_position_counts(
     return hits.sum((0, 1)), mask.sum((0, 1))
 
 
+def block_lengths(predictions: Tensor, labels: Tensor, mask: Tensor, block_size: int) -> Tensor:
+    """The exact acceptance length of every block: [b, N*B] x3 -> [b, N] long, 1 + correct slots before the
+    first miss or the first untrained slot."""
+    b = predictions.shape[0]
+    hits = ((predictions == labels) & mask.bool()).reshape(b, -1, block_size)[:, :, 1:]
+    return 1 + torch.cumprod(hits.long(), dim=-1).sum(-1)
+
+
+def served_order_walk(anchors: Tensor, lengths: Tensor, valid: Tensor) -> list[int]:
+    """The acceptance length of each round serving would make on one row whose every valid anchor has a measured
+    block, in order (tokens = their sum, rounds = their count).
+
+    anchors, lengths, valid: [M] (the blocks of `anchors.covering_layouts`, all layouts of the row). Serving
+    drafts its first block from the first token of a response, accepts tau tokens and drafts the next block from
+    position anchor + tau: it visits the positions where it does poorly more often than those where it does well,
+    so its mean tau (tokens / rounds) is below the mean over all anchors, and this walk is what it measures.
+    Each response is a run of consecutive valid anchors; a walk starts at the first anchor of each run and ends
+    when it steps past the run."""
+    tau = {
+        int(a): int(n)
+        for a, n, v in zip(anchors.tolist(), lengths.tolist(), valid.tolist(), strict=True)
+        if v
+    }
+    rounds = []
+    for start in sorted(a for a in tau if a - 1 not in tau):
+        p = start
+        while p in tau:
+            rounds.append(tau[p])
+            p += tau[p]
+    return rounds
+
+
+def served_tau(val: dict) -> float:
+    """The number to expect at serving from an evaluation result: its served-order acceptance length, or,
+    in results written before that existed, the mean over anchors."""
+    served = val.get("served_acceptance_length")
+    return float(served if served is not None else val.get("acceptance_length", float("nan")))
+
+
 def acceptance_stats(
     predictions: Tensor, labels: Tensor, mask: Tensor, block_valid: Tensor, block_size: int
 ) -> dict[str, Tensor]:
@@ -39,11 +83,8 @@ def acceptance_stats(
       blocks []: valid blocks; accept_length_sum []: sum of their acceptance lengths;
       accept_length_hist [B + 1]: number of valid blocks per acceptance length (index = length, 1..B).
     """
-    b = predictions.shape[0]
     correct, count = per_position_counts(predictions, labels, mask, block_size)
-    hits = ((predictions == labels) & mask.bool()).reshape(b, -1, block_size)[:, :, 1:]
-    leading = torch.cumprod(hits.long(), dim=-1).sum(-1)  # [b, N] correct slots before the first miss
-    lengths = (1 + leading)[block_valid.bool()]
+    lengths = block_lengths(predictions, labels, mask, block_size)[block_valid.bool()]
     hist = torch.bincount(lengths, minlength=block_size + 1)
     return {
         "per_position_correct": correct,

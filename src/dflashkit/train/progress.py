@@ -14,6 +14,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from dflashkit.train.metrics import served_tau
+
 
 class TrainProgress:
     def __init__(self, total: int, start: int, console: Console):
@@ -45,7 +47,10 @@ class TrainProgress:
             if record.get("acceptance_length") is not None:
                 parts.append(f"tau(train) {record['acceptance_length']:.2f}")
             if "val" in record:
-                parts.append(f"tau(val) {record['val']['acceptance_length']:.2f} (best {best:.2f})")
+                val = record["val"]
+                parts.append(
+                    f"tau(val) {val['acceptance_length']:.2f}, served order {served_tau(val):.2f} (best {best:.2f})"
+                )
             self.info = "  ".join(parts)
             if not self.console.is_terminal:
                 self.console.print(f"step {step}: {self.info}")

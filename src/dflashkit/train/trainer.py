@@ -42,11 +42,19 @@ from dflashkit.train.anchors import (
     block_inputs,
     block_labels,
     block_positions,
+    covering_layouts,
     pack_sequences,
     sample_anchors,
 )
 from dflashkit.train.loss import LossOutput, dflash_loss
-from dflashkit.train.metrics import acceptance_stats, add_stats, finalize_stats
+from dflashkit.train.metrics import (
+    acceptance_stats,
+    add_stats,
+    block_lengths,
+    finalize_stats,
+    served_order_walk,
+    served_tau,
+)
 
 CHECKPOINTS = "checkpoints"
 BEST = "best"
@@ -194,6 +202,7 @@ class StepOutput:
     loss: LossOutput
     stats: dict[str, Tensor]
     layout: BlockLayout
+    lengths: Tensor  # [b, N]: each block's exact acceptance length (padding blocks included)
 
 
 def target_pass(target: TargetModel, rows: Rows, layer_ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -225,12 +234,15 @@ def block_step(
     autocast: Any,
     *,
     seeds: Sequence[int] | None = None,
+    layout: BlockLayout | None = None,
 ) -> StepOutput:
     """Anchors -> blocks -> drafter -> chunked weighted loss, for one micro-batch. ``drafter`` may be a
-    DDP wrapper; ``seeds`` (one per row) make each row's anchors its own draw (`draw_anchors`)."""
+    DDP wrapper; ``seeds`` (one per row) make each row's anchors its own draw (`draw_anchors`); ``layout``
+    gives the anchors instead (evaluation's `covering_layouts`)."""
     dc = dd.unwrap(drafter).config
     B = dc.block_size
-    layout = draw_anchors(rows, cfg.train.num_anchors, B, generator, seeds)
+    if layout is None:
+        layout = draw_anchors(rows, cfg.train.num_anchors, B, generator, seeds)
     ids = block_inputs(rows.input_ids, layout, dc.mask_token_id)
     positions = block_positions(rows.position_ids, layout)
     labels, label_mask = block_labels(
@@ -252,7 +264,7 @@ def block_step(
             compiled=dd.unwrap(drafter).compiled_regions,
         )
     stats = acceptance_stats(out.predictions, labels, label_mask, layout.block_valid, B)
-    return StepOutput(out, stats, layout)
+    return StepOutput(out, stats, layout, block_lengths(out.predictions, labels, label_mask, B))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -479,26 +491,17 @@ def warm_up_attention(
 
 
 @torch.no_grad()
-def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
-    """Exact acceptance length on validation rows, with anchors seeded per row (comparable across evals).
-    Under torchrun the rows are dealt over the ranks and the sums reduced: every rank gets the result."""
+def blocks_at_every_anchor(
+    run: Run, rows: Rows, feats: Tensor, argmax: Tensor, *, skip_empty: bool = True
+) -> list[StepOutput]:
+    """A block at each valid anchor of `rows` (`covering_layouts`, in passes of the warmed shape [b, N]).
+    ``skip_empty=False`` runs every pass, also those without a valid anchor (ranks that must stay in step)."""
     cfg = run.cfg
-    d = _dist(run)
-    drafter = run.drafter
-    was_training = drafter.training
-    drafter.eval()
-    g = torch.Generator(device="cpu")
-    n = len(run.val_rows) if max_rows is None else min(max_rows, len(run.val_rows))
-    total: dict[str, Tensor] | None = None
-    loss_sum = 0.0
-    weight_sum = 0.0
-    for i, counted in dd.lockstep_rows(n, d):  # one row at a time: the one warmed evaluation shape
-        idx = [i]
-        rows = run.val_rows.take(idx, run.device)
-        feats, argmax = features_for(run, "validation", idx, rows)
-        seeds = [anchor_seed(cfg.train.seed + 7919, 0, i)]
-        out = block_step(
-            drafter,
+    B = dd.unwrap(run.drafter).config.block_size
+    g = torch.Generator(device="cpu")  # unused: the layouts give the anchors
+    return [
+        block_step(
+            run.drafter,
             run.target,
             rows,
             feats,
@@ -507,17 +510,56 @@ def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
             run.backend,
             g,
             autocast_context(cfg, run.device),
-            seeds=seeds,
+            layout=layout,
         )
+        for layout in covering_layouts(rows.loss_mask, rows.doc_ids, cfg.train.num_anchors, B)
+        if not skip_empty or bool(layout.block_valid.any())
+    ]
+
+
+def served_rounds(outs: list[StepOutput], row: int = 0) -> list[int]:
+    """The rounds serving would make on row ``row`` of `blocks_at_every_anchor`'s blocks (`served_order_walk`)."""
+    if not outs:  # no valid anchor in the row
+        return []
+    anchors, lengths, valid = (
+        torch.cat([o.layout.anchors[row] for o in outs]).cpu(),
+        torch.cat([o.lengths[row] for o in outs]).cpu(),
+        torch.cat([o.layout.block_valid[row] for o in outs]).cpu(),
+    )
+    return served_order_walk(anchors, lengths, valid)
+
+
+def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
+    """Acceptance on validation rows, measured at every anchor: the mean over all blocks (`acceptance_length`)
+    and the served-order acceptance length (`served_acceptance_length`, `metrics.served_order_walk`: what
+    serving these rows would measure). Under torchrun the rows are dealt over the ranks and the sums reduced:
+    every rank gets the result."""
+    d = _dist(run)
+    drafter = run.drafter
+    was_training = drafter.training
+    drafter.eval()
+    n = len(run.val_rows) if max_rows is None else min(max_rows, len(run.val_rows))
+    total: dict[str, Tensor] | None = None
+    sums = [0.0, 0.0, 0.0, 0.0]  # loss, loss weight, served tokens, served rounds
+    for i, counted in dd.lockstep_rows(n, d):  # one row at a time: the one warmed evaluation shape
+        idx = [i]
+        rows = run.val_rows.take(idx, run.device)
+        feats, argmax = features_for(run, "validation", idx, rows)
         keep = 1 if counted else 0  # a rank short of rows ran a repeat to keep in step: count nothing
-        total = add_stats(total, {k: v.cpu() * keep for k, v in out.stats.items()})
-        loss_sum += float(out.loss.weighted_sum) * keep
-        weight_sum += float(out.loss.weight_sum) * keep
+        outs = blocks_at_every_anchor(run, rows, feats, argmax, skip_empty=not d.parallel)
+        for out in outs:
+            total = add_stats(total, {k: v.cpu() * keep for k, v in out.stats.items()})
+            sums[0] += float(out.loss.weighted_sum) * keep
+            sums[1] += float(out.loss.weight_sum) * keep
+        rounds = served_rounds(outs)
+        sums[2] += sum(rounds) * keep
+        sums[3] += len(rounds) * keep
     drafter.train(was_training)
     if total is not None:
         total = dd.reduce_stats(total, d)
-    loss_sum, weight_sum = dd.sum_over_ranks([loss_sum, weight_sum], d)
+    loss_sum, weight_sum, tokens_sum, rounds_sum = dd.sum_over_ranks(sums, d)
     result: dict[str, Any] = finalize_stats(total) if total is not None else {}
+    result["served_acceptance_length"] = tokens_sum / rounds_sum if rounds_sum else float("nan")
     result["loss"] = loss_sum / weight_sum if weight_sum else float("nan")
     result["blocks"] = int(total["blocks"]) if total is not None else 0
     return result
@@ -789,8 +831,8 @@ def _train(
             if step % tc.eval_every == 0 or step == run.total_steps:
                 last_val = evaluate(run)  # the same reduced numbers on every rank
                 record = (record or {"step": step}) | {"val": last_val}
-                if last_val["acceptance_length"] > best:
-                    best = last_val["acceptance_length"]
+                if served_tau(last_val) > best:  # chosen by what serving will measure
+                    best = served_tau(last_val)
                     save_best(run, step, last_val)
             if record is not None and d.is_main:
                 _log(metrics_path, record, tensorboard)
@@ -842,8 +884,15 @@ def plot_training(metrics_path: Path, png: Path) -> Path | None:
         [r["step"] for r in val],
         [r["val"]["acceptance_length"] for r in val],
         "o-",
-        label="held-out",
+        label="held-out, mean over anchors",
         color="#d8663b",
+    )
+    ax2.plot(
+        [r["step"] for r in val],
+        [served_tau(r["val"]) for r in val],
+        "s--",
+        label="held-out, served order (what serving measures)",
+        color="#2a9d5c",
     )
     ax2.set_xlabel("step")
     ax2.set_ylabel("exact block acceptance length")
