@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import print_result, run_child, write_report  # noqa: E402
+from report import fill_defaults, print_result, run_child, write_report  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # One repetition (the child process)
@@ -243,9 +243,7 @@ def main() -> int:
         "kv_heads": 1 if smoke else 4,
         "head_dim": 16 if smoke else 128,
     }
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, defaults)
 
     if args.child:
         print_result(child(args))

@@ -70,7 +70,7 @@ from fanout import (  # noqa: E402
     placement_devices,
     run_config,
 )
-from report import print_result, run_child, write_report  # noqa: E402
+from report import fill_defaults, print_result, run_child, write_report  # noqa: E402
 
 MODES = ("cold", "warm", "portable")
 PLACEMENTS = ("single", "fanout")
@@ -410,9 +410,7 @@ def main() -> int:
         "anchors": 8 if smoke else 128,
         "block_size": 8 if smoke else 16,
     }
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, defaults)
 
     if args.child:
         print_result(child(args))

@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import print_result, run_child, write_report  # noqa: E402
+from report import fill_defaults, print_result, run_child, write_report  # noqa: E402
 
 # Random-weight targets: (transformers config class, its keyword arguments).
 TARGET_SHAPES = {
@@ -441,9 +441,7 @@ def main() -> int:
         "anchors": 8 if smoke else 128,
         "block_size": 8 if smoke else 16,
     }
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, defaults)
 
     if args.child:
         print_result(child(args))

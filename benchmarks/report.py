@@ -24,6 +24,13 @@ def write_report(name: str, report: Any) -> Path | None:
     return path
 
 
+def fill_defaults(args: Any, defaults: dict[str, Any]) -> None:
+    """Set each argument the command line left as None to its default (drivers' defaults differ in --smoke)."""
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def print_result(result: Any) -> None:
     """A child's result, the one line its driver reads."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fanout as bench  # noqa: E402  (benchmarks/fanout.py: target, data, counting, the child runner)
-from report import print_result, write_report  # noqa: E402
+from report import fill_defaults, print_result, write_report  # noqa: E402
 
 # (name, overrides of the base: block --block-size, 1 layer, lr 6e-4)
 VARIANTS = (
@@ -272,9 +272,7 @@ def parse_args() -> argparse.Namespace:
         "block_size": 16,
         "workers": max_workers(args.gpus, smoke),
     }
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, defaults)
     if args.sweep is None:
         args.sweep = ",".join(str(w) for w in range(1, args.workers))
     args.sweep_workers = [int(w) for w in args.sweep.split(",") if w.strip()]

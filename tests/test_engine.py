@@ -178,6 +178,23 @@ def graphs(engine):
     return engine._target_step.graphs(), engine._draft_step.graphs()
 
 
+def assert_decodes_as_dynamic(target, drafter, static, prompt, n):
+    """On `static`: AR gives the dynamic AR tokens; scripted drafts (every acceptance length and crop) give
+    the dynamic engine's tokens and acceptance lengths; the real drafter gives its acceptance lengths."""
+    ar = autoregressive_generate(target, prompt, n, layer_ids=LAYERS)
+    assert autoregressive_generate(target, prompt, n, engine=static).tokens == ar.tokens
+    reference = prompt + ar.tokens
+    dyn = speculative_generate(
+        target, drafter, prompt, n, engine=ScriptedDrafts(DynamicEngine(target, drafter), reference)
+    )
+    sta = speculative_generate(target, drafter, prompt, n, engine=ScriptedDrafts(static, reference))
+    assert sta.tokens == dyn.tokens == ar.tokens and sta.accept_lengths == dyn.accept_lengths
+    real = speculative_generate(target, drafter, prompt, n)
+    assert (
+        speculative_generate(target, drafter, prompt, n, engine=static).accept_lengths == real.accept_lengths
+    )
+
+
 @pytest.mark.slow
 def test_compiled_static_engine_decodes_as_the_dynamic_engine(target, drafter):
     """torch.compile of each step shape (the default mode on the CPU), warmed up then frozen: the same
@@ -189,20 +206,7 @@ def test_compiled_static_engine_decodes_as_the_dynamic_engine(target, drafter):
         warmed = static.warm_up()
         assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]"] and is_frozen()
         warm = graphs(static)
-        prompt = prompts(9)[0]
-        ar = autoregressive_generate(target, prompt, 16, layer_ids=LAYERS)
-        assert autoregressive_generate(target, prompt, 16, engine=static).tokens == ar.tokens
-        reference = prompt + ar.tokens
-        dyn = speculative_generate(
-            target, drafter, prompt, 16, engine=ScriptedDrafts(DynamicEngine(target, drafter), reference)
-        )
-        sta = speculative_generate(target, drafter, prompt, 16, engine=ScriptedDrafts(static, reference))
-        assert sta.tokens == dyn.tokens == ar.tokens and sta.accept_lengths == dyn.accept_lengths
-        real = speculative_generate(target, drafter, prompt, 16)
-        assert (
-            speculative_generate(target, drafter, prompt, 16, engine=static).accept_lengths
-            == real.accept_lengths
-        )
+        assert_decodes_as_dynamic(target, drafter, static, prompts(9)[0], 16)
         assert graphs(static) == warm, "compiled after warm-up"
     finally:
         unfreeze()
@@ -229,18 +233,7 @@ def test_static_engine_replays_cuda_graphs_on_gpu():
         static.warm_up()
         warm, skips = graphs(static), counters["inductor"]["cudagraph_skips"]
         for prompt in prompts(5, 13, 40):
-            ar = autoregressive_generate(gpu, prompt, 48, layer_ids=LAYERS)
-            assert autoregressive_generate(gpu, prompt, 48, engine=static).tokens == ar.tokens
-            reference = prompt + ar.tokens
-            dyn = speculative_generate(
-                gpu, d, prompt, 48, engine=ScriptedDrafts(DynamicEngine(gpu, d), reference)
-            )
-            sta = speculative_generate(gpu, d, prompt, 48, engine=ScriptedDrafts(static, reference))
-            assert sta.tokens == dyn.tokens == ar.tokens and sta.accept_lengths == dyn.accept_lengths
-            real = speculative_generate(gpu, d, prompt, 48)
-            assert (
-                speculative_generate(gpu, d, prompt, 48, engine=static).accept_lengths == real.accept_lengths
-            )
+            assert_decodes_as_dynamic(gpu, d, static, prompt, 48)
         assert graphs(static) == warm, "compiled after warm-up"
         assert counters["inductor"]["cudagraph_skips"] == skips == 0, "a step ran without its CUDA graph"
     finally:

@@ -69,7 +69,7 @@ SUMMARY_COLUMNS = (
     "status",
     "steps",
     "final loss",
-    "val tau",
+    "val tau (served order)",
     "best tau",
     "steps/s",
     "error",
@@ -684,7 +684,7 @@ class DrafterSummary:
     total_steps: int
     micro_batches: int  # taken from the feed in this session
     final_loss: float | None
-    val_acceptance_length: float | None
+    val_acceptance_length: float | None  # the last evaluation's served-order acceptance length
     best_acceptance_length: float | None
     steps_per_s: float
     seconds: float

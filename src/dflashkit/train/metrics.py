@@ -73,18 +73,26 @@ def served_tau(val: dict) -> float:
 
 
 def acceptance_stats(
-    predictions: Tensor, labels: Tensor, mask: Tensor, block_valid: Tensor, block_size: int
+    predictions: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    block_valid: Tensor,
+    block_size: int,
+    lengths: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Summable acceptance statistics of one batch.
 
-    predictions, labels, mask: [b, N*B] (mask from `block_labels`); block_valid: [b, N] bool.
+    predictions, labels, mask: [b, N*B] (mask from `block_labels`); block_valid: [b, N] bool; lengths: their
+    `block_lengths` when the caller has them already.
     Returns long tensors:
       per_position_correct [B], per_position_count [B]: per slot index (slot 0 is always 0);
       blocks []: valid blocks; accept_length_sum []: sum of their acceptance lengths;
       accept_length_hist [B + 1]: number of valid blocks per acceptance length (index = length, 1..B).
     """
     correct, count = per_position_counts(predictions, labels, mask, block_size)
-    lengths = block_lengths(predictions, labels, mask, block_size)[block_valid.bool()]
+    if lengths is None:
+        lengths = block_lengths(predictions, labels, mask, block_size)
+    lengths = lengths[block_valid.bool()]
     hist = torch.bincount(lengths, minlength=block_size + 1)
     return {
         "per_position_correct": correct,

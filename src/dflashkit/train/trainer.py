@@ -263,8 +263,9 @@ def block_step(
             chunk_blocks=cfg.train.chunk_blocks,
             compiled=dd.unwrap(drafter).compiled_regions,
         )
-    stats = acceptance_stats(out.predictions, labels, label_mask, layout.block_valid, B)
-    return StepOutput(out, stats, layout, block_lengths(out.predictions, labels, label_mask, B))
+    lengths = block_lengths(out.predictions, labels, label_mask, B)
+    stats = acceptance_stats(out.predictions, labels, label_mask, layout.block_valid, B, lengths)
+    return StepOutput(out, stats, layout, lengths)
 
 
 # --------------------------------------------------------------------------------------------------
