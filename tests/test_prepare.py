@@ -1,6 +1,6 @@
 """`dflashkit prepare` on the embedded target with tiny settings: the folder it writes, an interrupted
 run resumed to exactly the records of an uninterrupted one, a torn cache line recovered, and greedy
-regeneration equal to transformers' own generate."""
+regeneration (both backends) equal to transformers' own greedy decoding."""
 
 from __future__ import annotations
 
@@ -16,15 +16,10 @@ from pydantic import ValidationError
 from dflashkit.cli import main
 from dflashkit.data.chat import encode_chat, generation_prompt_ids, template_identity
 from dflashkit.data.dataset import CACHE_FILE, PrepareSettings, load_dataset, prepare_dataset, read_manifest
-from dflashkit.data.regenerate import (
-    GenerationSettings,
-    answer_batch,
-    eos_token_ids,
-    generate_replies,
-    load_target,
-    read_cache,
-)
-from dflashkit.data.sources import make_prompt
+from dflashkit.data.generation import Request
+from dflashkit.data.generator import SlotGenerator, SlotSettings
+from dflashkit.data.hf_generate import generate_replies
+from dflashkit.data.regenerate import eos_token_ids, load_target, read_cache
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.target.hf import identity_of_folder
 
@@ -133,26 +128,34 @@ def test_prepare_writes_manifest_and_records(full_run: tuple[Path, dict[str, Any
 def test_interrupted_prepare_resumes_to_the_same_records(
     tmp_path: Path, prompts_file: Path, full_run: tuple[Path, dict[str, Any]]
 ) -> None:
+    flushed: list[int] = []
+
     def stop_after_first(done: int, total: int) -> None:
-        assert total == 2
+        assert total == 6
+        flushed.append(done)
         raise KeyboardInterrupt
 
     out = tmp_path / "data"
     with pytest.raises(KeyboardInterrupt):
-        prepare_dataset(settings(out, prompts_file), on_batch=stop_after_first, progress=False)
-    assert len(cache_lines(out)) == 3  # the first batch is on disk
+        prepare_dataset(
+            settings(out, prompts_file), on_flush=stop_after_first, progress=False, flush_records=2
+        )
+    on_disk = len(cache_lines(out))
+    assert flushed and 1 <= flushed[0] <= on_disk < 6  # what was flushed is on disk, the rest is not
     with pytest.raises(DataError, match="no finished dataset.*resume it"):
         read_manifest(out)
 
     seen: list[tuple[int, int]] = []
     manifest = prepare_dataset(
-        settings(out, prompts_file), on_batch=lambda d, t: seen.append((d, t)), progress=False
+        settings(out, prompts_file), on_flush=lambda d, t: seen.append((d, t)), progress=False
     )
-    assert seen == [(2, 2)]  # only the second batch ran
-    assert manifest["counts"]["cached"] == 3 and manifest["counts"]["generated"] == 3
+    assert seen[-1] == (6, 6) and seen[0][0] > on_disk  # only the missing records were generated
+    assert manifest["counts"]["cached"] == on_disk and manifest["counts"]["generated"] == 6 - on_disk
     full_out, _ = full_run
     assert records(out) == records(full_out)
-    assert cache_lines(out) == cache_lines(full_out)  # nothing lost, nothing duplicated
+    by_id = {r["id"]: r for r in cache_lines(full_out)}
+    lines = cache_lines(out)
+    assert len(lines) == 6 and {r["id"]: r for r in lines} == by_id  # nothing lost, nothing duplicated
 
 
 def test_torn_last_line_is_dropped_and_regenerated(
@@ -191,7 +194,7 @@ def test_resume_with_other_generation_settings_is_refused(
     full_out, _ = full_run
     out = tmp_path / "data"
     shutil.copytree(full_out, out)
-    with pytest.raises(ConfigError, match=r"sampling\.max_new_tokens: 8 vs 9.*another --out"):
+    with pytest.raises(ConfigError, match=r"generation\.max_new_tokens: 8 vs 9.*another --out"):
         prepare_dataset(settings(out, prompts_file, max_new_tokens=9), progress=False)
     with pytest.raises(ConfigError, match=r"template\.enable_thinking: False vs True"):
         prepare_dataset(settings(out, prompts_file, enable_thinking=True), progress=False)
@@ -204,6 +207,7 @@ def test_greedy_regeneration_equals_transformers_generate(target: tuple[Any, Any
         generation_prompt_ids(tok, [{"role": "user", "content": text}], enable_thinking=False)
         for text in ("Tell me about the moon.", "hi", "What is the capital of France?")
     ]
+    refs = []
     for ids in prompts:
         ref = model.generate(
             torch.tensor([ids]),
@@ -213,8 +217,9 @@ def test_greedy_regeneration_equals_transformers_generate(target: tuple[Any, Any
         )
         new = ref[0, len(ids) :].tolist()
         stop = next((k for k, t in enumerate(new) if t in eos), None)
+        refs.append(new if stop is None else new[: stop + 1])
         (reply,) = generate_replies(model, [ids], max_new_tokens=10, eos_ids=eos, pad_id=tok.pad_token_id)
-        assert reply.ids == (new if stop is None else new[: stop + 1])
+        assert reply.ids == refs[-1]
         assert reply.finished == (stop is not None)
     # Left padding: a batch of different lengths gives each prompt its single-prompt reply.
     singles = [
@@ -225,19 +230,52 @@ def test_greedy_regeneration_equals_transformers_generate(target: tuple[Any, Any
         generate_replies(model, prompts, max_new_tokens=10, eos_ids=eos, pad_id=tok.pad_token_id) == singles
     )
     assert any(r.finished for r in singles) and any(not r.finished for r in singles)
+    # The slot generator, two slots for three prompts (one refill), prompts prefilled in chunks of 16.
+    gen = SlotGenerator.create(model, eos, SlotSettings(slots=2, capacity=128, max_chunk=16))
+    source = ListSource([Request(f"r{i}", tuple(p), 10) for i, p in enumerate(prompts)])
+    gen.run(source)
+    assert [source.replies[f"r{i}"] for i in range(3)] == singles
 
 
-def test_sampling_is_reproducible_per_seed(target: tuple[Any, Any]) -> None:
+class ListSource:
+    """The simplest RequestSource: a fixed list, each reply recorded once."""
+
+    def __init__(self, requests: list[Request]):
+        self.ready = sorted(requests, key=lambda r: len(r.prompt_ids))
+        self.replies: dict[str, Any] = {}
+
+    def take(self, n: int) -> list[Request]:
+        out, self.ready = self.ready[:n], self.ready[n:]
+        return out
+
+    def complete(self, request: Request, reply: Any) -> None:
+        assert request.key not in self.replies
+        self.replies[request.key] = reply
+
+
+def test_sampling_is_fixed_by_each_request_seed(target: tuple[Any, Any]) -> None:
+    """A sampled reply depends on its request's seed, not on the requests generated beside it."""
     model, tok = target
     eos = eos_token_ids(model, tok)
-    batch = [make_prompt([t]) for t in ("Tell a story.", "Describe a cat.", "Invent a word.")]
+    texts = ("Tell a story.", "Describe a cat.", "Invent a word.")
+    ids = [
+        tuple(generation_prompt_ids(tok, [{"role": "user", "content": t}], enable_thinking=False))
+        for t in texts
+    ]
 
-    def run(seed: int) -> list[Any]:
-        gen = GenerationSettings(max_new_tokens=8, temperature=1.5, top_p=0.95, seed=seed, batch_size=3)
-        return [r["reply_ids"] for r in answer_batch(batch, model, tok, gen, eos, tok.pad_token_id)]
+    def run(seeds: list[int], slots: int) -> list[list[int]]:
+        gen = SlotGenerator.create(model, eos, SlotSettings(slots=slots, capacity=96))
+        reqs = [
+            Request(f"r{i}", p, 8, temperature=1.5, top_p=0.95, seed=s)
+            for i, (p, s) in enumerate(zip(ids, seeds, strict=True))
+        ]
+        source = ListSource(reqs)
+        gen.run(source)
+        return [source.replies[f"r{i}"].ids for i in range(len(reqs))]
 
-    assert run(1) == run(1)
-    assert run(1) != run(2)
+    together = run([1, 2, 3], slots=3)
+    assert together == run([1, 2, 3], slots=1)  # one at a time
+    assert together != run([4, 5, 6], slots=3)
 
 
 def test_multi_turn_and_too_long_prompts(tmp_path: Path, target: tuple[Any, Any]) -> None:

@@ -35,25 +35,57 @@ class TargetSection(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
 
 
+class SourceSpec(Section):
+    """One prompt source of a mixture (`data.sources`): how many of its prompts to take, and how to
+    answer them. Give `count` (prompts) or `weight` (a share of `data.max_prompts`), or neither (all)."""
+
+    source: str  # "chitchat", "sharegpt", "mtbench" or a file
+    format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
+    count: int | None = Field(None, ge=1)
+    weight: float | None = Field(None, gt=0)
+    max_turns: int | None = Field(None, ge=1)  # user turns kept per conversation; None: all
+    samples_per_prompt: int = Field(1, ge=1)  # training records per prompt (sampled replies)
+    temperature: float = Field(0.0, ge=0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    val_fraction: float | None = Field(None, ge=0, le=1)  # None: data.val_fraction
+
+    @model_validator(mode="after")
+    def _check(self) -> SourceSpec:
+        if self.count is not None and self.weight is not None:
+            raise ValueError(f"source {self.source!r}: give count or weight, not both")
+        if self.samples_per_prompt > 1 and self.temperature == 0:
+            raise ValueError(
+                f"source {self.source!r}: samples_per_prompt={self.samples_per_prompt} with temperature 0 "
+                "would repeat one greedy reply; set a temperature (e.g. 0.8)"
+            )
+        return self
+
+
 class DataSection(Section):
     """Where the prepared dataset lives, and how `dflashkit prepare --config` makes it (the fields
-    besides `dir` and `features_dir` are `dflashkit.data.dataset.PrepareSettings` fields)."""
+    besides `dir` and `features_dir` are `dflashkit.data.dataset.PrepareSettings` fields).
+
+    Prompts come from one source (`source`, `format`, `max_prompts`, `max_turns`, `samples_per_prompt`,
+    `temperature`, `top_p`) or from a mixture (`sources`, which then replaces those fields)."""
 
     dir: str = "runs/embedded/data"
     # A `dflashkit capture` folder: training reads target features and labels from it instead of
     # running the target (None: online, the target runs in-process).
     features_dir: str | None = None
-    source: str = "chitchat"  # "chitchat", "mtbench" or a file
+    source: str = "chitchat"  # "chitchat", "sharegpt", "mtbench" or a file
     format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
+    sources: list[SourceSpec] = Field(default_factory=list)
     max_prompts: int | None = Field(400, ge=1)
     val_fraction: float = Field(0.1, ge=0, le=1)
     max_turns: int | None = Field(None, ge=1)
+    samples_per_prompt: int = Field(1, ge=1)
     max_new_tokens: int = Field(128, ge=1)
     max_prompt_tokens: int = Field(1024, ge=1)
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1)  # replies generated at once (slots, or rows per generate call)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # generation only
+    backend: Literal["auto", "slots", "hf"] = "auto"  # auto: slots for Llama-family targets, else hf
     enable_thinking: bool = False
     seed: int = 0
 

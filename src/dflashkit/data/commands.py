@@ -19,6 +19,7 @@ _FIELDS = (
     "max_prompts",
     "val_fraction",
     "max_turns",
+    "samples_per_prompt",
     "max_new_tokens",
     "max_prompt_tokens",
     "batch_size",
@@ -29,6 +30,9 @@ _FIELDS = (
     "device",
     "skip_malformed",
     "enable_thinking",
+    "backend",
+    "servers",
+    "concurrency",
 )
 
 
@@ -79,10 +83,13 @@ def _prepare(args: argparse.Namespace) -> int:
         "template",
         f"{manifest['template']['chat_template_sha256'][:12]}  enable_thinking={manifest['template']['enable_thinking']}",
     )
-    table.add_row(
-        "prompts",
-        f"{counts['prompts']} selected of {manifest['source']['prompts']} unique ({manifest['source']['malformed']} malformed skipped, {manifest['source']['duplicates']} duplicates)",
-    )
+    for name, src in manifest["sources"].items():
+        table.add_row(
+            f"source {name}",
+            f"{src['selected']} prompts selected of {src['prompts']} unique ({src['malformed']} malformed "
+            f"skipped, {src['duplicates']} duplicates): {src.get('train_records', 0)} training records "
+            f"({src.get('train_tokens', 0):,} tokens), {src.get('validation_records', 0)} held out",
+        )
     table.add_row(
         "generated",
         f"{counts['generated']} now, {counts['cached']} from the cache ({counts['torn_lines']} torn lines dropped)",
@@ -97,10 +104,11 @@ def _prepare(args: argparse.Namespace) -> int:
             f"{split['records']} records, {split['tokens']} tokens, {split['supervised_tokens']} supervised",
         )
     table.add_row("truncated", f"{counts['truncated_replies']} replies hit --max-new-tokens")
-    if gen["batches"]:
+    if gen["new_tokens"]:
         table.add_row(
             "speed",
-            f"{gen['new_tokens_per_second']:.1f} new tokens/s ({gen['device']}, batch {settings.batch_size}, {settings.dtype})",
+            f"{gen['new_tokens_per_second']:,.0f} new tokens/s ({gen['backend']} on {gen['device']}, "
+            f"{settings.batch_size} at once, {settings.dtype}; {gen['new_tokens']:,} tokens in {gen['seconds']:.0f} s)",
         )
     Console().print(table)
     return 0
@@ -117,7 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "-c", help="run config: its target and data sections give the defaults")
     p.add_argument("--out", help="dataset folder (re-running the same command resumes)")
     p.add_argument("--target", help="'embedded' (default) or a transformers model folder")
-    p.add_argument("--source", help="'chitchat' (default), 'mtbench', or a file")
+    p.add_argument("--source", help="'chitchat' (default), 'sharegpt', 'mtbench', or a file")
     p.add_argument(
         "--format", choices=("auto", "chat", "sharegpt", "prompts"), help="file format (default auto)"
     )
@@ -126,11 +134,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-turns", type=int, metavar="N", help="user turns kept per conversation (default all)"
     )
+    p.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        metavar="K",
+        help="sampled training replies per prompt (default 1; needs --temperature > 0 when above 1)",
+    )
     p.add_argument("--max-new-tokens", type=int, metavar="M", help="reply length limit (default 256)")
     p.add_argument(
         "--max-prompt-tokens", type=int, metavar="M", help="longer prompts are skipped (default 1024)"
     )
-    p.add_argument("--batch-size", type=int, metavar="K", help="prompts per generate call (default 16)")
+    p.add_argument(
+        "--batch-size", type=int, metavar="K", help="replies generated at once (default 16; a GPU takes 512+)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "slots", "hf"),
+        help="generator: slots (ours, Llama-family targets), hf (transformers' generate), auto (default)",
+    )
+    p.add_argument(
+        "--server",
+        dest="servers",
+        action="append",
+        metavar="URL",
+        help="generate through an OpenAI-compatible server (vLLM, SGLang, llama.cpp); repeat for several",
+    )
+    p.add_argument(
+        "--concurrency", type=int, metavar="N", help="requests in flight with --server (default 64)"
+    )
     p.add_argument("--temperature", type=float, metavar="T", help="0 for greedy (default), else sampling")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (default 1.0)")
     p.add_argument("--seed", type=int, metavar="S", help="selection, split and sampling seed (default 0)")

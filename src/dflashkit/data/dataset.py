@@ -23,43 +23,80 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflashkit.data.sources import Prompt, load_prompts, select_prompts, split_prompts
-from dflashkit.errors import ConfigError, DataError
+from dflashkit.config import SourceSpec
+from dflashkit.data.sources import load_prompts, select_prompts, split_prompts
+from dflashkit.errors import ConfigError, DataError, DflashkitError
+
+if TYPE_CHECKING:
+    from dflashkit.data.generation import Backend
+    from dflashkit.data.regenerate import Job
 
 MANIFEST_FILE = "manifest.json"
 CACHE_FILE = "generations.jsonl"
 GENERATION_FILE = "generation.json"
 SPLITS = ("train", "validation")
 KIND = "dflashkit-dataset"
-SCHEMA = 1
+SCHEMA = 2  # 2: records carry source, sample and sampling; per-source counts
+READABLE_SCHEMAS = (1, 2)  # the split files are the same in both
 
 
 class PrepareSettings(BaseModel):
-    """Everything `prepare_dataset` needs. Unknown keys are errors."""
+    """Everything `prepare_dataset` needs. Unknown keys are errors. The data fields mirror the run
+    config's `data` section (`dflashkit.config.DataSection`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     out: Path
     target: str = "embedded"  # "embedded" or a transformers folder
-    source: str = "chitchat"  # "chitchat", "mtbench" or a file
+    source: str = "chitchat"  # "chitchat", "sharegpt", "mtbench" or a file
     format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
+    sources: list[SourceSpec] = Field(default_factory=list)  # a mixture; replaces the one-source fields
     max_prompts: int | None = Field(1000, ge=1)  # None: every prompt of the source
     val_fraction: float = Field(0.05, ge=0.0, le=1.0)
     max_turns: int | None = Field(None, ge=1)  # user turns kept per conversation; None: all
+    samples_per_prompt: int = Field(1, ge=1)
     max_new_tokens: int = Field(256, ge=1)
     max_prompt_tokens: int = Field(1024, ge=1)
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1)  # replies generated at once
     temperature: float = Field(0.0, ge=0.0)  # 0: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int = 0
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = "auto"
+    backend: Literal["auto", "slots", "hf"] = "auto"
+    servers: list[str] = Field(default_factory=list)  # OpenAI-compatible endpoints; replace the backend
+    concurrency: int = Field(64, ge=1)  # requests in flight per run with --server
     skip_malformed: bool = False
     enable_thinking: bool = False
+
+    def source_specs(self) -> list[SourceSpec]:
+        """The sources to read: the mixture, or the one source the flat fields describe. Weights become
+        counts (shares of max_prompts)."""
+        if not self.sources:
+            spec = SourceSpec(
+                source=self.source,
+                format=self.format,
+                count=self.max_prompts,
+                max_turns=self.max_turns,
+                samples_per_prompt=self.samples_per_prompt,
+                temperature=self.temperature,
+                top_p=self.top_p,
+            )
+            return [spec]
+        weights = [s.weight for s in self.sources if s.weight is not None]
+        if weights and self.max_prompts is None:
+            raise ConfigError("data.sources gives weights: set data.max_prompts, the total they share")
+        total = sum(weights)
+        return [
+            s.model_copy(update={"count": max(1, round(s.weight / total * self.max_prompts)), "weight": None})
+            if s.weight is not None and self.max_prompts is not None
+            else s
+            for s in self.sources
+        ]
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -93,15 +130,14 @@ def _check_generation_identity(path: Path, identity: dict[str, Any]) -> None:
 def _generation_identity(
     settings: PrepareSettings, target: dict[str, Any], template: dict[str, Any]
 ) -> dict[str, Any]:
-    """What a cached reply depends on (batch size and device change speed, not the replies' meaning)."""
+    """What every cached reply depends on (each record also stores its own sampling; the backend, batch
+    size and device change speed and bf16 rounding, not the replies' meaning)."""
     return {
         "target": {"hash": target["hash"]},
         "template": template,
-        "sampling": {
+        "generation": {
             "max_new_tokens": settings.max_new_tokens,
             "max_prompt_tokens": settings.max_prompt_tokens,
-            "temperature": settings.temperature,
-            "top_p": settings.top_p,
             "seed": settings.seed,
             "dtype": settings.dtype,
         },
@@ -128,14 +164,101 @@ def write_split(path: Path, ids: list[str], input_ids: list[list[int]], loss_mas
     os.replace(tmp, path)
 
 
+@dataclass
+class SourcePlan:
+    """One source's prompts, selected and split, and the records to generate from them."""
+
+    spec: SourceSpec
+    counts: dict[str, int]
+    train: list[Job]
+    validation: list[Job]
+
+
+def plan_records(settings: PrepareSettings) -> list[SourcePlan]:
+    """Read every source, de-duplicate (within a source, and against earlier sources), select (seeded
+    shuffle, `count`), split off the held-out prompts per source, and make the records: `samples_per_prompt`
+    sampled records per training prompt, one greedy record per held-out prompt (held-out replies are what
+    serving at temperature 0 produces, which is what the held-out acceptance length predicts)."""
+    from dflashkit.data.regenerate import Job, record_id
+
+    plans: list[SourcePlan] = []
+    seen: set[str] = set()
+    for spec in settings.source_specs():
+        read = load_prompts(
+            spec.source, spec.format, skip_malformed=settings.skip_malformed, max_turns=spec.max_turns
+        )
+        unique = [p for p in read.prompts if p.id not in seen]
+        seen.update(p.id for p in unique)
+        selected = select_prompts(unique, spec.count, settings.seed)
+        val_fraction = settings.val_fraction if spec.val_fraction is None else spec.val_fraction
+        train, validation = split_prompts(selected, val_fraction)
+        name = spec.source
+        plans.append(
+            SourcePlan(
+                spec=spec,
+                counts={
+                    **read.counts(),
+                    "format": read.format,  # type: ignore[dict-item]
+                    "in_earlier_sources": len(read.prompts) - len(unique),
+                    "selected": len(selected),
+                    "train_prompts": len(train),
+                    "validation_prompts": len(validation),
+                },
+                train=[
+                    Job(record_id(p.id, k), p, name, k, spec.temperature, spec.top_p)
+                    for p in train
+                    for k in range(spec.samples_per_prompt)
+                ],
+                validation=[Job(p.id, p, name) for p in validation],
+            )
+        )
+    if not any(plan.train or plan.validation for plan in plans):
+        sources = ", ".join(f"{p.spec.source} ({p.counts['records']} records read)" for p in plans)
+        raise DataError(f"no prompts found in {sources}; check the source")
+    return plans
+
+
+def make_backend(settings: PrepareSettings, model: Any, tokenizer: Any, eos_ids: list[int]) -> Backend:
+    """The generation backend the settings ask for ("auto": the slot generator when it supports the
+    target's architecture, transformers' generate otherwise)."""
+    from dflashkit.data.generator import SlotGenerator, SlotSettings
+    from dflashkit.data.hf_generate import HFGenerator
+    from dflashkit.target.slot_decoder import check_supported
+
+    if settings.servers:
+        from dflashkit.data.server import make_server_backend
+
+        return make_server_backend(
+            settings.servers, tokenizer=tokenizer, eos_ids=eos_ids, concurrency=settings.concurrency
+        )
+    name = settings.backend
+    if name == "auto":
+        try:
+            check_supported(model.config)
+            name = "slots"
+        except DflashkitError:
+            name = "hf"
+    if name == "slots":
+        slots = SlotSettings(
+            slots=settings.batch_size,
+            capacity=settings.max_prompt_tokens + settings.max_new_tokens,
+            prefill_rows=min(64, settings.batch_size),
+        )
+        return SlotGenerator.create(model, eos_ids, slots)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    return HFGenerator(model, eos_ids, pad_id, settings.batch_size)
+
+
 def prepare_dataset(
     settings: PrepareSettings,
     *,
-    on_batch: Callable[[int, int], None] | None = None,
+    on_flush: Callable[[int, int], None] | None = None,
     progress: bool = True,
+    flush_records: int = 1024,
 ) -> dict[str, Any]:
     """Build (or resume building) the dataset folder `settings.out`; returns its manifest.
-    `on_batch(done, total)` is called after each regenerated batch is safely on disk."""
+    `on_flush(done, total)` is called each time generated records reach the disk (at least every
+    `flush_records` records and every few seconds)."""
     from dflashkit import __version__
     from dflashkit.data.chat import template_identity
     from dflashkit.data.regenerate import (
@@ -150,36 +273,26 @@ def prepare_dataset(
 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    source = load_prompts(
-        settings.source, settings.format, skip_malformed=settings.skip_malformed, max_turns=settings.max_turns
+    plans = plan_records(settings)
+    model, tokenizer = load_target(
+        settings.target, dtype=settings.dtype, device=settings.device, weights=not settings.servers
     )
-    if not source.prompts:
-        raise DataError(
-            f"{settings.source}: no prompts found ({source.records} records read); check the source"
-        )
-    selected = select_prompts(source.prompts, settings.max_prompts, settings.seed)
-    train, validation = split_prompts(selected, settings.val_fraction)
-
-    model, tokenizer = load_target(settings.target, dtype=settings.dtype, device=settings.device)
     target = identity_of_folder(settings.target)
     template = template_identity(tokenizer, settings.enable_thinking)
     _check_generation_identity(out / GENERATION_FILE, _generation_identity(settings, target, template))
-
+    eos_ids = eos_token_ids(model, tokenizer)
     gen = GenerationSettings(
         max_new_tokens=settings.max_new_tokens,
         max_prompt_tokens=settings.max_prompt_tokens,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
         seed=settings.seed,
-        batch_size=settings.batch_size,
         enable_thinking=settings.enable_thinking,
+        flush_records=flush_records,
     )
-    stats = regenerate(
-        selected, model, tokenizer, out / CACHE_FILE, gen, on_batch=on_batch, progress=progress
-    )
+    jobs = [j for plan in plans for j in plan.train + plan.validation]
+    backend = make_backend(settings, model, tokenizer, eos_ids)
+    stats = regenerate(jobs, backend, tokenizer, out / CACHE_FILE, gen, on_flush=on_flush, progress=progress)
 
     cache, _ = read_cache(out / CACHE_FILE)
-    eos_ids = eos_token_ids(model, tokenizer)
     counts = dict.fromkeys(
         (
             "prompt_too_long",
@@ -193,9 +306,11 @@ def prepare_dataset(
         0,
     )
     splits: dict[str, Any] = {}
-    for name, prompts in (("train", train), ("validation", validation)):
+    per_source: dict[str, dict[str, Any]] = {p.spec.source: dict(p.counts) for p in plans}
+    for name in SPLITS:
+        split_jobs = [j for plan in plans for j in (plan.train if name == "train" else plan.validation)]
         ids, input_ids, masks = _encode_split(
-            prompts, cache, tokenizer, settings.enable_thinking, eos_ids, counts
+            split_jobs, cache, tokenizer, settings.enable_thinking, eos_ids, counts, per_source, name
         )
         write_split(out / f"{name}.safetensors", ids, input_ids, masks)
         splits[name] = {
@@ -204,6 +319,13 @@ def prepare_dataset(
             "tokens": sum(len(x) for x in input_ids),
             "supervised_tokens": sum(sum(m) for m in masks),
         }
+    if splits["train"]["records"] == 0:
+        raise DataError(
+            f"{out}: no usable training record: of {sum(len(p.train) for p in plans)} training records "
+            f"{counts['prompt_too_long']} had prompts longer than max_prompt_tokens="
+            f"{settings.max_prompt_tokens} and {counts['unsupervised']} had no assistant token to learn; "
+            "raise max_prompt_tokens, or use other prompts"
+        )
     fingerprint.save(fingerprint.collect(), out)
 
     manifest = {
@@ -214,9 +336,9 @@ def prepare_dataset(
         "target": target,
         "template": template,
         "settings": settings.model_dump(mode="json"),
-        "source": {"format": source.format, **source.counts()},
+        "sources": per_source,
         "counts": {
-            "prompts": len(selected),
+            "prompts": sum(p.counts["selected"] for p in plans),
             "records": sum(s["records"] for s in splits.values()),
             "generated": stats.generated,
             "cached": stats.cached,
@@ -226,12 +348,14 @@ def prepare_dataset(
         },
         "splits": splits,
         "generation": {
+            "backend": stats.backend,
             "eos_token_ids": eos_ids,
-            "device": str(next(model.parameters()).device),
-            "batches": stats.batches,
+            "device": str(model.device) if model is not None else "server",
             "new_tokens": stats.new_tokens,
+            "prompt_tokens": stats.prompt_tokens,
             "seconds": round(stats.seconds, 3),
             "new_tokens_per_second": round(stats.tokens_per_second, 2),
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in stats.extra.items()},
         },
     }
     _write_json(out / MANIFEST_FILE, manifest)
@@ -239,20 +363,22 @@ def prepare_dataset(
 
 
 def _encode_split(
-    prompts: list[Prompt],
+    jobs: list[Job],
     cache: dict[str, dict[str, Any]],
     tokenizer: Any,
     enable_thinking: bool,
     eos_ids: list[int],
     counts: dict[str, int],
+    per_source: dict[str, dict[str, Any]],
+    split: str,
 ) -> tuple[list[str], list[list[int]], list[list[int]]]:
     from dflashkit.data.chat import encode_chat
 
     ids: list[str] = []
     input_ids: list[list[int]] = []
     masks: list[list[int]] = []
-    for p in prompts:
-        rec = cache[p.id]
+    for job in jobs:
+        rec = cache[job.record_id]
         if rec.get("skipped"):
             counts[rec["skipped"]] += 1
             continue
@@ -271,7 +397,10 @@ def _encode_split(
         counts["unmasked_turns"] += enc.assistant_turns - enc.masked_turns
         counts["tokens"] += len(enc.input_ids)
         counts["supervised_tokens"] += sum(enc.loss_mask)
-        ids.append(p.id)
+        src = per_source[job.source]
+        src[f"{split}_records"] = src.get(f"{split}_records", 0) + 1
+        src[f"{split}_tokens"] = src.get(f"{split}_tokens", 0) + len(enc.input_ids)
+        ids.append(job.record_id)
         input_ids.append(enc.input_ids)
         masks.append(enc.loss_mask)
     return ids, input_ids, masks
@@ -297,7 +426,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise DataError(f"{file}:{e.lineno}: invalid JSON ({e.msg}); run `dflashkit prepare` again") from None
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
         raise DataError(f"{file} is not a dflashkit dataset manifest")
-    if manifest.get("schema") != SCHEMA:
+    if manifest.get("schema") not in READABLE_SCHEMAS:
         raise DataError(
             f"{file} has schema {manifest.get('schema')}, this dflashkit reads {SCHEMA}; prepare it again"
         )

@@ -143,7 +143,7 @@ def rows_digest(rows: Any) -> str:
 
 
 _VOLATILE_MANIFEST = ("created", "dflashkit_version", "generation")
-_VOLATILE_SETTINGS = ("out", "device", "batch_size")
+_VOLATILE_SETTINGS = ("out", "device", "batch_size", "backend", "servers", "concurrency")
 
 
 def dataset_digest(manifest: Mapping[str, Any]) -> str:

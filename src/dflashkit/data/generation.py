@@ -94,7 +94,9 @@ class GenerationStats:
 class Backend(Protocol):
     name: str
 
-    def run(self, source: RequestSource, *, on_progress: Callable[[int], None] | None = None) -> GenerationStats:
+    def run(
+        self, source: RequestSource, *, on_progress: Callable[[int], None] | None = None
+    ) -> GenerationStats:
         """Answer requests from `source` until none is running and none is ready. `on_progress(n)` is
         called with the new tokens written since its last call (for a progress bar)."""
         ...

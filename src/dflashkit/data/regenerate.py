@@ -1,30 +1,33 @@
 """Regeneration: the target answers every prompt itself, so the drafter learns the target's own
 distribution (self-distillation).
 
-The target is loaded with plain transformers (AutoModelForCausalLM: generation is all it does here). Prompts are rendered with the chat template, sorted by
-length, cut into fixed batches, left-padded and answered with `model.generate` (greedy by default,
-temperature / top-p sampling with a per-batch seed otherwise), stopping at EOS or `max_new_tokens`.
-Multi-turn prompts are answered round by round, each round on the target's own earlier replies.
+A *record* is one conversation answered once: a prompt (a system message and user turns) with a sampling
+setting (greedy, or temperature and top-p with the record's own seed; a prompt may be answered several
+times, one record per sample). `Conversations` turns records into generation requests round by round,
+each round on the target's own earlier replies (a later round is asked once the earlier one is answered),
+and hands them to a backend (`dflashkit.data.generation`: the slot generator, transformers' generate, or a
+serving engine). A round whose prompt is longer than `max_prompt_tokens` ends its conversation there.
 
-Finished conversations go to an append-only JSONL cache, one line per prompt id, flushed and fsynced
-after every batch. A restart reads the cache, drops a torn last line (the tail of a write that an
-interruption cut), and skips every batch whose prompts are all done. Batches are fixed by the prompt
-set, so a resumed run regenerates a partly written batch whole and gets exactly the replies an
-uninterrupted run would have written.
+Finished records go to an append-only JSONL cache, one line per record, flushed and fsynced every few
+seconds and whenever the run stops, interrupted or not. A restart reads the cache, drops a torn last line
+(the tail of a write that an interruption cut), and generates only the records it lacks: nothing is lost
+or written twice. A record's replies depend on its prompt, its seed and the target (greedy replies are the
+target's own greedy decoding), not on what ran beside it, up to the rounding of the batched kernels.
 """
 
 from __future__ import annotations
 
-import hashlib
+import heapq
 import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflashkit.data.chat import generation_prompt_ids
+from dflashkit.data.generation import Backend, Reply, Request, request_seed
 from dflashkit.data.sources import Prompt
 from dflashkit.errors import ConfigError, DataError, DflashkitError
 
@@ -34,10 +37,12 @@ DTYPES = ("bfloat16", "float16", "float32")
 # --- the target -------------------------------------------------------------------------------
 
 
-def load_target(target: str, *, dtype: str = "bfloat16", device: str = "auto") -> tuple[Any, Any]:
-    """(model, tokenizer) for generation, in eval mode on `device` ("auto": CUDA when present).
-    `target` is "embedded" or a transformers model folder; its identity (for manifests) is
-    `dflashkit.target.hf.identity_of_folder(target)`."""
+def load_target(
+    target: str, *, dtype: str = "bfloat16", device: str = "auto", weights: bool = True
+) -> tuple[Any, Any]:
+    """(model, tokenizer) for generation, in eval mode on `device` ("auto": CUDA when present); model is
+    None with `weights=False` (a serving engine generates). `target` is "embedded" or a transformers
+    model folder; its identity (for manifests) is `dflashkit.target.hf.identity_of_folder(target)`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -52,7 +57,7 @@ def load_target(target: str, *, dtype: str = "bfloat16", device: str = "auto") -
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)) if weights else None
     except (OSError, ValueError) as e:
         raise DflashkitError(
             f"cannot load target {target!r} ({e.__class__.__name__}: {str(e).splitlines()[0]}); pass "
@@ -60,74 +65,31 @@ def load_target(target: str, *, dtype: str = "bfloat16", device: str = "auto") -
         ) from None
     finally:
         hf_logging.enable_progress_bar()
-    model.to(device).eval()
+    if model is not None:
+        model.to(device).eval()
+    else:
+        tokenizer.dflashkit_folder = str(path)  # where eos_token_ids finds the generation config
     return model, tokenizer
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """Every token id that ends a reply: the generation config's EOS ids and the tokenizer's."""
     ids: list[int] = []
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    config = getattr(model, "generation_config", None)
+    if model is None and getattr(tokenizer, "dflashkit_folder", None):
+        from transformers import GenerationConfig
+
+        try:
+            config = GenerationConfig.from_pretrained(tokenizer.dflashkit_folder)
+        except OSError:
+            config = None
+    gen_eos = getattr(config, "eos_token_id", None)
     for x in [*(gen_eos if isinstance(gen_eos, list) else [gen_eos]), tokenizer.eos_token_id]:
         if x is not None and int(x) not in ids:
             ids.append(int(x))
     if not ids:
         raise DflashkitError("the target defines no EOS token, so replies could never stop; set eos_token_id")
     return ids
-
-
-# --- one batch of replies ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reply:
-    """The tokens the target wrote: up to and including its EOS when `finished`, else cut at the limit."""
-
-    ids: list[int]
-    finished: bool
-
-
-def generate_replies(
-    model: Any,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    eos_ids: list[int],
-    pad_id: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-) -> list[Reply]:
-    """Answer a batch of tokenized prompts in one left-padded `generate` call. temperature 0 is greedy;
-    otherwise sampling (with top-p) draws from torch's global generator, which the caller seeds."""
-    import torch
-    from transformers import GenerationConfig
-
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attention_mask[i, width - len(p) :] = 1
-    sampling = temperature > 0
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=sampling,
-        temperature=temperature if sampling else None,
-        top_p=top_p if sampling else None,
-        top_k=0 if sampling else None,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
-    )
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
-        )
-    replies = []
-    for row in out[:, width:].tolist():
-        stop = next((k for k, t in enumerate(row) if t in eos_ids), None)
-        replies.append(Reply(row, False) if stop is None else Reply(row[: stop + 1], True))
-    return replies
 
 
 # --- the cache --------------------------------------------------------------------------------
@@ -184,112 +146,37 @@ def append_records(path: Path, records: list[dict[str, Any]]) -> None:
         os.fsync(f.fileno())
 
 
-# --- the loop ---------------------------------------------------------------------------------
+# --- records and their conversations -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One record to generate: `prompt` answered once, greedily (temperature 0) or sampled."""
+
+    record_id: str
+    prompt: Prompt
+    source: str = ""
+    sample: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def sampling(self) -> dict[str, float]:
+        return {"temperature": self.temperature, "top_p": self.top_p}
+
+
+def record_id(prompt_id: str, sample: int) -> str:
+    """A record's id: the prompt's id for its first sample, "<prompt id>.<k>" for sample k > 0."""
+    return prompt_id if sample == 0 else f"{prompt_id}.{sample}"
 
 
 @dataclass(frozen=True)
 class GenerationSettings:
     max_new_tokens: int = 256
     max_prompt_tokens: int = 1024  # a prompt (any round) longer than this is not answered
-    temperature: float = 0.0
-    top_p: float = 1.0
     seed: int = 0
-    batch_size: int = 16
     enable_thinking: bool = False
-
-
-@dataclass
-class RegenerationStats:
-    batches: int = 0  # batches generated in this run
-    generated: int = 0  # records written in this run
-    cached: int = 0  # records found in the cache from an earlier run
-    torn_lines: int = 0  # torn lines dropped from the cache
-    new_tokens: int = 0  # tokens the target wrote in this run (all of each generated batch)
-    seconds: float = 0.0  # time spent in generate
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def batch_seed(seed: int, first_id: str, round_index: int) -> int:
-    """The sampling seed of one generate call: fixed by the run's seed and the batch, not by history."""
-    return int(hashlib.sha256(f"{seed}:{first_id}:{round_index}".encode()).hexdigest()[:15], 16)
-
-
-def make_batches(prompts: list[Prompt], tokenizer: Any, gen: GenerationSettings) -> list[list[Prompt]]:
-    """Fixed batches: prompts sorted by the length of their first rendered round (less padding), then
-    by id, cut every `batch_size`."""
-    length = {
-        p.id: len(
-            generation_prompt_ids(
-                tokenizer, p.messages()[: _upto_turn(p, 0)], enable_thinking=gen.enable_thinking
-            )
-        )
-        for p in prompts
-    }
-    order = sorted(prompts, key=lambda p: (length[p.id], p.id))
-    return [order[i : i + gen.batch_size] for i in range(0, len(order), gen.batch_size)]
-
-
-def answer_batch(
-    batch: list[Prompt], model: Any, tokenizer: Any, gen: GenerationSettings, eos_ids: list[int], pad_id: int
-) -> list[dict[str, Any]]:
-    """Cache records for one batch: every user turn answered in order, round by round."""
-    import torch
-
-    replies: dict[str, list[Reply]] = {p.id: [] for p in batch}
-    texts: dict[str, list[str]] = {p.id: [] for p in batch}
-    skipped: dict[str, str] = {}
-    stopped: set[str] = set()
-    for r in range(max(len(p.turns) for p in batch)):
-        rows: list[tuple[Prompt, list[int]]] = []
-        for p in batch:
-            if p.id in stopped or r >= len(p.turns):
-                continue
-            ids = generation_prompt_ids(
-                tokenizer, p.messages(texts[p.id])[: _upto_turn(p, r)], enable_thinking=gen.enable_thinking
-            )
-            if len(ids) > gen.max_prompt_tokens:
-                stopped.add(p.id)  # later rounds would be longer still
-                if r == 0:
-                    skipped[p.id] = "prompt_too_long"
-                continue
-            rows.append((p, ids))
-        if not rows:
-            break
-        if gen.temperature > 0:
-            torch.manual_seed(batch_seed(gen.seed, batch[0].id, r))
-        out = generate_replies(
-            model,
-            [ids for _, ids in rows],
-            max_new_tokens=gen.max_new_tokens,
-            eos_ids=eos_ids,
-            pad_id=pad_id,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-        )
-        for (p, _), reply in zip(rows, out, strict=True):
-            replies[p.id].append(reply)
-            body = reply.ids[:-1] if reply.finished else reply.ids
-            texts[p.id].append(
-                tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            )
-    records = []
-    for p in batch:
-        if p.id in skipped:
-            records.append({"id": p.id, "skipped": skipped[p.id]})
-            continue
-        n = len(replies[p.id])
-        records.append(
-            {
-                "id": p.id,
-                "messages": p.messages(texts[p.id])[: _upto_turn(p, n - 1) + 1],
-                "finished": [rep.finished for rep in replies[p.id]],
-                "reply_ids": [rep.ids for rep in replies[p.id]],
-            }
-        )
-    return records
+    flush_seconds: float = 2.0  # finished records reach the disk at least this often
+    flush_records: int = 1024  # ...and whenever this many are waiting
 
 
 def _upto_turn(p: Prompt, r: int) -> int:
@@ -297,53 +184,190 @@ def _upto_turn(p: Prompt, r: int) -> int:
     return (p.system is not None) + 2 * r + 1
 
 
+@dataclass
+class _Conversation:
+    job: Job
+    replies: list[Reply] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+
+class Conversations:
+    """The `RequestSource` of a regeneration: asks each record's rounds in order and writes each record
+    once its last round is answered (`write` receives lists of finished records)."""
+
+    def __init__(
+        self,
+        jobs: list[Job],
+        tokenizer: Any,
+        gen: GenerationSettings,
+        write: Callable[[list[dict[str, Any]]], None],
+    ):
+        self.tokenizer = tokenizer
+        self.gen = gen
+        self.write = write
+        self._ready: list[tuple[int, int, Request]] = []  # a heap: shortest prompt first
+        self._running: dict[str, _Conversation] = {}
+        self._finished: list[dict[str, Any]] = []
+        self._last_flush = time.monotonic()
+        self._order = 0
+        self.records_done = 0
+        for job in jobs:
+            self._ask(_Conversation(job))
+
+    def __len__(self) -> int:
+        """Records not yet written."""
+        return len(self._running) + len(self._finished)
+
+    def take(self, n: int) -> list[Request]:
+        out = []
+        while self._ready and len(out) < n:
+            out.append(heapq.heappop(self._ready)[2])
+        return out
+
+    def complete(self, request: Request, reply: Reply) -> None:
+        conv = self._running.pop(request.key)
+        conv.replies.append(reply)
+        body = reply.ids[:-1] if reply.finished else reply.ids
+        conv.texts.append(
+            self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        )
+        self._ask(conv)
+        if self._finished and (
+            len(self._finished) >= self.gen.flush_records
+            or time.monotonic() - self._last_flush >= self.gen.flush_seconds
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the finished records (append, fsync)."""
+        if self._finished:
+            done, self._finished = self._finished, []
+            self.write(done)
+            self.records_done += len(done)
+        self._last_flush = time.monotonic()
+
+    def _ask(self, conv: _Conversation) -> None:
+        """Queue the conversation's next round, or finish it (no turn left, or its prompt is too long)."""
+        job, r = conv.job, len(conv.replies)
+        if r < len(job.prompt.turns):
+            messages = job.prompt.messages(conv.texts)[: _upto_turn(job.prompt, r)]
+            ids = generation_prompt_ids(self.tokenizer, messages, enable_thinking=self.gen.enable_thinking)
+            if len(ids) <= self.gen.max_prompt_tokens:
+                key = f"{job.record_id}#{r}"
+                request = Request(
+                    key=key,
+                    prompt_ids=tuple(ids),
+                    max_new_tokens=self.gen.max_new_tokens,
+                    temperature=job.temperature,
+                    top_p=job.top_p,
+                    seed=request_seed(self.gen.seed, job.record_id, r),
+                )
+                self._running[key] = conv
+                heapq.heappush(self._ready, (len(ids), self._order, request))
+                self._order += 1
+                return
+        self._finished.append(_record(conv))
+
+
+def _record(conv: _Conversation) -> dict[str, Any]:
+    job, n = conv.job, len(conv.replies)
+    base = {"id": job.record_id, "source": job.source, "sample": job.sample, "sampling": job.sampling()}
+    if n == 0:
+        return {**base, "skipped": "prompt_too_long"}
+    return {
+        **base,
+        "messages": job.prompt.messages(conv.texts)[: _upto_turn(job.prompt, n - 1) + 1],
+        "finished": [rep.finished for rep in conv.replies],
+        "reply_ids": [rep.ids for rep in conv.replies],
+    }
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RegenerationStats:
+    generated: int = 0  # records written in this run
+    cached: int = 0  # records found in the cache from an earlier run
+    torn_lines: int = 0  # torn lines dropped from the cache
+    new_tokens: int = 0  # tokens the target wrote in this run
+    prompt_tokens: int = 0  # prompt tokens it read (every round)
+    seconds: float = 0.0  # time spent generating
+    backend: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def check_cached_sampling(jobs: list[Job], done: dict[str, dict[str, Any]], cache_path: Path) -> None:
+    """A cached record must have been sampled as its job asks now (else its replies mean something
+    else); records of older caches carry no sampling and are refused too."""
+    for job in jobs:
+        rec = done.get(job.record_id)
+        if rec is not None and rec.get("sampling") != job.sampling():
+            raise ConfigError(
+                f"{cache_path.parent} holds record {job.record_id} sampled with {rec.get('sampling')}, "
+                f"this run asks for {job.sampling()}; use another --out folder, or delete this one to "
+                "start over"
+            )
+
+
 def regenerate(
-    prompts: list[Prompt],
-    model: Any,
+    jobs: list[Job],
+    backend: Backend,
     tokenizer: Any,
     cache_path: Path,
     gen: GenerationSettings,
     *,
-    on_batch: Callable[[int, int], None] | None = None,
+    on_flush: Callable[[int, int], None] | None = None,
     progress: bool = True,
 ) -> RegenerationStats:
-    """Answer every prompt not already in the cache, appending each finished batch to it. `on_batch`
-    is called with (batches done, batches in all) after each batch is safely on disk."""
+    """Generate every record of `jobs` not already in the cache, appending finished records to it.
+    `on_flush(done, total)` is called each time records reach the disk (records of this run's jobs:
+    done so far, in all)."""
     from tqdm.auto import tqdm
 
     done, torn = read_cache(cache_path)
-    stats = RegenerationStats(torn_lines=torn)
-    wanted = {p.id for p in prompts}
-    stats.cached = sum(1 for pid in done if pid in wanted)
-    batches = make_batches(prompts, tokenizer, gen)
-    todo = [b for b in batches if any(p.id not in done for p in b)]
+    check_cached_sampling(jobs, done, cache_path)
+    stats = RegenerationStats(torn_lines=torn, backend=backend.name)
+    stats.cached = sum(1 for j in jobs if j.record_id in done)
+    todo = [j for j in jobs if j.record_id not in done]
     if not todo:
         return stats
-    eos_ids = eos_token_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     bar = tqdm(
-        total=sum(len(b) for b in todo),
-        unit="prompt",
-        desc="regenerating",
+        total=len(todo),
+        unit="record",
+        desc=f"generating ({backend.name})",
         disable=None if progress else True,
-        dynamic_ncols=True,
     )
+    tokens = 0
+    t0 = time.perf_counter()
+
+    def write(records: list[dict[str, Any]]) -> None:
+        append_records(cache_path, records)
+        stats.generated += len(records)
+        bar.update(len(records))
+        if on_flush is not None:
+            on_flush(stats.cached + stats.generated, len(jobs))
+
+    def advance(n: int) -> None:
+        nonlocal tokens
+        tokens += n
+        bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):,.0f}", refresh=False)
+
+    source = Conversations(todo, tokenizer, gen, write)
     try:
-        for b in todo:
-            t0 = time.perf_counter()
-            records = answer_batch(b, model, tokenizer, gen, eos_ids, pad_id)
-            stats.seconds += time.perf_counter() - t0
-            new = [r for r in records if r["id"] not in done]
-            append_records(cache_path, new)
-            for r in new:
-                done[r["id"]] = r
-            stats.new_tokens += sum(len(ids) for r in records for ids in r.get("reply_ids", []))
-            stats.generated += len(new)
-            stats.batches += 1
-            bar.update(len(b))
-            bar.set_postfix(tok_s=f"{stats.tokens_per_second:.0f}")
-            if on_batch is not None:
-                on_batch(len(batches) - len(todo) + stats.batches, len(batches))
+        run = backend.run(source, on_progress=advance)
     finally:
+        source.flush()  # whatever finished reaches the disk, also when the run is interrupted
         bar.close()
+    stats.new_tokens, stats.prompt_tokens, stats.seconds = run.new_tokens, run.prompt_tokens, run.seconds
+    stats.extra = dict(run.extra)
+    if len(source):
+        raise DflashkitError(
+            f"the {backend.name} backend stopped with {len(source)} records unanswered; run the same "
+            "command again to resume"
+        )
     return stats

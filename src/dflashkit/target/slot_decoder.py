@@ -1,0 +1,296 @@
+"""The target's decoder as plain tensors and functions, for batched generation over a cache of fixed slots.
+
+`dflashkit prepare` asks the target for hundreds of thousands of replies; transformers' ``generate`` spends
+most of its time launching kernels and padding batches. This module is the whole forward pass of a
+Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) written out as a dozen tensor operations per layer, over
+a K/V cache allocated once:
+
+- ``DecoderWeights.from_hf(model)``: the weights, with the query, key and value projections fused into one
+  matrix and the gate and up projections into another (one matmul each instead of three and two). The
+  query and key rows of every head are reordered so that the rotary pairs (i, i + d/2) sit side by side:
+  rotary embedding then is one complex multiplication (`apply_rotary`). Queries and keys are permuted the
+  same way, so their dot products, and everything the model computes, are unchanged.
+- ``SlotCache``: keys and values of ``slots`` sequences of up to ``capacity`` positions each, laid out
+  [slot, position, kv head, head dim], plus one scratch slot (index ``slots``) that padding rows write to.
+- ``forward(...)``: rows of new tokens, each row written into its slot at its own start position; every
+  query attends to its slot's positions up to its own (causal). Returns the logits of one chosen position
+  per row. A decode step is R = all slots, C = 1; a prefill chunk is a few rows of C prompt tokens.
+
+Attention has two implementations of one function: ``"sdpa"`` (any device and dtype; the keys of each row's
+slot up to ``kv_len``, masked per query position; the reference) and ``"flash"`` (CUDA, bf16/fp16:
+FlashAttention's variable-length kernel reads each slot's used positions straight from the cache, so a
+step costs what the sequences hold, not what the longest one holds).
+
+Everything here is shape-static for given (rows, chunk, kv_len): a step can be captured as a CUDA graph
+(``dflashkit.data.generator``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflashkit.errors import DflashkitError
+
+Attention = Literal["sdpa", "flash"]
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class LayerWeights:
+    input_norm: Tensor  # [hidden]
+    qkv: Tensor  # [(heads + 2 kv_heads) * head_dim, hidden]; q and k rows in side-by-side rotary order
+    qkv_bias: Tensor | None  # Qwen2
+    q_norm: Tensor | None  # [head_dim], Qwen3 (reordered like the q rows)
+    k_norm: Tensor | None
+    o: Tensor  # [hidden, heads * head_dim]
+    post_norm: Tensor
+    gate_up: Tensor  # [2 * intermediate, hidden]
+    down: Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class DecoderWeights:
+    embed: Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: Tensor
+    lm_head: Tensor  # [vocab, hidden] (the embedding itself when tied)
+    rotary: Tensor  # [max_positions, head_dim / 2] complex64: attention_scaling * e^(i * pos * inv_freq)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.rotary.shape[0])
+
+    @classmethod
+    def from_hf(cls, model: Any, max_positions: int | None = None) -> DecoderWeights:
+        """The weights of a transformers causal LM (same device and dtype), fused and reordered.
+        Raises DflashkitError for an architecture this forward does not reproduce exactly."""
+        check_supported(model.config)
+        cfg = model.config
+        inner = model.get_decoder()
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        order = rotary_order(head_dim, heads + kv_heads, device=inner.embed_tokens.weight.device)
+        layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                at, mlp = layer.self_attn, layer.mlp
+                qk = torch.cat([at.q_proj.weight, at.k_proj.weight])[order]
+                qkv = torch.cat([qk, at.v_proj.weight]).contiguous()
+                bias = None
+                if at.q_proj.bias is not None:
+                    qk_b = torch.cat([at.q_proj.bias, at.k_proj.bias])[order]
+                    bias = torch.cat([qk_b, at.v_proj.bias]).contiguous()
+                per_head = rotary_order(head_dim, 1, device=qkv.device)
+                q_norm = getattr(at, "q_norm", None)
+                k_norm = getattr(at, "k_norm", None)
+                layers.append(
+                    LayerWeights(
+                        input_norm=layer.input_layernorm.weight.detach(),
+                        qkv=qkv,
+                        qkv_bias=bias,
+                        q_norm=None if q_norm is None else q_norm.weight.detach()[per_head].contiguous(),
+                        k_norm=None if k_norm is None else k_norm.weight.detach()[per_head].contiguous(),
+                        o=at.o_proj.weight.detach(),
+                        post_norm=layer.post_attention_layernorm.weight.detach(),
+                        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
+                        down=mlp.down_proj.weight.detach(),
+                    )
+                )
+            rot = inner.rotary_emb
+            n = max_positions or int(cfg.max_position_embeddings)
+            pos = torch.arange(n, dtype=torch.float32, device=rot.inv_freq.device)
+            angles = pos[:, None] * rot.inv_freq.float()[None, :]
+            rotary = torch.polar(torch.full_like(angles, float(rot.attention_scaling)), angles)
+        return cls(
+            embed=inner.embed_tokens.weight.detach(),
+            layers=layers,
+            norm=inner.norm.weight.detach(),
+            lm_head=model.get_output_embeddings().weight.detach(),
+            rotary=rotary,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            eps=float(cfg.rms_norm_eps),
+        )
+
+
+def check_supported(config: Any) -> None:
+    """This forward reproduces plain pre-norm decoders with SwiGLU MLPs and rotary attention; anything
+    else must generate through transformers (``prepare --backend hf``)."""
+    kind = getattr(config, "model_type", None)
+    problems = []
+    if kind not in SUPPORTED_MODEL_TYPES:
+        problems.append(f"model type {kind!r}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"activation {config.hidden_act!r}")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", kind == "mistral"):
+        problems.append(f"sliding window {window}")
+    if getattr(config, "rope_scaling", None) and (config.rope_scaling or {}).get("rope_type") == "dynamic":
+        problems.append("dynamic rotary scaling")
+    if problems:
+        raise DflashkitError(
+            f"the slot generator does not support this target ({', '.join(problems)}; it runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} decoders); use --backend hf"
+        )
+
+
+def rotary_order(head_dim: int, heads: int, device: torch.device | str = "cpu") -> Tensor:
+    """Row order that puts each head's rotary pairs (i, i + d/2) side by side: (0, d/2, 1, d/2+1, ...)."""
+    half = head_dim // 2
+    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    return (torch.arange(heads)[:, None] * head_dim + within[None, :]).reshape(-1).to(device)
+
+
+def apply_rotary(x: Tensor, rotary: Tensor) -> Tensor:
+    """x [..., heads, head_dim] in side-by-side order, rotary [..., head_dim/2] complex (broadcast over
+    heads): each pair turned by its angle, in fp32, back in x's dtype."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rotary.unsqueeze(-2)).flatten(-2).to(x.dtype)
+
+
+class SlotCache:
+    """Keys and values of `slots` sequences (+1 scratch slot at index `slots`), one tensor pair per layer,
+    [slot, position, kv head, head dim], allocated once. A slot holds one sequence at a time; positions
+    beyond a sequence's length hold stale values that no query reads (causal) and later writes replace."""
+
+    def __init__(self, weights: DecoderWeights, slots: int, capacity: int):
+        if capacity > weights.max_positions:
+            raise DflashkitError(
+                f"a slot of {capacity} positions is longer than the target's {weights.max_positions}; "
+                "lower max_prompt_tokens or max_new_tokens"
+            )
+        self.slots = slots
+        self.capacity = capacity
+        shape = (slots + 1, capacity, weights.kv_heads, weights.head_dim)
+        make = dict(dtype=weights.dtype, device=weights.device)
+        self.k = [torch.zeros(shape, **make) for _ in weights.layers]  # type: ignore[arg-type]
+        self.v = [torch.zeros(shape, **make) for _ in weights.layers]  # type: ignore[arg-type]
+
+    @property
+    def scratch(self) -> int:
+        return self.slots
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def forward(
+    w: DecoderWeights,
+    cache: SlotCache,
+    tokens: Tensor,
+    slots: Tensor,
+    starts: Tensor,
+    last: Tensor,
+    *,
+    kv_len: int,
+    attention: Attention = "sdpa",
+) -> Tensor:
+    """Write rows of new tokens into their slots and return the logits at one position per row.
+
+    tokens [R, C] (int64), slots [R] (the slot each row writes; padding rows use ``cache.scratch``),
+    starts [R] (the position of each row's first token), last [R] (the index within the row whose logits
+    are returned). Row r's token c sits at position starts[r] + c and attends to its slot's positions
+    0 .. starts[r] + c. ``kv_len`` bounds the positions read (>= the largest starts + C; the sdpa path's
+    width). Returns float32 logits [R, vocab]."""
+    rows, chunk = tokens.shape
+    positions = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
+        max=cache.capacity - 1
+    )
+    rotary = w.rotary[positions]  # [R, C, head_dim/2]
+    x = w.embed[tokens]  # [R, C, hidden]
+    nq, nk, d = w.heads, w.kv_heads, w.head_dim
+    attend = _attend_flash if attention == "flash" else _attend_sdpa
+    for i, layer in enumerate(w.layers):
+        h = rms_norm(x, layer.input_norm, w.eps)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([nq * d, nk * d, nk * d], dim=-1)
+        q = q.view(rows, chunk, nq, d)
+        k = k.view(rows, chunk, nk, d)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, w.eps)
+        if layer.k_norm is not None:
+            k = rms_norm(k, layer.k_norm, w.eps)
+        q = apply_rotary(q, rotary)
+        cache.k[i][slots[:, None], positions] = apply_rotary(k, rotary)
+        cache.v[i][slots[:, None], positions] = v.view(rows, chunk, nk, d)
+        out = attend(q, cache.k[i], cache.v[i], slots, positions, kv_len)  # [R, C, nq * d]
+        x = x + F.linear(out, layer.o)
+        h = rms_norm(x, layer.post_norm, w.eps)
+        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, layer.down)
+    picked = x[torch.arange(rows, device=x.device), last]  # [R, hidden]
+    return F.linear(rms_norm(picked, w.norm, w.eps), w.lm_head).float()
+
+
+def _attend_sdpa(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, kv_len: int
+) -> Tensor:
+    """Reference attention: each row reads its slot's first kv_len positions; query at position p sees
+    positions <= p. The query heads that share a key head are stacked along the query axis, so keys and
+    values are read once per key head."""
+    rows, chunk, nq, d = q.shape
+    nk = k_cache.shape[2]
+    rep = nq // nk
+    k = k_cache[slots, :kv_len].transpose(1, 2)  # [R, nk, L, d]
+    v = v_cache[slots, :kv_len].transpose(1, 2)
+    qg = q.view(rows, chunk, nk, rep, d).permute(0, 2, 3, 1, 4).reshape(rows, nk, rep * chunk, d)
+    allowed = torch.arange(kv_len, device=q.device)[None, None, :] <= positions[:, :, None]  # [R, C, L]
+    mask = allowed[:, None, None].expand(rows, 1, rep, chunk, kv_len).reshape(rows, 1, rep * chunk, kv_len)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=d**-0.5)
+    return out.view(rows, nk, rep, chunk, d).permute(0, 3, 1, 2, 4).reshape(rows, chunk, nq * d)
+
+
+def _attend_flash(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, kv_len: int
+) -> Tensor:
+    """FlashAttention's variable-length kernel over the cache: row r's keys start at slot r's first
+    position and it uses positions 0 .. (its last query's position); causal alignment is bottom-right, so
+    query c of a row of C sees positions <= its own."""
+    rows, chunk, nq, d = q.shape
+    slots_n, capacity, nk, _ = k_cache.shape
+    cu_q = torch.arange(0, (rows + 1) * chunk, chunk, device=q.device, dtype=torch.int32)
+    cu_k = torch.empty(rows + 1, device=q.device, dtype=torch.int32)
+    cu_k[:-1] = slots.to(torch.int32) * capacity
+    cu_k[-1] = slots_n * capacity
+    used = (positions[:, -1] + 1).to(torch.int32)
+    out = torch.ops.aten._flash_attention_forward(
+        q.reshape(rows * chunk, nq, d),
+        k_cache.view(slots_n * capacity, nk, d),
+        v_cache.view(slots_n * capacity, nk, d),
+        cu_q,
+        cu_k,
+        chunk,
+        kv_len,
+        0.0,
+        True,
+        False,
+        scale=d**-0.5,
+        seqused_k=used,
+    )[0]
+    return out.view(rows, chunk, nq * d)

@@ -1,0 +1,200 @@
+"""The slot generator (`prepare`'s own batched decoder) against transformers on tiny random targets:
+the forward pass of each supported architecture, greedy replies token for token with continuous refill
+and chunked prefill, and the sampler's distribution."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from dflashkit.data.generation import Reply, Request, cut_reply
+from dflashkit.data.generator import SlotGenerator, SlotSettings, sample
+from dflashkit.errors import DflashkitError
+from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, forward
+
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": True}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v biases
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 24}),  # q/k norms, head_dim != hidden/heads
+}
+EOS = list(range(3, 97, 9))  # enough end tokens that random tiny models stop often
+
+
+def tiny(arch: str, seed: int = 0) -> Any:
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**SMALL, **extra)).eval()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_forward_equals_transformers(arch: str) -> None:
+    """Prefill two rows into slots 2 and 0 in chunks of different sizes, then decode token by token:
+    every position's logits equal the transformers model's (fp32 rounding)."""
+    model = tiny(arch)
+    w = DecoderWeights.from_hf(model)
+    cache = SlotCache(w, slots=3, capacity=64)
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+        slots = torch.tensor([2, 0])
+        got = [forward(w, cache, ids[:, :5], slots, torch.tensor([0, 0]), torch.tensor([4, 2]), kv_len=16)]
+        want = [torch.stack([ref[0, 4], ref[1, 2]])]
+        got.append(
+            forward(w, cache, ids[:, 5:9], slots, torch.tensor([5, 5]), torch.tensor([3, 3]), kv_len=16)
+        )
+        want.append(ref[:, 8])
+        for t in range(9, 12):
+            step = forward(
+                w,
+                cache,
+                ids[:, t : t + 1],
+                slots,
+                torch.tensor([t, t]),
+                torch.zeros(2, dtype=torch.long),
+                kv_len=t + 1,
+            )
+            got.append(step)
+            want.append(ref[:, t])
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+class ListSource:
+    """A fixed list of requests; each reply recorded once. `follow_up` adds a second round to each
+    request when it is answered (as a multi-turn conversation does)."""
+
+    def __init__(self, requests: list[Request], follow_up: bool = False):
+        self.ready = sorted(requests, key=lambda r: len(r.prompt_ids))
+        self.replies: dict[str, Reply] = {}
+        self.follow_up = follow_up
+
+    def take(self, n: int) -> list[Request]:
+        out, self.ready = self.ready[:n], self.ready[n:]
+        return out
+
+    def complete(self, request: Request, reply: Reply) -> None:
+        assert request.key not in self.replies, f"{request.key} answered twice"
+        self.replies[request.key] = reply
+        if self.follow_up and not request.key.endswith("#1"):
+            prompt = request.prompt_ids + tuple(reply.ids) + (7, 8, 9)
+            self.ready.append(Request(request.key + "#1", prompt, request.max_new_tokens))
+
+
+def greedy_reference(model: Any, request: Request) -> Reply:
+    """Greedy decoding by definition: the argmax of a full forward pass over the prompt and the reply so
+    far, token by token (no cache)."""
+    ids = list(request.prompt_ids)
+    with torch.no_grad():
+        for _ in range(request.max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] in EOS:
+                break
+    return cut_reply(ids[len(request.prompt_ids) :], EOS, request.max_new_tokens)
+
+
+def random_requests(n: int, seed: int = 1) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(1, 40, (), generator=g))
+        prompt = tuple(torch.randint(6, 97, (length,), generator=g).tolist())
+        out.append(Request(f"r{i}", prompt, max_new_tokens=int(torch.randint(1, 24, (), generator=g))))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_replies_equal_transformers_generate(arch: str) -> None:
+    """More requests than slots (continuous refill), prompts longer than a prefill chunk, replies that
+    end on either end token or at their length, a second round asked when the first is answered."""
+    model = tiny(arch)
+    requests = random_requests(23)
+    gen = SlotGenerator.create(model, EOS, SlotSettings(slots=4, capacity=128, prefill_rows=3, max_chunk=16))
+    source = ListSource(requests, follow_up=True)
+    stats = gen.run(source)
+    assert len(source.replies) == 2 * len(requests) == stats.requests
+    followups = [
+        Request(r.key + "#1", r.prompt_ids + tuple(source.replies[r.key].ids) + (7, 8, 9), r.max_new_tokens)
+        for r in requests
+    ]
+    for r in requests + followups:
+        assert source.replies[r.key] == greedy_reference(model, r), r.key
+    replies = list(source.replies.values())
+    assert any(x.finished for x in replies) and any(not x.finished for x in replies)
+    assert stats.new_tokens == sum(len(x.ids) for x in replies)
+    assert 0 < stats.extra["slot_occupancy"] <= 1
+
+
+def test_reply_that_ends_at_its_first_token() -> None:
+    model = tiny("llama")
+    reqs = random_requests(6)
+    ref = {r.key: greedy_reference(model, r) for r in reqs}
+    one = [Request(r.key, r.prompt_ids, 1) for r in reqs]  # every reply is its first token
+    source = ListSource(one)
+    SlotGenerator.create(model, EOS, SlotSettings(slots=2, capacity=64)).run(source)
+    assert {k: v.ids for k, v in source.replies.items()} == {k: v.ids[:1] for k, v in ref.items()}
+
+
+def test_errors_are_clear() -> None:
+    model = tiny("llama")
+    gen = SlotGenerator.create(model, EOS, SlotSettings(slots=2, capacity=32, max_chunk=16))
+    with pytest.raises(DflashkitError, match="do not fit a slot"):
+        gen.run(ListSource([Request("long", tuple(range(6, 46)), 10)]))
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
+    with pytest.raises(DflashkitError, match="model type 'gpt2'.*--backend hf"):
+        SlotGenerator.create(gpt2, EOS, SlotSettings())
+
+
+def test_sampling_follows_the_nucleus() -> None:
+    """20,000 draws (one per seed) from a known distribution: the frequencies match softmax(l / T)
+    renormalised over the top-p nucleus; tokens outside it are never drawn; temperature 0 is argmax."""
+    probs = torch.tensor([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02])
+    n = 20_000
+    logits = (probs.log() * 2).expand(n, -1).clone()  # temperature 2 gives back probs
+    seeds = torch.arange(n, dtype=torch.long)
+    pos = torch.full((n,), 17, dtype=torch.long)
+    drawn = sample(logits, torch.full((n,), 2.0), torch.full((n,), 0.75), seeds, pos)
+    nucleus = probs[:4] / probs[:4].sum()  # 0.30 + 0.25 + 0.15 = 0.70 < 0.75: the 4th is kept, then stop
+    freq = torch.bincount(drawn, minlength=8).float() / n
+    assert freq[4:].sum() == 0
+    assert (freq[:4] - nucleus).abs().max() < 0.015, freq
+    full = sample(logits, torch.full((n,), 2.0), torch.ones(n), seeds, pos)
+    assert (torch.bincount(full, minlength=8).float() / n - probs).abs().max() < 0.015
+    greedy = sample(logits, torch.zeros(n), torch.ones(n), seeds, pos)
+    assert (greedy == 0).all()
+    # Another position or seed draws afresh; the same (seed, position) draws the same token.
+    again = sample(logits, torch.full((n,), 2.0), torch.full((n,), 0.75), seeds, pos)
+    other = sample(logits, torch.full((n,), 2.0), torch.full((n,), 0.75), seeds, pos + 1)
+    assert torch.equal(drawn, again) and (drawn != other).float().mean() > 0.3
+
+
+def test_sampling_survives_rounding() -> None:
+    """Logits that differ by rounding (another batch, another kernel) draw the same tokens: each
+    token's noise is its own, so only near-exact ties can flip."""
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    logits = torch.randn(n, 97, generator=g) * 3
+    noisy = logits + torch.randn(n, 97, generator=g) * 1e-6
+    args = (torch.full((n,), 1.0), torch.full((n,), 0.95), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    assert (sample(logits, *args) != sample(noisy, *args)).sum() <= 2
