@@ -205,3 +205,21 @@ def test_split_never_overlaps_and_has_the_requested_size() -> None:
     assert split_prompts(prompts, 0.0) == (prompts, [])
     with pytest.raises(DataError, match="between 0 and 1"):
         split_prompts(prompts, 1.5)
+
+
+def test_tokenizer_pool_matches_in_process_work() -> None:
+    """Rendering and encoding in worker processes give what the same calls give in-process."""
+    from transformers import AutoTokenizer
+
+    from dflashkit.data.dataset import encode_record
+    from dflashkit.data.parallel import TokenizerPool
+    from dflashkit.data.regenerate import round_prompt_ids
+    from dflashkit.target.hf import resolve_target
+
+    tok = AutoTokenizer.from_pretrained(resolve_target("embedded")[0])
+    items = [([{"role": "user", "content": f"question {i}?"}], False) for i in range(40)]
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    with TokenizerPool(tok, workers=2, min_items=1) as pool:
+        assert pool.map(round_prompt_ids, items) == [round_prompt_ids(tok, x) for x in items]
+        (enc,) = pool.map(encode_record, [(chat, [True], [2], False)])
+    assert enc == encode_record(tok, (chat, [True], [2], False)) and sum(enc.loss_mask) > 0

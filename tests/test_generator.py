@@ -89,7 +89,7 @@ class ListSource:
         self.replies: dict[str, Reply] = {}
         self.follow_up = follow_up
 
-    def take(self, n: int) -> list[Request]:
+    def take(self, n: int, idle: bool = False) -> list[Request]:
         out, self.ready = self.ready[:n], self.ready[n:]
         return out
 

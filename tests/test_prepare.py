@@ -244,7 +244,7 @@ class ListSource:
         self.ready = sorted(requests, key=lambda r: len(r.prompt_ids))
         self.replies: dict[str, Any] = {}
 
-    def take(self, n: int) -> list[Request]:
+    def take(self, n: int, idle: bool = False) -> list[Request]:
         out, self.ready = self.ready[:n], self.ready[n:]
         return out
 

@@ -48,11 +48,20 @@ class SourceSpec(Section):
     temperature: float = Field(0.0, ge=0)  # 0: greedy
     top_p: float = Field(1.0, gt=0, le=1)
     val_fraction: float | None = Field(None, ge=0, le=1)  # None: data.val_fraction
+    # A fixed number of held-out prompts instead: the first of the seeded order, so that a larger count
+    # (or another dataset with the same seed) holds out the same prompts and never trains on them.
+    val_count: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> SourceSpec:
         if self.count is not None and self.weight is not None:
             raise ValueError(f"source {self.source!r}: give count or weight, not both")
+        if self.val_count is not None and self.val_fraction is not None:
+            raise ValueError(f"source {self.source!r}: give val_count or val_fraction, not both")
+        if self.val_count is not None and self.count is not None and self.val_count > self.count:
+            raise ValueError(
+                f"source {self.source!r}: val_count {self.val_count} is above count {self.count}"
+            )
         if self.samples_per_prompt > 1 and self.temperature == 0:
             raise ValueError(
                 f"source {self.source!r}: samples_per_prompt={self.samples_per_prompt} with temperature 0 "

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dflashkit.config import SourceSpec
+from dflashkit.data.parallel import TokenizerPool
 from dflashkit.data.sources import load_prompts, select_prompts, split_prompts
 from dflashkit.errors import ConfigError, DataError, DflashkitError
 
@@ -190,8 +191,11 @@ def plan_records(settings: PrepareSettings) -> list[SourcePlan]:
         unique = [p for p in read.prompts if p.id not in seen]
         seen.update(p.id for p in unique)
         selected = select_prompts(unique, spec.count, settings.seed)
-        val_fraction = settings.val_fraction if spec.val_fraction is None else spec.val_fraction
-        train, validation = split_prompts(selected, val_fraction)
+        if spec.val_count is not None:  # a fixed held-out set: the first prompts of the seeded order
+            validation, train = selected[: spec.val_count], selected[spec.val_count :]
+        else:
+            val_fraction = settings.val_fraction if spec.val_fraction is None else spec.val_fraction
+            train, validation = split_prompts(selected, val_fraction)
         name = spec.source
         plans.append(
             SourcePlan(
@@ -290,9 +294,12 @@ def prepare_dataset(
     )
     jobs = [j for plan in plans for j in plan.train + plan.validation]
     backend = make_backend(settings, model, tokenizer, eos_ids)
-    stats = regenerate(jobs, backend, tokenizer, out / CACHE_FILE, gen, on_flush=on_flush, progress=progress)
-
-    cache, _ = read_cache(out / CACHE_FILE)
+    with TokenizerPool(tokenizer) as pool:
+        stats = regenerate(
+            jobs, backend, tokenizer, out / CACHE_FILE, gen, on_flush=on_flush, progress=progress, pool=pool
+        )
+        cache, _ = read_cache(out / CACHE_FILE)
+        encoded = _encode_records(jobs, cache, settings.enable_thinking, eos_ids, pool)
     counts = dict.fromkeys(
         (
             "prompt_too_long",
@@ -309,9 +316,7 @@ def prepare_dataset(
     per_source: dict[str, dict[str, Any]] = {p.spec.source: dict(p.counts) for p in plans}
     for name in SPLITS:
         split_jobs = [j for plan in plans for j in (plan.train if name == "train" else plan.validation)]
-        ids, input_ids, masks = _encode_split(
-            split_jobs, cache, tokenizer, settings.enable_thinking, eos_ids, counts, per_source, name
-        )
+        ids, input_ids, masks = _collect_split(split_jobs, cache, encoded, counts, per_source, name)
         write_split(out / f"{name}.safetensors", ids, input_ids, masks)
         splits[name] = {
             "file": f"{name}.safetensors",
@@ -362,18 +367,38 @@ def prepare_dataset(
     return manifest
 
 
-def _encode_split(
+def encode_record(tokenizer: Any, item: tuple[list[dict[str, str]], list[bool], list[int], bool]) -> Any:
+    """One record's tokens and loss mask (messages, finished, eos ids, enable_thinking); a
+    `TokenizerPool` function."""
+    from dflashkit.data.chat import encode_chat
+
+    messages, finished, eos_ids, enable_thinking = item
+    return encode_chat(
+        tokenizer, messages, enable_thinking=enable_thinking, finished=finished, eos_ids=eos_ids
+    )
+
+
+def _encode_records(
     jobs: list[Job],
     cache: dict[str, dict[str, Any]],
-    tokenizer: Any,
     enable_thinking: bool,
     eos_ids: list[int],
+    pool: TokenizerPool,
+) -> dict[str, Any]:
+    """The encoding of every generated record, by record id."""
+    todo = [cache[j.record_id] for j in jobs if not cache[j.record_id].get("skipped")]
+    items = [(r["messages"], r["finished"], eos_ids, enable_thinking) for r in todo]
+    return {r["id"]: enc for r, enc in zip(todo, pool.map(encode_record, items), strict=True)}
+
+
+def _collect_split(
+    jobs: list[Job],
+    cache: dict[str, dict[str, Any]],
+    encoded: dict[str, Any],
     counts: dict[str, int],
     per_source: dict[str, dict[str, Any]],
     split: str,
 ) -> tuple[list[str], list[list[int]], list[list[int]]]:
-    from dflashkit.data.chat import encode_chat
-
     ids: list[str] = []
     input_ids: list[list[int]] = []
     masks: list[list[int]] = []
@@ -382,13 +407,7 @@ def _encode_split(
         if rec.get("skipped"):
             counts[rec["skipped"]] += 1
             continue
-        enc = encode_chat(
-            tokenizer,
-            rec["messages"],
-            enable_thinking=enable_thinking,
-            finished=rec["finished"],
-            eos_ids=eos_ids,
-        )
+        enc = encoded[job.record_id]
         if not any(enc.loss_mask):
             counts["unsupervised"] += 1
             continue

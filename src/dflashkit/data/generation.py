@@ -16,13 +16,15 @@ ran:
 A backend pulls work from a `RequestSource` and hands every reply back to it:
 
     while True:
-        new = source.take(free_capacity)      # up to n requests ready now ([] when none is)
+        new = source.take(free_capacity, idle=nothing_running)  # up to n requests ready now
         ...start them...
         if nothing is running and not new: break  # no request runs, so none can become ready
         ...for each request that ends: source.complete(request, reply)
 
 `complete` may make new requests ready (the conversation's next round), so a backend asks again after
-completing. `take` returns the shortest prompts first, so batched rows waste little padding.
+completing. `take` returns the shortest prompts first, so batched rows waste little padding. A source may
+prepare requests in batches (rendering prompts in parallel); `idle=True` tells it that the backend has
+nothing running, so it must hand over whatever it is holding back: [] then means "no request will come".
 
 Sampling is seeded per request (`Request.seed`): a backend that can (slots, server) draws each request's
 tokens from its own seed, so a reply does not depend on which other requests ran beside it.
@@ -67,8 +69,9 @@ def cut_reply(ids: list[int], eos_ids: list[int] | set[int] | frozenset[int], ma
 
 
 class RequestSource(Protocol):
-    def take(self, n: int) -> list[Request]:
-        """Up to `n` requests that are ready now, shortest prompt first ([] when none is)."""
+    def take(self, n: int, idle: bool = False) -> list[Request]:
+        """Up to `n` requests that are ready now, shortest prompt first ([] when none is). With `idle`
+        (nothing runs in the backend) [] means that no request will come."""
         ...
 
     def complete(self, request: Request, reply: Reply) -> None:

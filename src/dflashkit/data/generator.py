@@ -277,7 +277,7 @@ class SlotGenerator:
                 free = [s for s in range(self.settings.slots) if self.req[s] is None]
                 live = self.settings.slots - len(free)
                 if len(free) > len(held):
-                    held += source.take(len(free) - len(held))
+                    held += source.take(len(free) - len(held), idle=live == 0 and not held)
                 if held and (live == 0 or len(held) >= self._refill_at() or since_refill >= MAX_HOLD_STEPS):
                     since_refill = 0
                     rows = self.row_buckets[-1]

@@ -74,7 +74,7 @@ class HFGenerator:
         stats = GenerationStats()
         calls = 0
         t0 = time.perf_counter()
-        while batch := source.take(self.batch_size):
+        while batch := source.take(self.batch_size, idle=True):
 
             def how(r: Request) -> tuple[float, float, int]:
                 return (r.temperature, r.top_p, r.max_new_tokens)

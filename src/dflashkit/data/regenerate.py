@@ -28,6 +28,7 @@ from typing import Any
 
 from dflashkit.data.chat import generation_prompt_ids
 from dflashkit.data.generation import Backend, Reply, Request, request_seed
+from dflashkit.data.parallel import TokenizerPool
 from dflashkit.data.sources import Prompt
 from dflashkit.errors import ConfigError, DataError, DflashkitError
 
@@ -179,6 +180,9 @@ class GenerationSettings:
     flush_records: int = 1024  # ...and whenever this many are waiting
 
 
+DEFERRED_BATCH = 2048  # later rounds rendered together (in parallel) once this many are waiting
+
+
 def _upto_turn(p: Prompt, r: int) -> int:
     """How many messages of `p.messages(...)` come before the reply to user turn r."""
     return (p.system is not None) + 2 * r + 1
@@ -191,9 +195,19 @@ class _Conversation:
     texts: list[str] = field(default_factory=list)
 
 
+def round_prompt_ids(tokenizer: Any, item: tuple[list[dict[str, str]], bool]) -> list[int]:
+    """The token ids of one round's prompt (messages, enable_thinking); a `TokenizerPool` function."""
+    messages, enable_thinking = item
+    return generation_prompt_ids(tokenizer, messages, enable_thinking=enable_thinking)
+
+
 class Conversations:
     """The `RequestSource` of a regeneration: asks each record's rounds in order and writes each record
-    once its last round is answered (`write` receives lists of finished records)."""
+    once its last round is answered (`write` receives lists of finished records).
+
+    Prompts are rendered in batches through `pool`: every record's first round up front (once per
+    prompt: a prompt's samples share it), later rounds as they gather (`DEFERRED_BATCH` at a time, or
+    whatever is waiting when the backend runs dry)."""
 
     def __init__(
         self,
@@ -201,24 +215,34 @@ class Conversations:
         tokenizer: Any,
         gen: GenerationSettings,
         write: Callable[[list[dict[str, Any]]], None],
+        pool: TokenizerPool | None = None,
     ):
         self.tokenizer = tokenizer
         self.gen = gen
         self.write = write
+        self.pool = pool or TokenizerPool(tokenizer, workers=1)
         self._ready: list[tuple[int, int, Request]] = []  # a heap: shortest prompt first
         self._running: dict[str, _Conversation] = {}
+        self._deferred: list[_Conversation] = []  # answered a round; the next one is not rendered yet
         self._finished: list[dict[str, Any]] = []
         self._last_flush = time.monotonic()
         self._order = 0
         self.records_done = 0
+        prompts = list({j.prompt.id: j.prompt for j in jobs}.values())
+        first = self.pool.map(
+            round_prompt_ids, [(p.messages()[: _upto_turn(p, 0)], gen.enable_thinking) for p in prompts]
+        )
+        ids_of = {p.id: ids for p, ids in zip(prompts, first, strict=True)}
         for job in jobs:
-            self._ask(_Conversation(job))
+            self._ask(_Conversation(job), ids_of[job.prompt.id] if job.prompt.turns else None)
 
     def __len__(self) -> int:
         """Records not yet written."""
-        return len(self._running) + len(self._finished)
+        return len(self._running) + len(self._deferred) + len(self._finished)
 
-    def take(self, n: int) -> list[Request]:
+    def take(self, n: int, idle: bool = False) -> list[Request]:
+        if self._deferred and (idle or not self._ready or len(self._deferred) >= DEFERRED_BATCH):
+            self._render_deferred()
         out = []
         while self._ready and len(out) < n:
             out.append(heapq.heappop(self._ready)[2])
@@ -231,7 +255,12 @@ class Conversations:
         conv.texts.append(
             self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         )
-        self._ask(conv)
+        if len(conv.replies) < len(conv.job.prompt.turns):
+            self._deferred.append(conv)
+            if self.pool.workers < 2:  # nothing to gain from batching
+                self._render_deferred()
+        else:
+            self._finished.append(_record(conv))
         if self._finished and (
             len(self._finished) >= self.gen.flush_records
             or time.monotonic() - self._last_flush >= self.gen.flush_seconds
@@ -246,26 +275,36 @@ class Conversations:
             self.records_done += len(done)
         self._last_flush = time.monotonic()
 
-    def _ask(self, conv: _Conversation) -> None:
-        """Queue the conversation's next round, or finish it (no turn left, or its prompt is too long)."""
+    def _render_deferred(self) -> None:
+        convs, self._deferred = self._deferred, []
+        items = [
+            (
+                c.job.prompt.messages(c.texts)[: _upto_turn(c.job.prompt, len(c.replies))],
+                self.gen.enable_thinking,
+            )
+            for c in convs
+        ]
+        for conv, ids in zip(convs, self.pool.map(round_prompt_ids, items), strict=True):
+            self._ask(conv, ids)
+
+    def _ask(self, conv: _Conversation, ids: list[int] | None) -> None:
+        """Queue the conversation's next round (its prompt `ids`), or finish the conversation when its
+        prompt is too long (or it has no turn)."""
         job, r = conv.job, len(conv.replies)
-        if r < len(job.prompt.turns):
-            messages = job.prompt.messages(conv.texts)[: _upto_turn(job.prompt, r)]
-            ids = generation_prompt_ids(self.tokenizer, messages, enable_thinking=self.gen.enable_thinking)
-            if len(ids) <= self.gen.max_prompt_tokens:
-                key = f"{job.record_id}#{r}"
-                request = Request(
-                    key=key,
-                    prompt_ids=tuple(ids),
-                    max_new_tokens=self.gen.max_new_tokens,
-                    temperature=job.temperature,
-                    top_p=job.top_p,
-                    seed=request_seed(self.gen.seed, job.record_id, r),
-                )
-                self._running[key] = conv
-                heapq.heappush(self._ready, (len(ids), self._order, request))
-                self._order += 1
-                return
+        if ids is not None and len(ids) <= self.gen.max_prompt_tokens:
+            key = f"{job.record_id}#{r}"
+            request = Request(
+                key=key,
+                prompt_ids=tuple(ids),
+                max_new_tokens=self.gen.max_new_tokens,
+                temperature=job.temperature,
+                top_p=job.top_p,
+                seed=request_seed(self.gen.seed, job.record_id, r),
+            )
+            self._running[key] = conv
+            heapq.heappush(self._ready, (len(ids), self._order, request))
+            self._order += 1
+            return
         self._finished.append(_record(conv))
 
 
@@ -323,6 +362,7 @@ def regenerate(
     *,
     on_flush: Callable[[int, int], None] | None = None,
     progress: bool = True,
+    pool: TokenizerPool | None = None,
 ) -> RegenerationStats:
     """Generate every record of `jobs` not already in the cache, appending finished records to it.
     `on_flush(done, total)` is called each time records reach the disk (records of this run's jobs:
@@ -357,7 +397,7 @@ def regenerate(
         tokens += n
         bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):,.0f}", refresh=False)
 
-    source = Conversations(todo, tokenizer, gen, write)
+    source = Conversations(todo, tokenizer, gen, write, pool)
     try:
         run = backend.run(source, on_progress=advance)
     finally:
