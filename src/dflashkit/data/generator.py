@@ -160,15 +160,24 @@ class SlotGenerator:
 
     name = "slots"
 
-    def __init__(self, weights: DecoderWeights, eos_ids: Sequence[int], settings: SlotSettings):
+    def __init__(
+        self,
+        weights: DecoderWeights,
+        eos_ids: Sequence[int],
+        settings: SlotSettings,
+        fixed_shapes: bool | None = None,
+    ):
+        """`fixed_shapes` (default: with CUDA graphs) pads every step to a few shapes and decodes all slots
+        `steps_per_sync` steps at a time, as graphs need; eager steps otherwise take exact shapes, the live
+        slots only, and one step at a time."""
         self.w = weights
         self.settings = settings
         self.eos = np.array(sorted(set(eos_ids)), dtype=np.int64)
         self.device = weights.device
         cuda = self.device.type == "cuda"
         self.graphs = Steps(cuda and settings.cuda_graphs)
-        self.pad = self.graphs.graphs  # graphs need a few fixed shapes; eager steps take exact ones
-        self.sync_every = settings.steps_per_sync if cuda else 1
+        self.pad = self.graphs.graphs if fixed_shapes is None else fixed_shapes
+        self.sync_every = settings.steps_per_sync if self.pad else 1
         self.attention: Attention = (
             "flash" if cuda and weights.dtype in (torch.bfloat16, torch.float16) else "sdpa"
         )
@@ -183,8 +192,10 @@ class SlotGenerator:
         self._buffers()
 
     @classmethod
-    def create(cls, model: Any, eos_ids: Sequence[int], settings: SlotSettings) -> SlotGenerator:
-        return cls(DecoderWeights.from_hf(model, max_positions=None), eos_ids, settings)
+    def create(
+        cls, model: Any, eos_ids: Sequence[int], settings: SlotSettings, fixed_shapes: bool | None = None
+    ) -> SlotGenerator:
+        return cls(DecoderWeights.from_hf(model, max_positions=None), eos_ids, settings, fixed_shapes)
 
     def _buffers(self) -> None:
         s, dev = self.settings.slots, self.device
@@ -335,7 +346,7 @@ class SlotGenerator:
                 )
         rows = bucket(n, self.row_buckets) if self.pad else n
         longest = max(lengths)
-        chunk = min(self.chunk, bucket(longest, self.chunk_buckets) if self.pad else longest)
+        chunk = bucket(min(longest, self.chunk), self.chunk_buckets) if self.pad else min(longest, self.chunk)
         passes = -(-longest // chunk)
         width = passes * chunk
         toks = torch.zeros(rows, width, dtype=torch.long)
