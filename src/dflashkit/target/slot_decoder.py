@@ -275,9 +275,8 @@ def _attend_flash(
     rows, chunk, nq, d = q.shape
     slots_n, capacity, nk, _ = k_cache.shape
     cu_q = torch.arange(0, (rows + 1) * chunk, chunk, device=q.device, dtype=torch.int32)
-    cu_k = torch.empty(rows + 1, device=q.device, dtype=torch.int32)
-    cu_k[:-1] = slots.to(torch.int32) * capacity
-    cu_k[-1] = slots_n * capacity
+    end = torch.full((1,), slots_n * capacity, device=q.device, dtype=torch.int32)
+    cu_k = torch.cat([slots.to(torch.int32) * capacity, end])
     used = (positions[:, -1] + 1).to(torch.int32)
     out = torch.ops.aten._flash_attention_forward(
         q.reshape(rows * chunk, nq, d),
