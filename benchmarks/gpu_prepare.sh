@@ -30,7 +30,7 @@ prepare() {  # name, config
 
 train() {  # name, config
   stage "train $1"
-  timeout $(cap 420) $DK train -c "$2" data.dir=$W/$1 run.out_dir=$W/run-$1 run.compile_cache=$W/compile-$1.cache \
+  timeout $(cap 420) $DK train -c "$2" data.dir=$W/$1 run.out_dir=$W/run-$1 run.compile_cache=$W/compile-$1.cache ${TRAIN_OVERRIDES:-} \
     2>&1 | grep -v "Loading weights" | tail -12
   for f in metrics.jsonl training.png summary.json; do cp "$W/run-$1/$f" "$OUT/$1-$f" 2>/dev/null; done
 }

@@ -107,7 +107,7 @@ def greedy_reference(model: Any, request: Request) -> Reply:
     ids = list(request.prompt_ids)
     with torch.no_grad():
         for _ in range(request.max_new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
             if ids[-1] in EOS:
                 break
     return cut_reply(ids[len(request.prompt_ids) :], EOS, request.max_new_tokens)
