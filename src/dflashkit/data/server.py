@@ -9,9 +9,13 @@ Which endpoint each server gets is decided once, when `make_server_backend` prob
 
 - llama.cpp's server (answers ``GET /props``): its native ``POST /completion`` with
   ``"return_tokens": true``, which returns the generated ids in ``tokens`` (its ``/v1/completions``
-  returns text only). Only the top-p and temperature samplers run (``"samplers"``), as in the target.
+  returns text only). Only the top-p and temperature samplers run (``"samplers"``), as in the target;
+  it stops on the end tokens its GGUF declares (it takes no stop token ids).
 - vLLM and SGLang: ``POST /v1/completions`` with ``"return_token_ids": true``, which returns the ids in
   ``choices[0].token_ids`` (vLLM >= 0.10.2, SGLang); the end tokens are passed as ``stop_token_ids``.
+
+Every reply is cut with `cut_reply` at the first of the target's end tokens (kept), so
+`Reply.finished` means the target's end token was produced, whatever the server stopped on.
 
 A server is used only after these checks pass (each failure is one clear `DflashkitError` naming the
 server and the first difference): it answers a short completion with token ids; its tokenize endpoint
@@ -24,8 +28,8 @@ does not expose its template (SGLang) is still exact; its description says the t
 Requests are spread over the servers by a pool of worker threads (``concurrency`` requests in flight
 in all). A failed attempt (no connection, a time-out, HTTP 429 or 5xx, a malformed answer) is retried
 with exponential back-off and jitter, honouring ``Retry-After``, on another server when one is healthy;
-a server whose last attempt failed takes one request at a time until it answers again, so the work of
-a dead server moves to the others. A request that fails ``retries + 1`` times, or that a server refuses
+a server whose last attempt failed gets one request at a time, after a back-off that grows with its
+failures, until it answers again, so the work of a dead server moves to the others. A request that fails ``retries + 1`` times, or that a server refuses
 (another 4xx), stops the run with one clear error. Replies are handed to the `RequestSource` on the
 thread that called `run`, each exactly once, and nothing else is: a failed request is not completed,
 so a resumed run asks for it again.
@@ -400,9 +404,7 @@ class ServerBackend:
             except _Transient as e:
                 pool.done(server, ok=False, retry_after=e.retry_after)
                 last, avoid = (server, e), server
-                log.warning(
-                    "%s: request %s attempt %d failed: %s", server.info.url, request.key, attempt + 1, e
-                )
+                log.info("%s: request %s attempt %d failed: %s", server.info.url, request.key, attempt + 1, e)
                 wait = attempt < self.retries and not pool.healthy_other_than(server)
                 if wait and stop.wait(backoff_delay(attempt, self.backoff_s, e.retry_after)):
                     raise _Cancelled from None
