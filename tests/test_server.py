@@ -188,7 +188,7 @@ class ListSource:
         self.completed: list[tuple[Request, Reply]] = []
         self.thread = threading.get_ident()
 
-    def take(self, n: int) -> list[Request]:
+    def take(self, n: int, idle: bool = False) -> list[Request]:
         self.pending.sort(key=lambda r: len(r.prompt_ids))
         out, self.pending = self.pending[:n], self.pending[n:]
         return out
@@ -221,6 +221,14 @@ class MultiTurnSource(ListSource):
             self.pending.append(
                 Request(f"{record}#{int(r) + 1}", prompt, request.max_new_tokens, seed=int(r) + 1)
             )
+
+
+class HoldingSource(ListSource):
+    """A source that holds its requests back until the backend is idle (as one that renders prompts
+    in batches may): `take` without `idle` gives nothing."""
+
+    def take(self, n: int, idle: bool = False) -> list[Request]:
+        return super().take(n) if idle else []
 
 
 def make_requests(n: int) -> list[Request]:
@@ -362,6 +370,15 @@ def test_multi_turn_follow_ups_spread_over_two_servers(tokenizer, servers):
     source.assert_each_once({f"c{i}#{r}" for i in range(10) for r in range(3)})
     assert stats.requests == 30
     assert stats.extra[f"answered {a.url}"] > 0 and stats.extra[f"answered {b_.url}"] > 0
+
+
+def test_a_source_that_holds_requests_back_until_idle_is_drained(tokenizer, servers):
+    b = backend(tokenizer, servers(OPENAI))
+    requests = make_requests(10)
+    source = HoldingSource(requests)
+    stats = b.run(source)
+    source.assert_each_once({r.key for r in requests})
+    assert stats.requests == 10
 
 
 def test_429_500_and_malformed_answers_are_retried(tokenizer, servers):

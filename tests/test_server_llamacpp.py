@@ -56,7 +56,7 @@ class Source:
         self.completed: list[tuple[Request, Reply]] = []
         self.on_complete = on_complete
 
-    def take(self, n: int) -> list[Request]:
+    def take(self, n: int, idle: bool = False) -> list[Request]:
         out, self.pending = self.pending[:n], self.pending[n:]
         return out
 

@@ -460,8 +460,8 @@ class ServerBackend:
         running = 0
         try:
             while True:
-                if running < self.concurrency:
-                    for request in source.take(self.concurrency - running):
+                if running < self.concurrency:  # idle: [] then means that no request will come
+                    for request in source.take(self.concurrency - running, idle=running == 0):
                         tasks.put(request)
                         running += 1
                 if running == 0:
