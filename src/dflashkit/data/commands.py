@@ -33,6 +33,8 @@ _FIELDS = (
     "backend",
     "servers",
     "concurrency",
+    "server_timeout_s",
+    "server_retries",
 )
 
 
@@ -161,6 +163,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--concurrency", type=int, metavar="N", help="requests in flight with --server (default 64)"
+    )
+    p.add_argument(
+        "--server-timeout",
+        dest="server_timeout_s",
+        type=float,
+        metavar="S",
+        help="seconds one request may take with --server (default 300)",
+    )
+    p.add_argument(
+        "--server-retries",
+        type=int,
+        metavar="N",
+        help="retries per request with --server, with exponential back-off (default 5)",
     )
     p.add_argument("--temperature", type=float, metavar="T", help="0 for greedy (default), else sampling")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (default 1.0)")

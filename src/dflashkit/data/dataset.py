@@ -70,7 +70,9 @@ class PrepareSettings(BaseModel):
     device: str = "auto"
     backend: Literal["auto", "slots", "hf"] = "auto"
     servers: list[str] = Field(default_factory=list)  # OpenAI-compatible endpoints; replace the backend
-    concurrency: int = Field(64, ge=1)  # requests in flight per run with --server
+    concurrency: int = Field(64, ge=1)  # requests in flight (all servers together) with --server
+    server_timeout_s: float = Field(300.0, gt=0)  # one request's time limit with --server
+    server_retries: int = Field(5, ge=0)  # attempts after the first, per request, with --server
     skip_malformed: bool = False
     enable_thinking: bool = False
 
@@ -233,7 +235,13 @@ def make_backend(settings: PrepareSettings, model: Any, tokenizer: Any, eos_ids:
         from dflashkit.data.server import make_server_backend
 
         return make_server_backend(
-            settings.servers, tokenizer=tokenizer, eos_ids=eos_ids, concurrency=settings.concurrency
+            settings.servers,
+            tokenizer=tokenizer,
+            eos_ids=eos_ids,
+            concurrency=settings.concurrency,
+            timeout_s=settings.server_timeout_s,
+            retries=settings.server_retries,
+            enable_thinking=settings.enable_thinking,
         )
     name = settings.backend
     if name == "auto":

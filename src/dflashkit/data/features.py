@@ -143,7 +143,16 @@ def rows_digest(rows: Any) -> str:
 
 
 _VOLATILE_MANIFEST = ("created", "dflashkit_version", "generation")
-_VOLATILE_SETTINGS = ("out", "device", "batch_size", "backend", "servers", "concurrency")
+_VOLATILE_SETTINGS = (
+    "out",
+    "device",
+    "batch_size",
+    "backend",
+    "servers",
+    "concurrency",
+    "server_timeout_s",
+    "server_retries",
+)
 
 
 def dataset_digest(manifest: Mapping[str, Any]) -> str:
