@@ -498,9 +498,9 @@ def test_prepare_through_a_server_resumes_after_it_dies(tokenizer, servers, tmp_
     fresh = servers()
     assert main([*argv, "--server", fresh.url]) == 0
     assert fresh.answered == 1 + 12 - len(lines)  # its token-id probe, then only the missing records
-    records = load_dataset(out, "train")
-    assert len(records) == 12
-    for r in records:
-        prompt = r.input_ids[~r.loss_mask].tolist()
-        want = cut_reply(fake_reply(prompt), [EOS], 6).ids
-        assert r.input_ids[r.loss_mask].tolist()[: len(want)] == want
+    assert len(load_dataset(out, "train")) == 12
+    cached = [json.loads(x) for x in (out / CACHE_FILE).read_text().splitlines()]
+    assert len(cached) == 12 and len({r["id"] for r in cached}) == 12  # nothing lost, nothing twice
+    for rec in cached:  # each reply is the server's token ids for the prompt rendered here
+        prompt = generation_prompt_ids(tokenizer, rec["messages"][:-1], enable_thinking=False)
+        assert rec["reply_ids"] == [cut_reply(fake_reply(prompt), [EOS], 6).ids]
