@@ -282,6 +282,7 @@ class SlotGenerator:
         busy = 0  # slot-steps spent on live replies
         held: list[Request] = []  # taken, waiting for enough free slots to make a prefill pass worth it
         since_refill = 0
+        clock = {"prefill": 0.0, "decode": 0.0}  # wall seconds, each phase up to its device sync
         t0 = time.perf_counter()
         with torch.no_grad():
             while True:
@@ -294,7 +295,9 @@ class SlotGenerator:
                     rows = self.row_buckets[-1]
                     for i in range(0, len(held), rows):
                         group = held[i : i + rows]
+                        tp = time.perf_counter()
                         done = self._start(group, free[i : i + len(group)], stats)
+                        clock["prefill"] += time.perf_counter() - tp
                         prefills += 1
                         self._finish(done, source, stats, on_progress)
                     held = []
@@ -308,6 +311,7 @@ class SlotGenerator:
                 rows = (
                     self.all_slots if self.pad else torch.from_numpy(np.flatnonzero(active)).to(self.device)
                 )
+                td = time.perf_counter()
                 for k in range(self.sync_every):
                     self.graphs.run(
                         ("decode", kv_len, sampling), partial(self._decode, kv_len, sampling, rows)
@@ -315,7 +319,9 @@ class SlotGenerator:
                     self.ring[k].copy_(self.next)
                 steps += self.sync_every
                 busy += live * self.sync_every
-                done = self._collect(self.ring.cpu().numpy(), active)
+                new = self.ring.cpu().numpy()
+                clock["decode"] += time.perf_counter() - td
+                done = self._collect(new, active)
                 self._finish(done, source, stats, on_progress)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -326,6 +332,10 @@ class SlotGenerator:
             "slot_occupancy": busy / max(1, steps * self.settings.slots),
             "cuda_graphs": len(self.graphs),
             "capture_seconds": round(self.graphs.capture_seconds, 3),
+            "prefill_seconds": round(clock["prefill"], 3),
+            "decode_seconds": round(clock["decode"], 3),
+            # the rest: collecting tokens, ending replies, the source's work (rendering, records, disk)
+            "host_seconds": round(stats.seconds - clock["prefill"] - clock["decode"], 3),
         }
         return stats
 
