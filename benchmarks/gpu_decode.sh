@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$M" "$OUT"
 export DFLASHKIT_EMBEDDED_GGUF=$M/smollm2.gguf
 export PYTHONPATH=/tmp/site:$PWD/src
-GPU_CFG=configs/embedded-gpu.yaml
+GPU_CFG=configs/embedded-gpu-chitchat.yaml   # chitchat only; gpu_prepare.sh makes the 20 M-token data
 
 stage() { echo "=== $1 $(date +%T), ${SECONDS}s into this command"; }
 # seconds a step may take: its own cap, or what is left of this command's 10 minutes (BUDGET, default 580)
@@ -48,23 +48,25 @@ for s in "$@"; do
       # chitchat's prompts travel as .bench/p3/chitchat.jsonl (the package's 40 MB JSON would not fit);
       # re-running resumes (replies already generated are kept)
       stage prepare
-      timeout $(cap 400) python3 -m dflashkit.cli prepare -c $GPU_CFG --source $M/chitchat.jsonl --device cuda --no-progress 2>&1 | tail -20 ;;
+      # chitchat's package must be installed (carry its wheel in .whl); ShareGPT's too, for the held-out set
+      timeout $(cap 400) python3 -m dflashkit.cli prepare -c $GPU_CFG --device cuda --no-progress 2>&1 | tail -20 ;;
     train)
       stage train
       timeout $(cap 540) python3 -m dflashkit.cli train -c $GPU_CFG 2>&1 | grep -v "Loading weights" | tail -40
-      cp runs/embedded-gpu/metrics.jsonl runs/embedded-gpu/training.png runs/embedded-gpu/data/manifest.json "$OUT/" 2>/dev/null
-      rm -rf "$M/gpu-drafter"; cp -r runs/embedded-gpu/best "$M/gpu-drafter"; cp -r runs/embedded-gpu/best "$OUT/gpu-drafter" ;;
+      R=runs/embedded-gpu-chitchat
+      cp $R/metrics.jsonl $R/training.png $R/data/manifest.json "$OUT/" 2>/dev/null
+      rm -rf "$M/gpu-drafter"; cp -r $R/best "$M/gpu-drafter"; cp -r $R/best "$OUT/gpu-drafter" ;;
     decode)
       # the GPU-trained drafter on MT-Bench with both engines, then the static engine alone on the held-out
       # chitchat prompts and with the main job's CPU-trained drafter (the dynamic engine is the slow reference)
       stage decode
       run_decode gpu-drafter $M/prompts.json dynamic,static gpu-drafter-mtbench
-      run_decode gpu-drafter runs/embedded-gpu/data static gpu-drafter-chitchat
+      run_decode gpu-drafter runs/embedded-gpu-chitchat/data static gpu-drafter-chitchat
       run_decode cpu-drafter $M/prompts.json static cpu-drafter-mtbench ;;
     decode-fp32)
       # the lossless check: fp32 greedy outputs must equal the autoregressive ones
       stage decode-fp32
-      run_decode gpu-drafter runs/embedded-gpu/data static gpu-drafter-chitchat-fp32 float32
+      run_decode gpu-drafter runs/embedded-gpu-chitchat/data static gpu-drafter-chitchat-fp32 float32
       run_decode gpu-drafter $M/prompts.json static gpu-drafter-mtbench-fp32 float32 ;;
     steps)
       stage steps

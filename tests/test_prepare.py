@@ -339,3 +339,64 @@ def test_cli(tmp_path: Path, prompts_file: Path, capsys: pytest.CaptureFixture[s
     assert "--batch-size: Input should be greater than or equal to 1" in capsys.readouterr().err
     assert main(["prepare", "--out", str(tmp_path / "x"), "--source", str(tmp_path / "missing.jsonl")]) == 2
     assert "neither a file nor" in capsys.readouterr().err
+
+
+def test_a_mixture_with_samples_and_fixed_held_out_sets(tmp_path: Path, prompts_file: Path) -> None:
+    """Two sources, each with its own count, held-out set and sampling: per-source counts in the
+    manifest, K records per training prompt (sampled apart), one greedy record per held-out prompt, and
+    the same held-out prompts whatever the count."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"Tell me about the number {i}."}]}) + "\n"
+            for i in range(5)
+        )
+    )
+    mixture = [
+        {
+            "source": str(prompts_file),
+            "count": 4,
+            "val_count": 1,
+            "samples_per_prompt": 3,
+            "temperature": 1.0,
+        },
+        {"source": str(chat), "val_count": 2},
+    ]
+    out = tmp_path / "data"
+    manifest = prepare_dataset(
+        PrepareSettings(out=out, sources=mixture, max_new_tokens=6, batch_size=4, dtype="float32"),
+        progress=False,
+    )
+    a, b = manifest["sources"][str(prompts_file)], manifest["sources"][str(chat)]
+    assert (a["selected"], a["train_prompts"], a["validation_prompts"]) == (4, 3, 1)
+    assert (a["train_records"], a["validation_records"]) == (9, 1)
+    assert (b["selected"], b["train_records"], b["validation_records"]) == (5, 3, 2)
+    lines = {r["id"]: r for r in cache_lines(out)}
+    sampled = [
+        r for r in lines.values() if r["source"] == str(prompts_file) and r["sampling"]["temperature"] == 1.0
+    ]
+    assert len(sampled) == 9 and {r["sample"] for r in sampled} == {0, 1, 2}
+    by_prompt: dict[str, list[Any]] = {}
+    for r in sampled:
+        by_prompt.setdefault(r["id"].split(".")[0], []).append(r["reply_ids"][0])
+    assert any(len({tuple(x) for x in replies}) > 1 for replies in by_prompt.values())  # samples differ
+    held = [r.id for r in load_dataset(out, "validation")]
+    assert len(held) == 3 and all(lines[rid]["sampling"] == {"temperature": 0.0, "top_p": 1.0} for rid in held)
+    # A larger count holds out the same prompts (the first of the seeded order).
+    bigger = PrepareSettings(out=tmp_path / "x", sources=[{**mixture[0], "count": 6}, mixture[1]])
+    from dflashkit.data.dataset import plan_records
+
+    small_plan = plan_records(PrepareSettings(out=tmp_path / "x", sources=mixture))
+    big_plan = plan_records(bigger)
+    assert [j.record_id for j in big_plan[0].validation] == [j.record_id for j in small_plan[0].validation]
+    assert {j.prompt.id for j in big_plan[0].train}.isdisjoint(j.prompt.id for j in small_plan[0].validation)
+
+
+def test_one_source_flags_clash_with_a_mixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "data:\n  dir: %s\n  sources:\n    - source: chitchat\n      count: 4\n" % (tmp_path / "d")
+    )
+    assert main(["prepare", "-c", str(cfg), "--source", "sharegpt", "--temperature", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--source, --temperature set one source" in err and "data.sources" in err

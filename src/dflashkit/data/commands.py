@@ -38,6 +38,10 @@ _FIELDS = (
 )
 
 
+# Flags that describe a single source; a config with a data.sources mixture sets them per source.
+_ONE_SOURCE_FIELDS = ("source", "format", "max_turns", "samples_per_prompt", "temperature", "top_p")
+
+
 def settings_from_args(args: argparse.Namespace) -> Any:
     """PrepareSettings from parsed arguments (ConfigError, one line, when a value is invalid)."""
     from pydantic import ValidationError
@@ -55,7 +59,15 @@ def settings_from_args(args: argparse.Namespace) -> Any:
             "target": cfg.target.path,
             **cfg.data.model_dump(exclude={"dir", "features_dir"}),
         }
-    values.update({k: getattr(args, k) for k in _FIELDS if getattr(args, k, None) is not None})
+    given = {k: getattr(args, k) for k in _FIELDS if getattr(args, k, None) is not None}
+    clash = sorted(k for k in given if k in _ONE_SOURCE_FIELDS) if values.get("sources") else []
+    if clash:
+        flags = ", ".join("--" + k.replace("_", "-") for k in clash)
+        raise ConfigError(
+            f"the flags {flags} set one source, but the config's data.sources is a mixture; set them per "
+            "source in data.sources, or give no --config"
+        )
+    values.update(given)
     if "out" not in values:
         raise ConfigError("name the dataset folder with --out DIR (or give --config)")
     if values.get("max_prompts") == 0:
