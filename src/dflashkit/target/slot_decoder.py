@@ -37,6 +37,11 @@ from torch import Tensor
 from dflashkit.errors import DflashkitError
 
 Attention = Literal["sdpa", "flash"]
+
+
+def flash_varlen(*args: Any, **kwargs: Any) -> Any:
+    """FlashAttention's variable-length forward (CUDA, bf16/fp16), as torch ships it."""
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -271,25 +276,36 @@ def _attend_flash(
 ) -> Tensor:
     """FlashAttention's variable-length kernel over the cache: row r's keys start at slot r's first
     position and it uses positions 0 .. (its last query's position); causal alignment is bottom-right, so
-    query c of a row of C sees positions <= its own."""
+    query c of a row of C sees positions <= its own.
+
+    A decode step (C = 1) packs the query heads that share a key head as that head's query rows (all see
+    every used position, so no causal mask is needed): the kernel then reads each slot's keys and values
+    once per key head instead of once per query head."""
     rows, chunk, nq, d = q.shape
     slots_n, capacity, nk, _ = k_cache.shape
-    cu_q = torch.arange(0, (rows + 1) * chunk, chunk, device=q.device, dtype=torch.int32)
+    rep = nq // nk
+    packed = chunk == 1 and rep > 1
+    per_row = rep if packed else chunk
+    if packed:  # [R, 1, nk * rep, d] -> [R * rep, nk, d]: query "token" g of row r is head (j * rep + g)
+        q = q.view(rows, nk, rep, d).transpose(1, 2)
+    cu_q = torch.arange(0, (rows + 1) * per_row, per_row, device=q.device, dtype=torch.int32)
     end = torch.full((1,), slots_n * capacity, device=q.device, dtype=torch.int32)
     cu_k = torch.cat([slots.to(torch.int32) * capacity, end])
     used = (positions[:, -1] + 1).to(torch.int32)
-    out = torch.ops.aten._flash_attention_forward(
-        q.reshape(rows * chunk, nq, d),
+    out = flash_varlen(
+        q.reshape(rows * per_row, nk if packed else nq, d),
         k_cache.view(slots_n * capacity, nk, d),
         v_cache.view(slots_n * capacity, nk, d),
         cu_q,
         cu_k,
-        chunk,
+        per_row,
         kv_len,
         0.0,
-        True,
+        not packed,
         False,
         scale=d**-0.5,
         seqused_k=used,
     )[0]
+    if packed:
+        return out.view(rows, rep, nk, d).transpose(1, 2).reshape(rows, 1, nq * d)
     return out.view(rows, chunk, nq * d)
