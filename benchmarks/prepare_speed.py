@@ -109,6 +109,30 @@ def run_backend(backend: Any, requests: list[Any]) -> tuple[dict[str, Any], dict
     return row, source.replies
 
 
+def profile(model: Any, eos: list[int], requests: list[Any], slots: int, args: Any) -> None:
+    """Device time by kernel over a run of `requests` with eager fixed-shape steps (the kernels a CUDA
+    graph replays, each seen by the profiler)."""
+    import os
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from dflashkit.data.generator import SlotGenerator, SlotSettings
+
+    settings = SlotSettings(
+        slots=slots, capacity=args.max_prompt_tokens + args.max_new_tokens, cuda_graphs=False
+    )
+    gen = SlotGenerator.create(model, eos, settings, fixed_shapes=True)
+    run_backend(gen, requests[: max(1, len(requests) // 8)])  # warm
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        row, _ = run_backend(gen, requests)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    print(f"profile: {row}\n{table}")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "prepare_profile.txt").write_text(f"{row}\n{table}\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, few prompts")
@@ -121,6 +145,14 @@ def main() -> int:
     ap.add_argument("--hf-batch", type=int, default=None)
     ap.add_argument("--slots", default=None, help="comma-separated slot counts (default 256,512,1024)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then profile N requests through the largest slot setting with eager fixed-shape steps: the "
+        "kernels that take the device time ($OUT/prepare_profile.txt)",
+    )
     args = ap.parse_args()
     gpu = not args.smoke
     fill_defaults(
@@ -180,6 +212,9 @@ def main() -> int:
         del gen
         if gpu:
             torch.cuda.empty_cache()
+
+    if args.profile:
+        profile(model, eos, requests[: args.profile], int(args.slots.split(",")[-1]), args)
 
     ours = [r for r in rows if r["backend"] == "slots"]
     best = max(ours, key=lambda r: r["tok_s"])
