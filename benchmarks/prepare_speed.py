@@ -67,6 +67,43 @@ def make_requests(tokenizer: Any, sources: list[str], n: int, max_prompt: int, m
     return out
 
 
+def random_setup(args: Any, device: Any) -> tuple[Any, Any, list[int], list[Any], list[str]]:
+    """A random-weight target of a TARGET_SHAPES shape and random prompts (no tokenizer: the hf rows pad
+    with token 0)."""
+    import torch
+    import transformers
+
+    from dflashkit.data.generation import Request
+    from fanout import TARGET_SHAPES
+
+    cls_name, kwargs = TARGET_SHAPES[args.random_weights]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            getattr(transformers, cls_name)(**kwargs), dtype=getattr(torch, args.dtype)
+        ).eval()
+    lo, hi = (int(x) for x in args.prompt_tokens.split(","))
+    g = torch.Generator().manual_seed(0)
+    vocab = kwargs["vocab_size"]
+    requests = [
+        Request(
+            f"r{i}",
+            tuple(
+                torch.randint(
+                    3, vocab, (int(torch.randint(lo, hi + 1, (), generator=g)),), generator=g
+                ).tolist()
+            ),
+            args.max_new_tokens,
+        )
+        for i in range(args.prompts)
+    ]
+
+    class NoTokenizer:
+        pad_token_id = 0
+
+    return model, NoTokenizer(), [2], requests, [f"random {args.random_weights}, prompts {lo}-{hi} tokens"]
+
+
 def copy_bandwidth(device: Any) -> float | None:
     """Bytes/s (read + write) of a 1 GiB device-to-device copy, median of 10; None on the CPU."""
     import torch
@@ -146,6 +183,14 @@ def main() -> int:
     ap.add_argument("--slots", default=None, help="comma-separated slot counts (default 256,512,1024)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument(
+        "--random-weights",
+        metavar="SHAPE",
+        help="a random-weight target of this fanout.TARGET_SHAPES shape (e.g. smollm2-135m: nothing to "
+        "carry) with random prompts of --prompt-tokens lengths; replies run to --max-new-tokens, so this "
+        "measures steady decoding, not the real mix",
+    )
+    ap.add_argument("--prompt-tokens", default="40,400", metavar="MIN,MAX", help="random prompt lengths")
+    ap.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -173,11 +218,14 @@ def main() -> int:
 
     device = torch.device("cuda" if gpu else "cpu")
     t0 = time.perf_counter()
-    model, tok = load_target(args.target, dtype=args.dtype, device=str(device))
+    if args.random_weights:
+        model, tok, eos, requests, sources = random_setup(args, device)
+    else:
+        model, tok = load_target(args.target, dtype=args.dtype, device=str(device))
+        eos = eos_token_ids(model, tok)
+        sources = [s for s in args.sources.split(",") if s]
+        requests = make_requests(tok, sources, args.prompts, args.max_prompt_tokens, args.max_new_tokens)
     load_s = time.perf_counter() - t0
-    eos = eos_token_ids(model, tok)
-    sources = [s for s in args.sources.split(",") if s]
-    requests = make_requests(tok, sources, args.prompts, args.max_prompt_tokens, args.max_new_tokens)
     print(f"{len(requests)} prompts ({', '.join(sources)}), target loaded in {load_s:.1f} s", flush=True)
 
     rows: list[dict[str, Any]] = []
