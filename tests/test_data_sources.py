@@ -160,7 +160,7 @@ def test_duplicates_are_removed_and_counted(tmp_path: Path) -> None:
 
 
 def test_unknown_source_and_format() -> None:
-    with pytest.raises(DataError, match="neither a file nor one of chitchat, mtbench"):
+    with pytest.raises(DataError, match="neither a file nor one of chitchat, sharegpt, mtbench"):
         load_prompts("/no/such/file.jsonl")
     with pytest.raises(DataError, match="unknown format"):
         load_prompts("chitchat", "csv")
@@ -223,3 +223,48 @@ def test_tokenizer_pool_matches_in_process_work() -> None:
         assert pool.map(round_prompt_ids, items) == [round_prompt_ids(tok, x) for x in items]
         (enc,) = pool.map(encode_record, [(chat, [True], [2], False)])
     assert enc == encode_record(tok, (chat, [True], [2], False)) and sum(enc.loss_mask) > 0
+
+
+def test_a_json_array_cut_off_mid_record_keeps_every_complete_record() -> None:
+    from dflashkit.data.sources import json_array_records
+
+    whole = '[\n  {"a": 1},\n  {"b": [1, 2]} ,{"c": "x]"}\n]'
+    assert json_array_records(whole) == ([{"a": 1}, {"b": [1, 2]}, {"c": "x]"}], False)
+    assert json_array_records(whole[:-2]) == ([{"a": 1}, {"b": [1, 2]}, {"c": "x]"}], True)
+    assert json_array_records('[{"a": 1}, {"b": "cut') == ([{"a": 1}], True)
+    assert json_array_records("[]") == ([], False)
+
+
+def test_sharegpt_package_reader(tmp_path, monkeypatch) -> None:
+    """ShareGPT's packaged file, cut off inside its last record: every complete conversation's user
+    turns; assistant-first conversations keep their user turns; unreadable ones are counted, not fatal."""
+    from dflashkit.data import sources
+
+    convs = [
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "human", "value": "Hi"},
+                {"from": "gpt", "value": "Hello"},
+                {"from": "human", "value": "More"},
+            ],
+        },
+        {
+            "id": "b",
+            "conversations": [{"from": "gpt", "value": "...continued"}, {"from": "human", "value": "Go on"}],
+        },
+        {
+            "id": "c",
+            "conversations": [{"from": "human", "value": "x"}, {"from": "system", "value": "late system"}],
+        },
+        {"id": "d", "conversations": []},
+        {"id": "e", "conversations": [{"from": "human", "value": "Hi"}, {"from": "chatgpt", "value": "dup"}]},
+    ]
+    text = json.dumps(convs, indent=2)
+    path = tmp_path / "ShareGPT.json"
+    path.write_text(text[:-40])  # cut inside the last record
+    monkeypatch.setattr(sources, "sharegpt_path", lambda: path)
+    ps = sources.load_prompts("sharegpt", max_turns=2)
+    assert [p.turns for p in ps.prompts] == [("Hi", "More"), ("Go on",)]
+    assert (ps.records, ps.malformed, ps.empty, ps.duplicates) == (4, 1, 1, 0)
+    assert sources.load_prompts("sharegpt", max_turns=1).prompts[0].turns == ("Hi",)
