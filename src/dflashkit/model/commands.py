@@ -27,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype on disk"
     )
-    p.add_argument("--force", action="store_true", help="replace --out if it already exists")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it is an existing drafter checkpoint folder"
+    )
     p.set_defaults(handler=_init)
 
     c = sub.add_parser(
@@ -41,27 +43,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="'embedded' or an HF model folder: checked against the drafter; for --to speculators its "
         "embed_tokens and lm_head are included",
     )
-    c.add_argument("--force", action="store_true", help="replace DST if it already exists")
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="replace DST if it is an existing drafter checkpoint folder (never the source, a folder holding "
+        "it, or a run folder)",
+    )
     c.set_defaults(handler=_convert)
-
-
-def _refuse_existing(path: Path, force: bool) -> None:
-    from dflashkit.errors import CheckpointError
-
-    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
-        raise CheckpointError(f"{path} already exists; choose another folder or pass --force to replace it")
 
 
 def _init(args: argparse.Namespace) -> int:
     import torch
 
     from dflashkit.errors import ConfigError
-    from dflashkit.model.checkpoint import save_drafter
+    from dflashkit.model.checkpoint import check_destination, save_drafter
     from dflashkit.model.config import config_for_target
     from dflashkit.model.drafter import DFlashDrafter
     from dflashkit.target.hf import default_mask_token_id, identity_of_folder, load_target_config
 
-    _refuse_existing(args.out, args.force)
+    check_destination(None, args.out, args.force)
     hf_config = load_target_config(args.target)
     ids = None
     if args.target_layer_ids:
@@ -96,14 +96,15 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from dflashkit.model.checkpoint import convert_checkpoint
+    from dflashkit.model.checkpoint import check_checkpoint_folder, check_destination, convert_checkpoint
 
-    _refuse_existing(args.dst, args.force)
+    check_checkpoint_folder(args.src)  # before loading a target: the paths first
+    check_destination(args.src, args.dst, args.force)
     target = None
     if args.target:
         from dflashkit.target.hf import TargetModel
 
         target = TargetModel.load(args.target)
-    convert_checkpoint(args.src, args.dst, args.to, target=target)
+    convert_checkpoint(args.src, args.dst, args.to, target=target, force=args.force)
     print(f"wrote {args.dst} ({args.to} layout)")
     return 0

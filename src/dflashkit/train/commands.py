@@ -12,7 +12,18 @@ def add_run_arguments(p: argparse.ArgumentParser, *, variants: bool = False) -> 
     whose = "every variant exactly from its" if variants else "exactly from the run folder's"
     p.add_argument("--config", "-c", help="YAML run config" + (" with a fanout section" if variants else ""))
     p.add_argument("--out", help="run folder (same as run.out_dir=...)")
-    p.add_argument("--resume", action="store_true", help=f"continue {whose} latest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"continue {whose} newest intact checkpoint, with the settings it was trained with (a change to "
+        "the model, data, loss or optimizer is refused; README, Resuming)",
+    )
+    p.add_argument(
+        "--move-aside",
+        action="store_true",
+        help="when the run folder holds an earlier run, move its files to <folder>.old-<time> and start anew "
+        "(without it, training refuses to replace a run; nothing is ever deleted)",
+    )
     p.add_argument(
         "--dry-run", action="store_true", help="validate config, data, target and drafter; do not train"
     )
@@ -43,7 +54,14 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.fanout is not None:  # several drafter variants from one target: `dflashkit fanout`
         from dflashkit.train.fanout_commands import run_fanout
 
-        return run_fanout(cfg, resume=args.resume, dry_run=args.dry_run, console=console, nproc=args.nproc)
+        return run_fanout(
+            cfg,
+            resume=args.resume,
+            dry_run=args.dry_run,
+            console=console,
+            nproc=args.nproc,
+            move_aside=args.move_aside,
+        )
     launch = _launch_command(args)
     if launch is not None:
         console.print(f"data-parallel: {' '.join(launch)}")
@@ -59,7 +77,7 @@ def _train(args: argparse.Namespace) -> int:
     from dflashkit.train.metrics import served_tau
     from dflashkit.train.trainer import train
 
-    result = train(cfg, resume=args.resume, console=console)
+    result = train(cfg, resume=args.resume, console=console, move_aside=args.move_aside)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     val = result.final_val
