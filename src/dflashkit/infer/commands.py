@@ -13,7 +13,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
     import torch
 
     from dflashkit.data.dataset import read_manifest
-    from dflashkit.model.checkpoint import load_drafter
+    from dflashkit.model.checkpoint import check_drafter_files, load_drafter
     from dflashkit.target.hf import TargetModel
 
     if args.config:
@@ -40,6 +40,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
         raise ConfigError(
             "name the drafter checkpoint with --drafter DIR (or give --config of a training run)"
         )
+    check_drafter_files(args.drafter)  # a wrong path or a damaged file: said before the target loads
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
@@ -50,7 +51,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
         else getattr(torch, dtype_name)
     )
     target = TargetModel.load(args.target or "embedded", dtype=dtype, device=device)
-    drafter = load_drafter(args.drafter, target, dtype=dtype, device=device).eval()
+    drafter = load_drafter(args.drafter, target, dtype=dtype, device=device, verify=False).eval()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target.path)

@@ -358,6 +358,15 @@ def check_checkpoint_folder(folder: str | Path) -> None:
         raise CheckpointError(f"{folder} is not a drafter checkpoint: {CONFIG_FILE} is missing")
 
 
+def check_drafter_files(folder: str | Path) -> None:
+    """A drafter folder's files, checked without loading anything: that it exists, and that its config
+    and weights match their checksums (or, without checksums, are whole). One `CheckpointError` naming
+    the first problem."""
+    folder = Path(folder)
+    check_checkpoint_folder(folder)
+    verify_files(folder, [CONFIG_FILE, *weight_files(folder)])
+
+
 def weight_files(folder: Path) -> list[str]:
     """The names of the weight files of a checkpoint folder: model.safetensors, or the index and its shards."""
     if (folder / WEIGHTS_FILE).is_file():
