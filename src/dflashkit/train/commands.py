@@ -68,7 +68,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         from dflashkit.train.plan import dry_run
 
-        dry_run(cfg, console, nproc=args.nproc, nnodes=args.nnodes)
+        dry_run(
+            cfg,
+            console,
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            resume=args.resume,
+            move_aside=args.move_aside,
+        )
         return 0
     if launch is not None:
         import subprocess

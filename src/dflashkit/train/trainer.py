@@ -135,10 +135,13 @@ class Rows:
         )
 
 
-def pack_rows(records: list[Any], max_len: int, pad_token_id: int) -> Rows:
+def pack_rows(records: list[Any], max_len: int, pad_token_id: int, where: str = "the dataset split") -> Rows:
     """Pack tokenized records (with .input_ids and .loss_mask) into rows of max_len tokens."""
     if not records:
-        raise DataError("the dataset split is empty; prepare more prompts (data.max_prompts)")
+        raise DataError(
+            f"{where} holds no records; prepare more prompts (data.max_prompts), or see why `dflashkit "
+            "prepare` kept none (prompts longer than data.max_prompt_tokens are left out)"
+        )
     plain = [{"input_ids": r.input_ids, "loss_mask": r.loss_mask} for r in records]
     return Rows(*pack_sequences(plain, max_len, pad_token_id))
 
@@ -361,14 +364,40 @@ def check_data_matches_target(
 
 def load_rows(cfg: RunConfig, target: TargetModel) -> tuple[Rows, Rows]:
     """The packed training and validation rows of data.dir, as training sees them."""
+    return pack_dataset(cfg, target.config)
+
+
+def pack_dataset(cfg: RunConfig, target_config: Any) -> tuple[Rows, Rows]:
+    """The packed training and validation rows of data.dir (``target_config``: the target's HF config,
+    for its padding token; no weights needed)."""
     from dflashkit.data.dataset import load_dataset
 
-    pad = int(getattr(target.config, "pad_token_id", None) or 0)
+    pad = int(getattr(target_config, "pad_token_id", None) or 0)
     data_dir = Path(cfg.data.dir)
-    return (
-        pack_rows(load_dataset(data_dir, "train"), cfg.train.max_len, pad),
-        pack_rows(load_dataset(data_dir, "validation"), cfg.train.max_len, pad),
+    train, val = (
+        pack_rows(load_dataset(data_dir, split), cfg.train.max_len, pad, f"the {split} split of {data_dir}")
+        for split in ("train", "validation")
     )
+    return train, val
+
+
+def check_rows(cfg: RunConfig, train_rows: Rows, world_size: int = 1) -> None:
+    """Enough training rows for one global micro-batch (world_size x train.batch_size rows)."""
+    micro = world_size * cfg.train.batch_size
+    if len(train_rows) < micro:
+        ranks = f"{world_size} ranks x " if world_size > 1 else ""
+        raise DataError(
+            f"{cfg.data.dir} packs into {len(train_rows)} training rows of {cfg.train.max_len} tokens, fewer "
+            f"than {ranks}train.batch_size={cfg.train.batch_size}; prepare more data or lower the batch size"
+        )
+
+
+def total_steps(cfg: RunConfig, num_train_rows: int, world_size: int = 1) -> int:
+    """Optimizer steps of the run: train.max_steps, else train.epochs over the training rows."""
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    per_step = world_size * cfg.train.batch_size * cfg.train.grad_accum
+    return max(1, math.ceil(cfg.train.epochs * num_train_rows / per_step))
 
 
 def setup_run(cfg: RunConfig, *, dist: dd.Dist | None = None, target: Any = None) -> Run:
@@ -410,18 +439,8 @@ def setup_run(cfg: RunConfig, *, dist: dd.Dist | None = None, target: Any = None
             data_manifest=manifest,
             rows={"train": train_rows, "validation": val_rows},
         )
-    micro = dist.world_size * cfg.train.batch_size  # rows of one global micro-batch
-    if len(train_rows) < micro:
-        ranks = f"{dist.world_size} ranks x " if dist.parallel else ""
-        raise DataError(
-            f"{data_dir} packs into {len(train_rows)} training rows of {cfg.train.max_len} tokens, fewer than "
-            f"{ranks}train.batch_size={cfg.train.batch_size}; prepare more data or lower the batch size"
-        )
-    per_step = micro * cfg.train.grad_accum
-    if cfg.train.max_steps is not None:
-        total = cfg.train.max_steps
-    else:
-        total = max(1, math.ceil(cfg.train.epochs * len(train_rows) / per_step))
+    check_rows(cfg, train_rows, dist.world_size)
+    total = total_steps(cfg, len(train_rows), dist.world_size)
     return Run(
         cfg,
         Path(cfg.run.out_dir),
