@@ -7,7 +7,12 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("init", help="write an untrained drafter checkpoint shaped for a target")
+    p = sub.add_parser(
+        "init",
+        help="write an untrained drafter checkpoint shaped for a target",
+        epilog="example:\n  dflashkit init --target embedded --out runs/untrained --layers 1 --block-size 8\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "--target", default="embedded", help="'embedded' (default) or the path of an HF model folder"
     )
@@ -33,7 +38,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_init)
 
     c = sub.add_parser(
-        "convert", help="convert a drafter checkpoint between the z-lab and speculators layouts"
+        "convert",
+        help="convert a drafter checkpoint between the z-lab and speculators layouts",
+        description="Rewrite a drafter checkpoint in the other layout, tensors bit for bit; fingerprint.json "
+        "and metrics.json come along, and the new folder (with checksums) appears atomically. DST may not "
+        "be SRC, hold it, or lie inside it.",
+        epilog="examples:\n"
+        "  dflashkit convert runs/embedded/best runs/embedded-speculators --to speculators --target embedded\n"
+        "  dflashkit convert downloaded-drafter my-drafter --to zlab\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     c.add_argument("src", type=Path, help="checkpoint folder to read (either layout)")
     c.add_argument("dst", type=Path, help="checkpoint folder to write")

@@ -111,12 +111,36 @@ def _launch_command(args: argparse.Namespace) -> list[str] | None:
     return dd.launch_command(dd.train_argv(args), args.nproc, args.nnodes, args.rdzv_endpoint)
 
 
+TRAIN_EXAMPLES = """\
+examples:
+  dflashkit train -c configs/embedded.yaml --dry-run             check everything the run needs, train nothing
+  dflashkit train -c configs/embedded.yaml                       train into run.out_dir (runs/embedded)
+  dflashkit train -c configs/embedded.yaml --resume train.max_steps=1000
+                                                                 continue the run, for longer
+  dflashkit train -c configs/embedded.yaml --out runs/b16 drafter.block_size=16
+                                                                 a new run in its own folder
+  dflashkit train -c configs/embedded.yaml --move-aside          start over: the earlier run's files
+                                                                 move to runs/embedded.old-<time>
+  dflashkit train -c configs/qwen3-8b-paper.yaml --nproc 8       data-parallel on 8 GPUs of this host
+
+--resume continues with the settings the run was trained with: it refuses a change to the model
+(target.*, drafter.*), the data (data.*, train.max_len, train.seed), the loss or the optimizer, and
+allows train.max_steps, train.epochs, the log/eval/save cadence, train.keep_last, train.tensorboard,
+the batch split, run.*, attention.*, distributed.* and eval.* (README: Resuming).
+"""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from dflashkit.config import PATHS_RULE
+
     p = subparsers.add_parser(
         "train",
         help="train a drafter (config + dotted overrides, e.g. train.lr=3e-4)",
         description="Train a DFlash drafter on one process, or data-parallel with --nproc N (or under "
-        "torchrun). Any section.key=value word overrides the config (e.g. train.lr=3e-4 drafter.layers=2).",
+        "torchrun). Any section.key=value word overrides the config (e.g. train.lr=3e-4 drafter.layers=2). "
+        + PATHS_RULE,
+        epilog=TRAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_run_arguments(p)
     p.add_argument(

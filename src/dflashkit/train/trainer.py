@@ -627,7 +627,11 @@ def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
         return
     with atomic_dir(run.out_dir / BEST, checksums=True) as tmp:
         _write_weights(run, weights, tmp, torch.bfloat16)  # bf16 z-lab layout: what serving loads
-        (tmp / "metrics.json").write_text(json.dumps({"step": step, **metrics}, indent=2) + "\n")
+        held_out = {
+            "step": step,
+            "data_dir": str(Path(run.cfg.data.dir).resolve()),
+        }  # measured on its validation split
+        (tmp / "metrics.json").write_text(json.dumps(held_out | metrics, indent=2) + "\n")
         fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)
 
 
