@@ -133,13 +133,32 @@ def test_resume_refuses_changed_data_with_both_values(tiny_dataset, run_copy, tm
     assert code == 2 and f"data.dir {tiny_dataset} -> {other} (the data)" in err
 
 
-def test_resume_allows_the_harmless_keys(tiny_dataset, run_copy):
+def test_resume_allows_the_harmless_keys_and_shows_evaluation_as_its_own_progress(tiny_dataset, run_copy):
+    from rich.console import Console
+
     cfg = config(
         tiny_dataset,
         run_copy,
         **{"train.max_steps": 6, "train.log_every": 2, "train.eval_every": 3, "train.keep_last": 3},
     )
-    assert trainer.train(cfg, resume=True, console=quiet()).steps == 6
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=200)
+    assert trainer.train(cfg, resume=True, console=console).steps == 6
+    assert "validation" in screen.getvalue()  # a bar of its own while the held-out rows are measured
+
+
+def test_the_validation_bar_comes_and_goes():
+    from rich.console import Console
+
+    from dflashkit.train.progress import TrainProgress
+
+    with TrainProgress(10, 0, Console(file=io.StringIO(), force_terminal=True)) as progress:
+        progress.evaluating(0, 5)
+        (task,) = [t for t in progress.progress.tasks if t.description == "validation"]
+        progress.evaluating(3, 5)
+        assert task.total == 5 and task.completed == 3
+        progress.evaluated()
+        assert [t.description for t in progress.progress.tasks] == ["train"]
 
 
 def test_every_data_key_is_compared_but_the_named_harmless_ones(tiny_dataset, tmp_path):
@@ -199,6 +218,17 @@ def test_trim_metrics_drops_replayed_steps_and_a_torn_line(tmp_path):
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
     assert trainer.trim_metrics(path, 2) == 2
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+
+
+def test_the_plot_reads_each_step_once_in_order(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    steps = [(1, 5.0), (2, 4.0), (3, 3.5), (4, 3.4), (3, 3.0), (4, 2.9)]  # a resume that logged 3, 4 twice
+    path.write_text(
+        "".join(json.dumps({"step": s, "loss": x, "acceptance_length": 1.0}) + "\n" for s, x in steps)
+    )
+    records = trainer.read_metrics(path)
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 2.9)]
+    assert trainer.plot_training(path, tmp_path / "training.png").stat().st_size > 1000
 
 
 def test_a_checkpoint_of_another_shape_is_one_clear_error():

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -553,11 +553,13 @@ def served_rounds(outs: list[StepOutput], row: int = 0) -> list[int]:
     return served_order_walk(anchors, lengths, valid)
 
 
-def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
+def evaluate(
+    run: Run, max_rows: int | None = None, on_row: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
     """Acceptance on validation rows, measured at every anchor: the mean over all blocks (`acceptance_length`)
     and the served-order acceptance length (`served_acceptance_length`, `metrics.served_order_walk`: what
     serving these rows would measure). Under torchrun the rows are dealt over the ranks and the sums reduced:
-    every rank gets the result."""
+    every rank gets the result. ``on_row(done, total)`` follows the rows this process measures."""
     d = _dist(run)
     drafter = run.drafter
     was_training = drafter.training
@@ -565,7 +567,10 @@ def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
     n = len(run.val_rows) if max_rows is None else min(max_rows, len(run.val_rows))
     total: dict[str, Tensor] | None = None
     sums = [0.0, 0.0, 0.0, 0.0]  # loss, loss weight, served tokens, served rounds
-    for i, counted in dd.lockstep_rows(n, d):  # one row at a time: the one warmed evaluation shape
+    rows_here = list(dd.lockstep_rows(n, d))  # one row at a time: the one warmed evaluation shape
+    for done, (i, counted) in enumerate(rows_here):
+        if on_row is not None:
+            on_row(done, len(rows_here))
         idx = [i]
         rows = run.val_rows.take(idx, run.device)
         feats, argmax = features_for(run, "validation", idx, rows)
@@ -578,6 +583,8 @@ def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
         rounds = served_rounds(outs)
         sums[2] += sum(rounds) * keep
         sums[3] += len(rounds) * keep
+    if on_row is not None:
+        on_row(len(rows_here), len(rows_here))
     drafter.train(was_training)
     if total is not None:
         total = dd.reduce_stats(total, d)
@@ -931,7 +938,8 @@ def _train(
                 }
                 window = None
             if step % tc.eval_every == 0 or step == run.total_steps:
-                last_val = evaluate(run)  # the same reduced numbers on every rank
+                last_val = evaluate(run, on_row=progress.evaluating)  # the same numbers on every rank
+                progress.evaluated()
                 record = (record or {"step": step}) | {"val": last_val}
                 if served_tau(last_val) > best:  # chosen by what serving will measure
                     best = served_tau(last_val)
@@ -962,13 +970,26 @@ def _train(
     return TrainResult(step, time.perf_counter() - t0, best, last_val, out, losses)
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl in step order, one per step: where a step was logged twice (a run
+    resumed by an older dflashkit trained it again) the later record wins; a torn line is skipped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = record
+        except (ValueError, KeyError, TypeError):
+            continue
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def plot_training(metrics_path: Path, png: Path) -> Path | None:
     """Loss and acceptance length (training batches and held-out) over steps, as one PNG."""
     if not metrics_path.is_file():
         return None
     from matplotlib.figure import Figure  # not pyplot: its global state is not for threads (fan-out)
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records = read_metrics(metrics_path)
     train = [r for r in records if r.get("loss") is not None]
     val = [r for r in records if "val" in r]
     fig = Figure(figsize=(11, 4))
