@@ -98,6 +98,35 @@ def test_move_aside_keeps_the_earlier_run_and_what_is_not_the_runs(tiny_dataset,
     assert st.read_latest(run_copy / "checkpoints").name == "step-00000001"
 
 
+def test_a_fan_out_over_an_earlier_one_refuses_before_the_target_loads(tmp_path, monkeypatch):
+    from dflashkit.config import load_config
+    from dflashkit.train import fanout
+
+    cfg = load_config(
+        None,
+        [
+            f"run.out_dir={tmp_path / 'sweep'}",
+            "fanout.target_device=cpu",
+            "fanout.variants=[{name: b4, overrides: {drafter.block_size: 4}}, {name: b8}]",
+        ],
+    )
+    (tmp_path / "sweep" / "b4" / "checkpoints").mkdir(parents=True)
+    monkeypatch.setattr(fanout, "setup_fanout", lambda *a, **k: pytest.fail("the target was loaded"))
+    with pytest.raises(RunExistsError, match="a fan-out run.*--move-aside"):
+        fanout.train_fanout(cfg, console=quiet())
+    fanout.check_run_folders(cfg, resume=False, move_aside=True, console=quiet())
+    (aside,) = list(tmp_path.glob("sweep.old-*"))
+    assert (aside / "b4" / "checkpoints").is_dir() and not (tmp_path / "sweep" / "b4").exists()
+
+
+def test_move_aside_reaches_every_rank_of_a_data_parallel_launch():
+    from dflashkit.cli import build_parser
+    from dflashkit.train import distributed as dd
+
+    args = build_parser().parse_args(["train", "-c", "configs/embedded.yaml", "--move-aside", "--nproc", "2"])
+    assert "--move-aside" in dd.train_argv(args)
+
+
 def test_the_refusal_comes_before_the_target_loads(tiny_dataset, run_copy, monkeypatch):
     def no_target(*a, **k):
         raise AssertionError("the target was loaded")

@@ -817,7 +817,7 @@ def _train(
     resume_point = find_resume_point(cfg, d, console) if resume else None
     if resume and resume_point is None:
         console.print(f"[yellow]no checkpoint in {out / CHECKPOINTS}: starting from scratch[/]")
-    if not resume and d.is_main:
+    if not resume and (d.is_main or not move_aside):  # every rank refuses alike; rank 0 alone moves
         claim_run_folder(out, move_aside=move_aside, report=console.print)
     dd.barrier(d)
     latest, saved_state = resume_point if resume_point is not None else (None, None)
