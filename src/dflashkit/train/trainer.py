@@ -634,11 +634,9 @@ def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
         return
     with atomic_dir(run.out_dir / BEST, checksums=True) as tmp:
         _write_weights(run, weights, tmp, torch.bfloat16)  # bf16 z-lab layout: what serving loads
-        held_out = {
-            "step": step,
-            "data_dir": str(Path(run.cfg.data.dir).resolve()),
-        }  # measured on its validation split
-        (tmp / "metrics.json").write_text(json.dumps(held_out | metrics, indent=2) + "\n")
+        # data_dir: whose held-out split these numbers were measured on (eval compares like with like)
+        record = {"step": step, "data_dir": str(Path(run.cfg.data.dir).resolve()), **metrics}
+        (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
         fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)
 
 
@@ -672,10 +670,10 @@ def load_weights(drafter: DFlashDrafter, weights: dict[str, Tensor], where: Path
     try:
         drafter.load_state_dict(weights)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()
+        detail = (str(e).strip().splitlines() or [""])[-1].strip()[:200]
         raise CheckpointError(
-            f"{where} holds a drafter of another shape than this config makes ({first[-1].strip()[:200] if first else e}); "
-            "resume with the run's own drafter settings, or start a new run"
+            f"{where} holds a drafter of another shape than this config makes ({detail}); resume with the "
+            "run's own drafter settings, or start a new run"
         ) from None
 
 
