@@ -114,6 +114,8 @@ def test_a_fan_out_over_an_earlier_one_refuses_before_the_target_loads(tmp_path,
     monkeypatch.setattr(fanout, "setup_fanout", lambda *a, **k: pytest.fail("the target was loaded"))
     with pytest.raises(RunExistsError, match="a fan-out run.*--move-aside"):
         fanout.train_fanout(cfg, console=quiet())
+    with pytest.raises(RunExistsError, match="a fan-out run"):
+        fanout.dry_run_fanout(cfg, quiet())  # the dry run says the same
     fanout.check_run_folders(cfg, resume=False, move_aside=True, console=quiet())
     (aside,) = list(tmp_path.glob("sweep.old-*"))
     assert (aside / "b4" / "checkpoints").is_dir() and not (tmp_path / "sweep" / "b4").exists()

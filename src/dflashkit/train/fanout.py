@@ -983,15 +983,25 @@ class _Progress:
 # Dry run
 
 
-def dry_run_fanout(cfg: RunConfig, console: Any) -> dict[str, Any]:
-    """Check every variant (config, data, target, drafter) without loading weights; show the placement."""
+def dry_run_fanout(
+    cfg: RunConfig, console: Any, *, resume: bool = False, move_aside: bool = False
+) -> dict[str, Any]:
+    """Check every variant (config, data, target, drafter, attention memory, its run folder) without loading
+    weights; show the placement. The run folders are checked as training would, and nothing is moved."""
     from dflashkit.train.plan import dry_run
+    from dflashkit.train.rundir import RUN_FILES, claim_run_folder
 
     targets, devices = placement(cfg)
+    variants = variant_configs(cfg)
+    if not resume and not move_aside:  # raises, naming the choices, when an earlier fan-out is there
+        names = [*RUN_FILES, *(name for name, _ in variants)]
+        claim_run_folder(
+            Path(cfg.run.out_dir), move_aside=False, report=console.print, names=names, what="a fan-out run"
+        )
     plans = {}
-    for (name, vcfg), dev in zip(variant_configs(cfg), devices, strict=True):
+    for (name, vcfg), dev in zip(variants, devices, strict=True):
         console.print(f"[bold]variant {name}[/] on {dev}")
-        plans[name] = dry_run(vcfg, console)
+        plans[name] = dry_run(vcfg, console, resume=resume, move_aside=move_aside)
     where = ", ".join(str(d) for d in targets)
     console.print(
         f"fan-out: target on {where} ({len(targets)} worker(s)); {len(plans)} drafters; "

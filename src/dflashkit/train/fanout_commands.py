@@ -27,7 +27,7 @@ def run_fanout(
             "this config has a fanout section: its drafters are threads of one process; drop --nproc"
         )
     if dry_run:
-        dry_run_fanout(cfg, console)
+        dry_run_fanout(cfg, console, resume=resume, move_aside=move_aside)
         return 0
     result = train_fanout(cfg, resume=resume, console=console, move_aside=move_aside)
     return 0 if result.ok else 1
