@@ -16,7 +16,7 @@ DEMO := configs/embedded.yaml
 demo: $(STAMP)
 	$(VENV)/bin/dflashkit doctor --check
 	$(VENV)/bin/dflashkit prepare -c $(DEMO)
-	$(VENV)/bin/dflashkit train -c $(DEMO)
+	$(VENV)/bin/dflashkit train -c $(DEMO) --move-aside
 	$(VENV)/bin/dflashkit eval -c $(DEMO) --prompts validation --check-lossless
 
 test: $(STAMP)

@@ -270,8 +270,11 @@ def test_malformed_checkpoints_fail_clearly(zlab_dir, tmp_path):
         save_file(w, str(d / "model.safetensors"))
         with pytest.raises(CheckpointError, match=message):
             load_drafter(d)
-    with pytest.raises(CheckpointError, match="config.json is missing"):
+    with pytest.raises(CheckpointError, match="nowhere does not exist"):
         load_drafter(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_drafter(tmp_path / "empty")
     bad = tmp_path / "bias"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps(ZLAB_CONFIG | {"attention_bias": True}))

@@ -126,6 +126,18 @@ def test_cli_diff_bad_input_is_one_clear_line(tmp_path, capsys):
     assert "without a fingerprint.json" in capsys.readouterr().err
 
 
+def test_diff_of_a_folder_without_a_fingerprint_never_uses_a_subfolders(fp, tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    fpmod.save(fp, run / "best" / fpmod.FINGERPRINT_FILE)
+    a = fpmod.save(fp, tmp_path / "a.json")
+    assert main(["doctor", "--diff", str(run / "best"), str(a)]) == 0  # a folder that holds one
+    capsys.readouterr()
+    assert main(["doctor", "--diff", str(run), str(a)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run} is a folder without a fingerprint.json" in err and "subfolders best have one" in err
+
+
 def test_check_passes_and_reports_each_line():
     results = run_checks()
     names = [r.name for r in results]

@@ -89,3 +89,43 @@ def test_generate_on_the_static_engine(untrained_drafter, capsys):
     static = capsys.readouterr().out
     assert main([*args, "Hello"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == static.splitlines()[0]  # the same text
+
+
+def test_eval_keeps_earlier_evaluations_and_compares_like_with_like(
+    untrained_drafter, tiny_dataset, tmp_path, capsys
+):
+    import shutil
+
+    best = tmp_path / "run" / "best"
+    shutil.copytree(untrained_drafter, best)
+    trained = {
+        "step": 1,
+        "acceptance_length": 1.3,
+        "served_acceptance_length": 1.2,
+        "data_dir": str(tiny_dataset),
+    }
+    (best / "metrics.json").write_text(json.dumps(trained))
+    out = tmp_path / "eval"
+    mtbench = [a if a != "validation" else "mtbench" for a in _eval_args(best, tiny_dataset, out)]
+    assert main([*mtbench, "--max-prompts", "1", "--no-baseline"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "served vs trained" not in text and "comparable" in text
+    first = json.loads((out / "eval.json").read_text())
+    assert first["training_metric"]["comparable"] is False
+    assert main([*_eval_args(best, tiny_dataset, out), "--no-baseline"]) == 0
+    assert "served vs trained" in " ".join(capsys.readouterr().out.split())
+    second = json.loads((out / "eval.json").read_text())
+    assert second["training_metric"]["comparable"] is True and second["prompts"] == 2
+    kept = sorted(out.glob("eval-*.json"))
+    assert [p.name.rsplit("-", 1)[-1] for p in kept] == ["mtbench.json", "validation.json"]
+    assert json.loads(kept[0].read_text()) == first  # the earlier evaluation is still there
+    assert len(list(out.glob("eval-*.png"))) == 2
+
+
+def test_generate_hides_end_of_sequence_tokens_and_shows_a_legend(untrained_drafter, capsys):
+    args = ["generate", "--drafter", str(untrained_drafter), "--dtype", "float32", "--max-new-tokens", "60"]
+    assert main([*args, "Say hello."]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "stopped by eos" in out  # the reply ended with the end-of-sequence token...
+    assert "<|im_end|>" not in out  # ...which is not printed
+    assert "each round of speculative decoding is one span" in out and "green = the target accepted" in out

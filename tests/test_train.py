@@ -10,6 +10,7 @@ import torch
 
 from dflashkit.config import load_config
 from dflashkit.errors import ConfigError, EnvironmentDriftError
+from dflashkit.integrity import write_checksums
 from dflashkit.model.checkpoint import load_drafter
 from dflashkit.train import trainer
 
@@ -81,6 +82,7 @@ def test_resume_refuses_a_changed_environment(tiny_dataset, tmp_path):
     fp = json.loads(fp_file.read_text())
     fp["torch"]["git_version"] = "0" * 40
     fp_file.write_text(json.dumps(fp))
+    write_checksums(fp_file.parent)  # as if written there: a checkpoint of another environment is intact
     with pytest.raises(EnvironmentDriftError, match="torch.git_version"):
         trainer.train(cfg, resume=True, console=quiet())
     allowed = tiny_config(

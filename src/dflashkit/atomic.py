@@ -30,17 +30,23 @@ def _fsync_tree(root: Path) -> None:
 
 
 @contextmanager
-def atomic_dir(final_path: str | Path) -> Iterator[Path]:
+def atomic_dir(final_path: str | Path, *, checksums: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside `final_path`; on success fsync it and rename it to `final_path`.
 
     If the body raises, the temporary folder is removed and nothing at `final_path` changes. An existing
     `final_path` is replaced: moved aside, the new folder renamed in, then the old one deleted.
+    ``checksums``: record every file's digest in checksums.json once the body is done
+    (`dflashkit.integrity`; checkpoints have them, and readers check them).
     """
     final_path = Path(final_path)
     final_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final_path.name}.tmp-", dir=final_path.parent))
     try:
         yield tmp
+        if checksums:
+            from dflashkit.integrity import write_checksums
+
+            write_checksums(tmp)
         _fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

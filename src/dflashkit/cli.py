@@ -36,9 +36,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dflashkit.config import PATHS_RULE
+
     p = argparse.ArgumentParser(
         prog="dflashkit",
         description="Train, check and run DFlash block-diffusion drafters for speculative decoding.",
+        epilog=EXAMPLES + "\n" + wrap(PATHS_RULE),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"dflashkit {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -57,6 +61,44 @@ def build_parser() -> argparse.ArgumentParser:
     for register in _extra_commands():
         register(sub)
     return p
+
+
+EXAMPLES = """\
+examples (the embedded default, end to end on a CPU; `make demo` runs these):
+  dflashkit doctor --check                                 the environment and live self-checks
+  dflashkit prepare -c configs/embedded.yaml               prompts answered by the target: a dataset
+  dflashkit train -c configs/embedded.yaml --dry-run       check everything the run needs, train nothing
+  dflashkit train -c configs/embedded.yaml                 train a drafter (runs/embedded/best)
+  dflashkit eval -c configs/embedded.yaml --prompts validation --check-lossless
+  dflashkit generate -c configs/embedded.yaml "Tell me about the sea"
+
+`dflashkit COMMAND --help` shows each command's options and examples.
+"""
+
+
+def wrap(text: str, width: int = 100) -> str:
+    import textwrap
+
+    return textwrap.fill(text, width)
+
+
+def unknown_words_error(command: str, extra: list[str], takes_overrides: bool) -> str:
+    """The one line for command-line words no option took: bare words among overrides, unknown options."""
+    words = [e for e in extra if not e.startswith("-") and not (takes_overrides and "=" in e)]
+    options = [e for e in extra if e.startswith("-")]
+    parts = []
+    if words:
+        shown = " ".join(repr(w) for w in words)
+        if takes_overrides:
+            parts.append(
+                f"{shown} is not an option or an override: overrides are section.key=value (e.g. "
+                "train.lr=3e-4 drafter.block_size=16)"
+            )
+        else:
+            parts.append(f"unexpected words {shown}")
+    if options:
+        parts.append(f"unknown option {' '.join(options)}")
+    return f"dflashkit {command}: error: {'; '.join(parts)}; see dflashkit {command} --help"
 
 
 # Modules that define further subcommands beside the code they drive. Each has
@@ -91,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # Dotted overrides (section.key=value) may sit anywhere among a command's options.
     if extra:
-        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        takes_overrides = hasattr(args, "overrides")
+        if takes_overrides and all("=" in e and not e.startswith("-") for e in extra):
             args.overrides = list(args.overrides or []) + extra
         else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            print(unknown_words_error(args.command, extra, takes_overrides), file=sys.stderr)
+            return 2
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -398,3 +398,12 @@ def apply_overrides(cfg: RunConfig, overrides: Mapping[str, Any], where: str) ->
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+# Where relative paths in a config point: the one rule, shown in `--help` and the README.
+PATHS_RULE = (
+    "Relative paths in a config file or an override (data.dir, data.features_dir, run.out_dir, "
+    "drafter.init, run.compile_cache, target.path) resolve from the working directory dflashkit runs in, "
+    "not from the config file's folder: the ready configs in configs/ are written to run from the "
+    "repository root."
+)

@@ -51,7 +51,14 @@ def build_mask(
         )
     from dflashkit.runtime.compile import preflight_dense
 
-    preflight_dense(layout.batch, 1, layout.q_len, layout.kv_len, what=f"{backend} attention mask")
+    preflight_dense(
+        layout.batch,
+        1,
+        layout.q_len,
+        layout.kv_len,
+        what=f"{backend} attention mask",
+        device=layout.anchors.device,
+    )
     m = dense_mask(layout, window=window, causal_in_block=causal_in_block)
     return AttentionMask(backend, dense=m, rows_visible=m.any(-1, keepdim=True))
 
@@ -103,7 +110,7 @@ def attention(
         from dflashkit.runtime.compile import preflight_dense
 
         batch, heads, q_len = q.shape[:3]
-        preflight_dense(batch, heads, q_len, k.shape[2], what=f"{backend} attention")
+        preflight_dense(batch, heads, q_len, k.shape[2], what=f"{backend} attention", device=q.device)
     if backend == "eager":
         return eager_attention(q, k, v, mask, scale)
     if backend == "sdpa":

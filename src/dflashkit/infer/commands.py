@@ -13,7 +13,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
     import torch
 
     from dflashkit.data.dataset import read_manifest
-    from dflashkit.model.checkpoint import load_drafter
+    from dflashkit.model.checkpoint import check_drafter_files, load_drafter
     from dflashkit.target.hf import TargetModel
 
     if args.config:
@@ -40,6 +40,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
         raise ConfigError(
             "name the drafter checkpoint with --drafter DIR (or give --config of a training run)"
         )
+    check_drafter_files(args.drafter)  # a wrong path or a damaged file: said before the target loads
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
@@ -50,7 +51,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
         else getattr(torch, dtype_name)
     )
     target = TargetModel.load(args.target or "embedded", dtype=dtype, device=device)
-    drafter = load_drafter(args.drafter, target, dtype=dtype, device=device).eval()
+    drafter = load_drafter(args.drafter, target, dtype=dtype, device=device, verify=False).eval()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target.path)
@@ -92,7 +93,13 @@ def eval_prompts(args: argparse.Namespace, tokenizer: Any, thinking: bool) -> tu
             raise ConfigError("--prompts validation needs the dataset folder (--data DIR or --config)")
         ids = prompt_ids(load_dataset(args.data, "validation")[: args.max_prompts])
         return ids, f"{args.data} (validation split)"
-    prompts = read_mtbench() if args.prompts == "mtbench" else load_prompts(args.prompts).prompts
+    if args.prompts == "mtbench":
+        prompts = read_mtbench()
+    else:
+        found = load_prompts(args.prompts, skip_malformed=args.skip_malformed)
+        prompts = found.prompts
+        if found.malformed:
+            print(f"skipped {found.malformed} malformed records of {args.prompts} (--skip-malformed)")
     prompts = (
         select_prompts(prompts, args.max_prompts, seed=0)
         if args.prompts != "mtbench"
@@ -114,13 +121,11 @@ def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import json
-
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
-    from dflashkit.infer.evaluate import evaluate, write_report
+    from dflashkit.infer.evaluate import evaluate, training_reference, write_report
 
     console = Console()
     target, drafter, tokenizer, _dtype, manifest = _load(args)
@@ -150,17 +155,9 @@ def _eval(args: argparse.Namespace) -> int:
             names=(str(args.drafter), target.name),
             engine=engine,
         )
-    training_tau, training_kind = None, "served order"
-    metrics = Path(args.drafter) / "metrics.json"
-    if metrics.is_file():
-        from dflashkit.train.metrics import served_tau
-
-        trained = json.loads(metrics.read_text())
-        training_tau = served_tau(trained)
-        if "served_acceptance_length" not in trained:  # a drafter trained before the served-order walk
-            training_kind = "mean over anchors"
+    reference = training_reference(Path(args.drafter), args.prompts, args.data)
     out_dir = Path(args.out or Path(args.drafter).parent / "eval")
-    js, png = write_report(report, out_dir, training_tau)
+    js, png, kept = write_report(report, out_dir, reference, label=prompts_label(args.prompts))
 
     t = Table(
         title=f"dflashkit eval: {len(prompt_ids)} prompts from {source}, T={sampling.temperature}, rule {sampling.rule}"
@@ -168,12 +165,8 @@ def _eval(args: argparse.Namespace) -> int:
     t.add_column("metric", style="cyan")
     t.add_column("value", justify="right")
     t.add_row("mean acceptance length (tau)", f"{report.mean_acceptance_length:.3f}")
-    if training_tau is not None:
-        gap = (report.mean_acceptance_length - training_tau) / training_tau
-        t.add_row(
-            f"training metric (held-out, {training_kind})",
-            f"{training_tau:.3f} ({gap:+.1%} served vs trained)",
-        )
+    if reference is not None:
+        t.add_row(*reference.table_row(report.mean_acceptance_length))
     t.add_row("per-position acceptance", " ".join(f"{p:.2f}" for p in report.per_position_acceptance))
     t.add_row("tau histogram (1..B)", " ".join(str(c) for c in report.accept_length_histogram[1:]))
     t.add_row("decode engine", report.engine)
@@ -184,8 +177,13 @@ def _eval(args: argparse.Namespace) -> int:
     if args.check_lossless:
         t.add_row("lossless (greedy spec == greedy target)", "[green]yes, every prompt and token[/]")
     console.print(t)
-    console.print(f"wrote {js} and {png}")
+    console.print(f"wrote {js} and {png} (this evaluation is also kept as {kept.name}; earlier ones stay)")
     return 0
+
+
+def prompts_label(prompts: str) -> str:
+    """A short name of the evaluated prompts for file names: mtbench, validation or the file's stem."""
+    return prompts if prompts in ("mtbench", "validation") else Path(prompts).stem
 
 
 def _engine(args: argparse.Namespace, target: Any, drafter: Any, capacity: int, console: Any) -> Any:
@@ -232,23 +230,13 @@ def _generate(args: argparse.Namespace) -> int:
         ids = generation_prompt_ids(tokenizer, [{"role": "user", "content": text}], enable_thinking=thinking)
         engine = engine_for(len(ids))
         g = speculative_generate(target, drafter, ids, args.max_new_tokens, sampling, stopper, engine=engine)
-        # show the accepted blocks: each round's tokens in alternating colours
-        pos, parts = 0, []
-        for i, tau in enumerate(g.accept_lengths):
-            chunk = g.tokens[pos : pos + tau]
-            pos += tau
-            colour = "green" if tau > 1 else "white"
-            parts.append(f"[{colour}{' on grey11' if i % 2 else ''}]{tokenizer.decode(chunk)}[/]")
-        if pos < len(g.tokens):
-            parts.append(tokenizer.decode(g.tokens[pos:]))
-        from rich.markup import escape
-
-        console.print("".join(p if p.startswith("[") else escape(p) for p in parts))
+        console.print(rounds_markup(g, tokenizer, stopper.eos))
         console.print(
             f"[dim]{len(g.tokens)} tokens, mean acceptance length {g.mean_acceptance_length:.2f}, "
             f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}[/]"
         )
 
+    console.print(ROUNDS_LEGEND)
     if args.prompt:
         one(args.prompt)
         return 0
@@ -264,6 +252,30 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# How `generate` shows the rounds of speculative decoding (printed before the first reply).
+ROUNDS_LEGEND = (
+    "[dim]each round of speculative decoding is one span, on alternating backgrounds: "
+    "[green]green[/green] = the target accepted drafted tokens (tau > 1), plain = the target's own token only "
+    "(tau = 1)[/]"
+)
+
+
+def rounds_markup(g: Any, tokenizer: Any, eos_ids: set[int]) -> str:
+    """A generation as rich markup, one span per round; end-of-sequence and other special tokens hidden."""
+    from rich.markup import escape
+
+    def text(tokens: list[int]) -> str:
+        return escape(tokenizer.decode([t for t in tokens if t not in eos_ids], skip_special_tokens=True))
+
+    pos, parts = 0, []
+    for i, tau in enumerate(g.accept_lengths):
+        chunk = text(g.tokens[pos : pos + tau])
+        pos += tau
+        style = ("green" if tau > 1 else "default") + (" on grey11" if i % 2 else "")
+        parts.append(f"[{style}]{chunk}[/]" if chunk else "")
+    return "".join(parts) + text(g.tokens[pos:])
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", "-c", help="training run config: defaults for target, drafter (its best/), data"
@@ -276,15 +288,45 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16"], help="target/drafter dtype (auto: bf16 on GPU)"
     )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument(
-        "--rule", choices=["exact", "rejection"], default="exact", help="acceptance rule when sampling"
+        "--device",
+        default="auto",
+        help="auto (default: CUDA when present, else the CPU), cpu, cuda, cuda:1, ...",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enable-thinking", action="store_true")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="new tokens per prompt (default: eval.max_new_tokens of --config, else 128)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="0 for greedy decoding (default: eval.temperature of --config, else 0), above 0 to sample",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling threshold when sampling (default 1.0)",
+    )
+    p.add_argument(
+        "--rule",
+        choices=["exact", "rejection"],
+        default="exact",
+        help="acceptance rule when sampling: exact (a draft token is kept when it equals the target's sample) "
+        "or rejection (speculative sampling; the target's distribution either way)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    p.add_argument(
+        "--enable-thinking",
+        action="store_true",
+        help="render prompts with the chat template's thinking mode on (default: as the drafter's dataset was)",
+    )
     p.add_argument(
         "--engine",
         choices=["dynamic", "static"],
@@ -295,22 +337,62 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    e = subparsers.add_parser("eval", help="acceptance length and speedup by decoding; --check-lossless")
+    from dflashkit.config import PATHS_RULE
+
+    e = subparsers.add_parser(
+        "eval",
+        help="acceptance length and speedup by decoding; --check-lossless",
+        description="Decode prompts speculatively and autoregressively on the same engine: acceptance length "
+        "(mean, histogram, per position), tokens/s and speedup; with --check-lossless, greedy speculative "
+        "output must equal the target's token for token. Each evaluation is kept in the output folder "
+        "(eval-<time>-<prompts>.json/.png); eval.json and eval.png are the newest. The training metric is "
+        "shown beside the result when it was measured on the same prompts (the held-out split of the same "
+        "dataset). " + PATHS_RULE,
+        epilog="examples:\n"
+        "  dflashkit eval -c configs/embedded.yaml --prompts validation --check-lossless\n"
+        "  dflashkit eval --drafter runs/embedded/best --data runs/embedded/data --prompts mtbench\n"
+        "  dflashkit eval --drafter DIR --target /models/Qwen3-8B --prompts prompts.jsonl --skip-malformed\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _common(e)
     e.add_argument(
         "--prompts",
         default="mtbench",
         help="mtbench (default), validation (the dataset's held-out split) or a file",
     )
-    e.add_argument("--max-prompts", type=int, default=None)
+    e.add_argument(
+        "--max-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts to decode (default: eval.max_prompts of --config, else 80)",
+    )
+    e.add_argument(
+        "--skip-malformed",
+        action="store_true",
+        help="with --prompts FILE: skip and count malformed records instead of stopping at the first",
+    )
     e.add_argument(
         "--check-lossless", action="store_true", help="fail unless greedy speculative == greedy target"
     )
     e.add_argument("--no-baseline", action="store_true", help="skip the autoregressive baseline")
-    e.add_argument("--out", help="folder for eval.json and eval.png (default: beside the drafter)")
+    e.add_argument(
+        "--out",
+        help="folder for the evaluations: eval.json/eval.png (the newest) and every earlier one "
+        "(default: eval/ beside the drafter folder)",
+    )
     e.set_defaults(handler=_eval, overrides=[])  # section.key=value words anywhere: overrides of --config
 
-    g = subparsers.add_parser("generate", help="generate with a drafter, showing acceptance live")
+    g = subparsers.add_parser(
+        "generate",
+        help="generate with a drafter, showing acceptance live",
+        description="Generate replies speculatively, one prompt or interactively; each round of speculative "
+        "decoding is shown as one span (green: drafted tokens accepted). " + PATHS_RULE,
+        epilog="examples:\n"
+        '  dflashkit generate -c configs/embedded.yaml "Tell me about the sea"\n'
+        "  dflashkit generate --drafter runs/embedded/best --max-new-tokens 200     (interactive)\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _common(g)
     g.add_argument("prompt", nargs="?", help="a prompt (interactive when absent)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,7 +167,69 @@ def evaluate(
     )
 
 
-def plot_report(report: EvalReport, path: Path, training_tau: float | None = None) -> Path:
+# --------------------------------------------------------------------------------------------------
+# The training metric beside the served one: like with like only
+
+
+@dataclass
+class TrainingReference:
+    """The drafter's training metric (from its metrics.json) and whether it was measured on the prompts
+    being evaluated: the held-out split of the dataset it was trained on."""
+
+    acceptance_length: float
+    kind: str  # "served order" or "mean over anchors" (a drafter trained before the served-order walk)
+    data_dir: str | None  # the dataset whose held-out split it was measured on (None: not recorded)
+    comparable: bool
+
+    def table_row(self, served: float) -> tuple[str, str]:
+        where = (
+            f"held-out split of {self.data_dir}" if self.data_dir else "held-out split of its training data"
+        )
+        label = f"training metric ({where}, {self.kind})"
+        if not self.comparable:
+            return label, f"{self.acceptance_length:.3f} (other prompts than these: not comparable)"
+        gap = (served - self.acceptance_length) / self.acceptance_length
+        return label, f"{self.acceptance_length:.3f} ({gap:+.1%} served vs trained, same prompts)"
+
+
+def training_reference(drafter_dir: Path, prompts: str, data_dir: str | None) -> TrainingReference | None:
+    """The training metric of a drafter folder, compared only where it compares: ``prompts`` is
+    "validation" of the very dataset it was measured on. None when the folder has no metrics.json."""
+    from dflashkit.train.metrics import served_tau
+
+    metrics = drafter_dir / "metrics.json"
+    if not metrics.is_file():
+        return None
+    try:
+        trained = json.loads(metrics.read_text())
+        tau = served_tau(trained)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    kind = "served order" if "served_acceptance_length" in trained else "mean over anchors"
+    measured_on = trained.get("data_dir") or _run_data_dir(drafter_dir)
+    same_data = measured_on is None or (
+        data_dir is not None and Path(measured_on).resolve() == Path(data_dir).resolve()
+    )
+    return TrainingReference(tau, kind, measured_on, prompts == "validation" and same_data)
+
+
+def _run_data_dir(drafter_dir: Path) -> str | None:
+    """data.dir of the training run a drafter folder belongs to (<run>/config.yaml), if it is there."""
+    import yaml
+
+    config = drafter_dir.parent / "config.yaml"
+    try:
+        data = yaml.safe_load(config.read_text()) if config.is_file() else None
+        return str(data["data"]["dir"]) if isinstance(data, dict) else None
+    except (yaml.YAMLError, KeyError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Report files
+
+
+def plot_report(report: EvalReport, path: Path, reference: TrainingReference | None = None) -> Path:
     """Histogram of acceptance lengths and per-position acceptance, as one PNG."""
     import matplotlib
 
@@ -181,8 +247,13 @@ def plot_report(report: EvalReport, path: Path, training_tau: float | None = Non
         ls="--",
         label=f"mean tau {report.mean_acceptance_length:.2f}",
     )
-    if training_tau is not None:
-        ax1.axvline(training_tau, color="#d8663b", ls=":", label=f"training metric {training_tau:.2f}")
+    if reference is not None and reference.comparable:
+        ax1.axvline(
+            reference.acceptance_length,
+            color="#d8663b",
+            ls=":",
+            label=f"training metric {reference.acceptance_length:.2f}",
+        )
     ax1.set_xlabel("acceptance length tau (tokens per target pass)")
     ax1.set_ylabel("fraction of rounds")
     ax1.set_xticks(range(1, B + 1))
@@ -199,12 +270,56 @@ def plot_report(report: EvalReport, path: Path, training_tau: float | None = Non
     return path
 
 
-def write_report(report: EvalReport, out_dir: Path, training_tau: float | None = None) -> tuple[Path, Path]:
+LATEST_JSON, LATEST_PNG = "eval.json", "eval.png"
+
+
+def write_report(
+    report: EvalReport, out_dir: Path, reference: TrainingReference | None = None, *, label: str = ""
+) -> tuple[Path, Path, Path]:
+    """Write this evaluation as eval-<time>[-label].json/.png in ``out_dir``, where earlier evaluations stay,
+    and make eval.json / eval.png (the newest) copies of it. Returns (eval.json, eval.png, the kept json)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    js = out_dir / "eval.json"
+    keep_unstamped(out_dir)
+    stem = _unique_stem(
+        out_dir, f"eval-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-{_slug(label)}" if label else "")
+    )
     data = report.to_json()
-    if training_tau is not None:
-        data["training_acceptance_length"] = training_tau
-    js.write_text(json.dumps(data, indent=2) + "\n")
-    png = plot_report(report, out_dir / "eval.png", training_tau)
-    return js, png
+    if reference is not None:
+        data["training_acceptance_length"] = reference.acceptance_length
+        data["training_metric"] = asdict(reference)
+    kept = out_dir / f"{stem}.json"
+    kept.write_text(json.dumps(data, indent=2) + "\n")
+    plot_report(report, out_dir / f"{stem}.png", reference)
+    for src, name in ((kept, LATEST_JSON), (out_dir / f"{stem}.png", LATEST_PNG)):
+        tmp = out_dir / f".{name}.tmp"
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, out_dir / name)
+    return out_dir / LATEST_JSON, out_dir / LATEST_PNG, kept
+
+
+def keep_unstamped(out_dir: Path) -> None:
+    """An eval.json that has no kept copy (written by an older dflashkit) is kept under its own time."""
+    latest = out_dir / LATEST_JSON
+    if not latest.is_file():
+        return
+    content = latest.read_bytes()
+    if any(p.read_bytes() == content for p in out_dir.glob("eval-*.json")):
+        return
+    stem = _unique_stem(
+        out_dir, "eval-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(latest.stat().st_mtime))
+    )
+    shutil.copyfile(latest, out_dir / f"{stem}.json")
+    if (out_dir / LATEST_PNG).is_file():
+        shutil.copyfile(out_dir / LATEST_PNG, out_dir / f"{stem}.png")
+
+
+def _unique_stem(out_dir: Path, stem: str) -> str:
+    k, candidate = 1, stem
+    while (out_dir / f"{candidate}.json").exists():
+        k += 1
+        candidate = f"{stem}-{k}"
+    return candidate
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:40]

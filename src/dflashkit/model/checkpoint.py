@@ -23,17 +23,20 @@ Every write goes to a temporary folder beside the destination, is fsynced, then 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
 from pydantic import ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dflashkit.atomic import atomic_dir
 from dflashkit.errors import CheckpointError
+from dflashkit.integrity import CHECKSUMS_FILE, CorruptFileError, check_structure, verify_files
 from dflashkit.model.config import DrafterConfig, rope_from_dict, validation_message
 from dflashkit.model.drafter import DFlashDrafter, Rotary
 
@@ -318,33 +321,90 @@ def detect_layout(d: Mapping[str, Any], where: str = "config.json") -> Layout:
 # --- reading and writing folders ------------------------------------------------------------------
 
 
-def read_checkpoint(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], Layout]:
-    """The config, the raw tensors (as stored) and the layout of a checkpoint folder."""
+def read_checkpoint(
+    path: str | Path, *, verify: bool = True
+) -> tuple[DrafterConfig, dict[str, Tensor], Layout]:
+    """The config, the raw tensors (as stored) and the layout of a checkpoint folder. ``verify``: check
+    its files against the checksums recorded when it was written (`dflashkit.integrity`) first."""
     folder = Path(path)
+    check_checkpoint_folder(folder)
+    if verify:
+        verify_files(folder, [CONFIG_FILE])
     cfg_path = folder / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{folder} is not a drafter checkpoint: {CONFIG_FILE} is missing")
     try:
         d = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
     layout = detect_layout(d, str(cfg_path))
     config = (
         config_from_zlab(d, str(cfg_path)) if layout == "zlab" else config_from_speculators(d, str(cfg_path))
     )
+    if verify:
+        verify_files(folder, weight_files(folder))
     return config, read_tensors(folder), layout
 
 
-def read_tensors(folder: Path) -> dict[str, Tensor]:
+def check_checkpoint_folder(folder: str | Path) -> None:
+    """That ``folder`` exists and holds a config.json: checked before anything slow (loading a target)."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise CheckpointError(
+            f"the drafter checkpoint folder {folder} does not exist; check the path (a training run keeps its "
+            "best drafter in <run>/best, its checkpoints in <run>/checkpoints/step-*)"
+        )
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file; a drafter checkpoint is a folder (config.json + weights)")
+    if not (folder / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{folder} is not a drafter checkpoint: {CONFIG_FILE} is missing")
+
+
+def check_drafter_files(folder: str | Path) -> None:
+    """A drafter folder's files, checked without loading anything: that it exists, and that its config
+    and weights match their checksums (or, without checksums, are whole). One `CheckpointError` naming
+    the first problem."""
+    folder = Path(folder)
+    check_checkpoint_folder(folder)
+    verify_files(folder, [CONFIG_FILE, *weight_files(folder)])
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The names of the weight files of a checkpoint folder: model.safetensors, or the index and its shards."""
     if (folder / WEIGHTS_FILE).is_file():
-        return load_file(str(folder / WEIGHTS_FILE))
+        return [WEIGHTS_FILE]
     if (folder / INDEX_FILE).is_file():
-        index = json.loads((folder / INDEX_FILE).read_text())
-        tensors: dict[str, Tensor] = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            tensors.update(load_file(str(folder / shard)))
-        return tensors
+        return [INDEX_FILE, *sorted(set(_read_index(folder)["weight_map"].values()))]
     raise CheckpointError(f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE}")
+
+
+def _read_index(folder: Path) -> dict[str, Any]:
+    path = folder / INDEX_FILE
+    try:
+        index = json.loads(path.read_text())
+        if not isinstance(index.get("weight_map"), dict):
+            raise ValueError("no weight_map")
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise CorruptFileError(f"{path} is not a valid safetensors index ({e})") from None
+    return index
+
+
+def read_tensors(folder: Path) -> dict[str, Tensor]:
+    tensors: dict[str, Tensor] = {}
+    for name in weight_files(folder):
+        if name != INDEX_FILE:
+            tensors.update(_load_safetensors(folder / name))
+    return tensors
+
+
+def _load_safetensors(path: Path) -> dict[str, Tensor]:
+    """A safetensors file's tensors; a truncated or corrupted file is one clear error naming it."""
+    check_structure(path)
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CorruptFileError(
+            f"{path} cannot be read ({str(e).strip()[:200]}); the file is truncated or corrupted: copy the "
+            "checkpoint again, or use another checkpoint"
+        ) from None
 
 
 def body_tensors(config: DrafterConfig, tensors: Mapping[str, Tensor], where: str) -> dict[str, Tensor]:
@@ -381,9 +441,11 @@ def load_drafter(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
+    verify: bool = True,
 ) -> DFlashDrafter:
-    """Load a drafter from a z-lab or speculators folder; with a target, check that it fits it."""
-    config, tensors, _ = read_checkpoint(path)
+    """Load a drafter from a z-lab or speculators folder; with a target, check that it fits it.
+    ``verify=False`` skips the checksums (the caller checked the folder already)."""
+    config, tensors, _ = read_checkpoint(path, verify=verify)
     if target is not None:
         check_target(config, target, where=str(path))
         device = device if device is not None else getattr(target, "device", None)
@@ -438,8 +500,8 @@ def save_drafter(
     dtype: torch.dtype = torch.bfloat16,
     layout: Layout = "zlab",
 ) -> Path:
-    """Atomically write the drafter to ``dst`` (z-lab layout, bf16 by default)."""
-    with atomic_dir(dst) as tmp:
+    """Atomically write the drafter to ``dst`` (z-lab layout, bf16 by default), with checksums."""
+    with atomic_dir(dst, checksums=True) as tmp:
         write_drafter(drafter, tmp, dtype=dtype, layout=layout)
     return Path(dst)
 
@@ -457,14 +519,85 @@ def write_drafter(
     write_checkpoint(folder, drafter.config, tensors, layout)
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, to: Layout, target: Any = None) -> Path:
-    """Rewrite a checkpoint in the other layout; tensors are copied bit for bit.
+# Files of a drafter checkpoint besides its weights and config.json: what training writes beside them.
+# `convert` carries the first two along; a folder holding only checkpoint files may be replaced (--force).
+COMPANION_FILES = ("fingerprint.json", "metrics.json")
+CHECKPOINT_FILES = (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    INDEX_FILE,
+    CHECKSUMS_FILE,
+    *COMPANION_FILES,
+    "training_state.pt",
+    "training_state.json",
+    "run_config.yaml",
+)
+
+
+def is_checkpoint_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` is a drafter checkpoint and nothing else: a DFlash config.json, and only the files
+    a checkpoint holds (weights, shards, checksums, fingerprint, metrics, training state), no subfolders."""
+    folder = Path(folder)
+    try:
+        detect_layout(json.loads((folder / CONFIG_FILE).read_text()))
+    except (OSError, ValueError, CheckpointError):
+        return False
+    return all(
+        p.is_file() and (p.name in CHECKPOINT_FILES or p.suffix == ".safetensors") for p in folder.iterdir()
+    )
+
+
+def check_destination(src: str | Path | None, dst: str | Path, force: bool) -> None:
+    """Refuse a destination that would destroy what it should not: the source itself, a folder that holds
+    the source, a folder inside the source, or (without ``force``) anything not empty. ``force`` replaces a
+    drafter checkpoint folder only (`is_checkpoint_folder`), never a run folder or anything else."""
+    dst_path = Path(dst)
+    dst_abs = dst_path.resolve()
+    if src is not None:
+        src_abs = Path(src).resolve()
+        if dst_abs == src_abs:
+            raise CheckpointError(
+                f"{dst} is the source folder itself; write the converted checkpoint elsewhere"
+            )
+        if src_abs.is_relative_to(dst_abs):
+            raise CheckpointError(
+                f"{dst} holds the source {src}; replacing it would delete the source: choose another destination"
+            )
+        if dst_abs.is_relative_to(src_abs):
+            raise CheckpointError(f"{dst} lies inside the source {src}; choose a destination outside it")
+    if not dst_path.exists() or (dst_path.is_dir() and not any(dst_path.iterdir())):
+        return
+    if not force:
+        raise CheckpointError(
+            f"{dst} already exists; choose another folder or pass --force to replace it (a drafter checkpoint "
+            "folder only)"
+        )
+    if not dst_path.is_dir() or not is_checkpoint_folder(dst_path):
+        what = f"it holds {_listing(dst_path)}" if dst_path.is_dir() else "it is a file"
+        raise CheckpointError(
+            f"{dst} is not a drafter checkpoint folder ({what}); --force replaces only a checkpoint folder "
+            "(config.json, weights and the files training writes beside them): choose another destination"
+        )
+
+
+def _listing(folder: Path, n: int = 6) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    return _few(names, n)
+
+
+def convert_checkpoint(
+    src: str | Path, dst: str | Path, to: Layout, target: Any = None, *, force: bool = False
+) -> Path:
+    """Rewrite a checkpoint in the other layout; tensors are copied bit for bit, and the files training
+    writes beside them (fingerprint.json, metrics.json) are carried along. The new folder is published
+    atomically with checksums; ``force`` replaces an existing checkpoint folder at ``dst`` (`check_destination`).
 
     With a target (a TargetModel) a speculators checkpoint also gets the target's embed_tokens and
     lm_head, which speculators' own loader expects.
     """
     if to not in LAYOUTS:
         raise CheckpointError(f"unknown checkpoint layout {to!r}; choose one of {', '.join(LAYOUTS)}")
+    check_destination(src, dst, force)
     config, tensors, _ = read_checkpoint(src)
     body = body_tensors(config, tensors, str(src))
     if target is not None:
@@ -476,6 +609,11 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: Layout, target: Any
         with torch.no_grad():
             body["embed_tokens.weight"] = target.embed_weight().to(dtype)
             body["lm_head.weight"] = target.lm_head_weight().to(dtype)
-    with atomic_dir(dst) as tmp:
+    src_folder = Path(src)
+    with atomic_dir(dst, checksums=True) as tmp:
         write_checkpoint(tmp, config, body, to)
+        for name in COMPANION_FILES:
+            if (src_folder / name).is_file():
+                verify_files(src_folder, [name])
+                shutil.copyfile(src_folder / name, tmp / name)
     return Path(dst)

@@ -7,7 +7,12 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("init", help="write an untrained drafter checkpoint shaped for a target")
+    p = sub.add_parser(
+        "init",
+        help="write an untrained drafter checkpoint shaped for a target",
+        epilog="example:\n  dflashkit init --target embedded --out runs/untrained --layers 1 --block-size 8\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "--target", default="embedded", help="'embedded' (default) or the path of an HF model folder"
     )
@@ -27,11 +32,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype on disk"
     )
-    p.add_argument("--force", action="store_true", help="replace --out if it already exists")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it is an existing drafter checkpoint folder"
+    )
     p.set_defaults(handler=_init)
 
     c = sub.add_parser(
-        "convert", help="convert a drafter checkpoint between the z-lab and speculators layouts"
+        "convert",
+        help="convert a drafter checkpoint between the z-lab and speculators layouts",
+        description="Rewrite a drafter checkpoint in the other layout, tensors bit for bit; fingerprint.json "
+        "and metrics.json come along, and the new folder (with checksums) appears atomically. DST may not "
+        "be SRC, hold it, or lie inside it.",
+        epilog="examples:\n"
+        "  dflashkit convert runs/embedded/best runs/embedded-speculators --to speculators --target embedded\n"
+        "  dflashkit convert downloaded-drafter my-drafter --to zlab\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     c.add_argument("src", type=Path, help="checkpoint folder to read (either layout)")
     c.add_argument("dst", type=Path, help="checkpoint folder to write")
@@ -41,27 +56,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="'embedded' or an HF model folder: checked against the drafter; for --to speculators its "
         "embed_tokens and lm_head are included",
     )
-    c.add_argument("--force", action="store_true", help="replace DST if it already exists")
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="replace DST if it is an existing drafter checkpoint folder (never the source, a folder holding "
+        "it, or a run folder)",
+    )
     c.set_defaults(handler=_convert)
-
-
-def _refuse_existing(path: Path, force: bool) -> None:
-    from dflashkit.errors import CheckpointError
-
-    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
-        raise CheckpointError(f"{path} already exists; choose another folder or pass --force to replace it")
 
 
 def _init(args: argparse.Namespace) -> int:
     import torch
 
     from dflashkit.errors import ConfigError
-    from dflashkit.model.checkpoint import save_drafter
+    from dflashkit.model.checkpoint import check_destination, save_drafter
     from dflashkit.model.config import config_for_target
     from dflashkit.model.drafter import DFlashDrafter
     from dflashkit.target.hf import default_mask_token_id, identity_of_folder, load_target_config
 
-    _refuse_existing(args.out, args.force)
+    check_destination(None, args.out, args.force)
     hf_config = load_target_config(args.target)
     ids = None
     if args.target_layer_ids:
@@ -96,14 +109,15 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from dflashkit.model.checkpoint import convert_checkpoint
+    from dflashkit.model.checkpoint import check_checkpoint_folder, check_destination, convert_checkpoint
 
-    _refuse_existing(args.dst, args.force)
+    check_checkpoint_folder(args.src)  # before loading a target: the paths first
+    check_destination(args.src, args.dst, args.force)
     target = None
     if args.target:
         from dflashkit.target.hf import TargetModel
 
         target = TargetModel.load(args.target)
-    convert_checkpoint(args.src, args.dst, args.to, target=target)
+    convert_checkpoint(args.src, args.dst, args.to, target=target, force=args.force)
     print(f"wrote {args.dst} ({args.to} layout)")
     return 0

@@ -218,14 +218,15 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a fingerprint from a JSON file, or from a run/checkpoint folder that holds one."""
     p = Path(path)
     if p.is_dir():
-        candidates = [p / FINGERPRINT_FILE, *sorted(p.glob(f"*/{FINGERPRINT_FILE}"))]
-        found = next((c for c in candidates if c.is_file()), None)
-        if found is None:
-            raise FingerprintError(
-                f"{p} is a folder without a {FINGERPRINT_FILE}; pass a fingerprint file, or a run or "
-                f"checkpoint folder written by dflashkit"
+        if not (p / FINGERPRINT_FILE).is_file():  # never a subfolder's in its place: say which there are
+            inside = sorted(c.parent.name for c in p.glob(f"*/{FINGERPRINT_FILE}"))
+            hint = (
+                f"its subfolders {', '.join(inside)} have one: pass the one you mean (e.g. {p / inside[0]})"
+                if inside
+                else "pass a fingerprint file, or a run or checkpoint folder written by dflashkit"
             )
-        p = found
+            raise FingerprintError(f"{p} is a folder without a {FINGERPRINT_FILE}; {hint}")
+        p = p / FINGERPRINT_FILE
     if not p.is_file():
         raise FingerprintError(f"{p} does not exist; write one with `dflashkit doctor --json {p}`")
     try:

@@ -12,7 +12,18 @@ def add_run_arguments(p: argparse.ArgumentParser, *, variants: bool = False) -> 
     whose = "every variant exactly from its" if variants else "exactly from the run folder's"
     p.add_argument("--config", "-c", help="YAML run config" + (" with a fanout section" if variants else ""))
     p.add_argument("--out", help="run folder (same as run.out_dir=...)")
-    p.add_argument("--resume", action="store_true", help=f"continue {whose} latest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"continue {whose} newest intact checkpoint, with the settings it was trained with (a change to "
+        "the model, data, loss or optimizer is refused; README, Resuming)",
+    )
+    p.add_argument(
+        "--move-aside",
+        action="store_true",
+        help="when the run folder holds an earlier run, move its files to <folder>.old-<time> and start anew "
+        "(without it, training refuses to replace a run; nothing is ever deleted)",
+    )
     p.add_argument(
         "--dry-run", action="store_true", help="validate config, data, target and drafter; do not train"
     )
@@ -43,14 +54,28 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.fanout is not None:  # several drafter variants from one target: `dflashkit fanout`
         from dflashkit.train.fanout_commands import run_fanout
 
-        return run_fanout(cfg, resume=args.resume, dry_run=args.dry_run, console=console, nproc=args.nproc)
+        return run_fanout(
+            cfg,
+            resume=args.resume,
+            dry_run=args.dry_run,
+            console=console,
+            nproc=args.nproc,
+            move_aside=args.move_aside,
+        )
     launch = _launch_command(args)
     if launch is not None:
         console.print(f"data-parallel: {' '.join(launch)}")
     if args.dry_run:
         from dflashkit.train.plan import dry_run
 
-        dry_run(cfg, console, nproc=args.nproc, nnodes=args.nnodes)
+        dry_run(
+            cfg,
+            console,
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            resume=args.resume,
+            move_aside=args.move_aside,
+        )
         return 0
     if launch is not None:
         import subprocess
@@ -59,7 +84,7 @@ def _train(args: argparse.Namespace) -> int:
     from dflashkit.train.metrics import served_tau
     from dflashkit.train.trainer import train
 
-    result = train(cfg, resume=args.resume, console=console)
+    result = train(cfg, resume=args.resume, console=console, move_aside=args.move_aside)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     val = result.final_val
@@ -86,12 +111,36 @@ def _launch_command(args: argparse.Namespace) -> list[str] | None:
     return dd.launch_command(dd.train_argv(args), args.nproc, args.nnodes, args.rdzv_endpoint)
 
 
+TRAIN_EXAMPLES = """\
+examples:
+  dflashkit train -c configs/embedded.yaml --dry-run             check everything the run needs, train nothing
+  dflashkit train -c configs/embedded.yaml                       train into run.out_dir (runs/embedded)
+  dflashkit train -c configs/embedded.yaml --resume train.max_steps=1000
+                                                                 continue the run, for longer
+  dflashkit train -c configs/embedded.yaml --out runs/b16 drafter.block_size=16
+                                                                 a new run in its own folder
+  dflashkit train -c configs/embedded.yaml --move-aside          start over: the earlier run's files
+                                                                 move to runs/embedded.old-<time>
+  dflashkit train -c configs/qwen3-8b-paper.yaml --nproc 8       data-parallel on 8 GPUs of this host
+
+--resume continues with the settings the run was trained with: it refuses a change to the model
+(target.*, drafter.*), the data (data.*, train.max_len, train.seed), the loss or the optimizer, and
+allows train.max_steps, train.epochs, the log/eval/save cadence, train.keep_last, train.tensorboard,
+the batch split, run.*, attention.*, distributed.* and eval.* (README: Resuming).
+"""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from dflashkit.config import PATHS_RULE
+
     p = subparsers.add_parser(
         "train",
         help="train a drafter (config + dotted overrides, e.g. train.lr=3e-4)",
         description="Train a DFlash drafter on one process, or data-parallel with --nproc N (or under "
-        "torchrun). Any section.key=value word overrides the config (e.g. train.lr=3e-4 drafter.layers=2).",
+        "torchrun). Any section.key=value word overrides the config (e.g. train.lr=3e-4 drafter.layers=2). "
+        + PATHS_RULE,
+        epilog=TRAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_run_arguments(p)
     p.add_argument(

@@ -352,6 +352,8 @@ def train_argv(args: Any) -> list[str]:
         argv += ["--out", str(args.out)]
     if args.resume:
         argv.append("--resume")
+    if getattr(args, "move_aside", False):
+        argv.append("--move-aside")
     if args.allow_env_drift:
         argv.append("--allow-env-drift")
     return argv + list(args.overrides)

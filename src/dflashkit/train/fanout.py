@@ -237,7 +237,7 @@ def stream_position(cursor: dict[str, int], num_rows: int, batch_size: int) -> i
 
 def resume_point(run: Run) -> tuple[int, int]:
     """(step, micro-batch) where `trainer.train(resume=True)` continues this run: (0, 0) without a checkpoint."""
-    latest = st.read_latest(run.out_dir / trainer.CHECKPOINTS)
+    latest = st.pick_resume_checkpoint(run.out_dir / trainer.CHECKPOINTS, lambda _: None, set_aside=False)
     if latest is None:
         return 0, 0
     saved = json.loads((latest / st.STATE_JSON).read_text())
@@ -759,13 +759,40 @@ def summarize_drafter(w: DrafterWorker) -> DrafterSummary:
 
 
 def train_fanout(
-    cfg: RunConfig, *, resume: bool = False, console: Any = None, stop_after: int | None = None
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    console: Any = None,
+    stop_after: int | None = None,
+    move_aside: bool = False,
 ) -> FanoutResult:
     """Train every variant of the config's fanout section at once from one target (see the module
     docstring). ``stop_after`` ends each drafter after that many steps, leaving checkpoints for ``resume``."""
     t_start = time.perf_counter()
+    check_run_folders(cfg, resume=resume, move_aside=move_aside, console=console)
     fanout = setup_fanout(cfg, resume=resume)
     return train_all(fanout, resume=resume, console=console, stop_after=stop_after, t_start=t_start)
+
+
+def check_run_folders(cfg: RunConfig, *, resume: bool, move_aside: bool, console: Any) -> None:
+    """The run folder rules of `dflashkit train` for a whole fan-out, before the target loads: without
+    ``resume`` an earlier fan-out in run.out_dir is refused (or moved aside, every variant's folder with it);
+    with it, each variant's newest intact checkpoint must have been trained with the variant's settings."""
+    from dflashkit.train.rundir import RUN_FILES, check_resume_config, claim_run_folder
+
+    say = console.print if console is not None else (lambda _: None)
+    variants = variant_configs(cfg)
+    if not resume:
+        names = [*RUN_FILES, *(name for name, _ in variants)]
+        claim_run_folder(
+            Path(cfg.run.out_dir), move_aside=move_aside, report=say, names=names, what="a fan-out run"
+        )
+        return
+    for name, vcfg in variants:
+        root = Path(vcfg.run.out_dir) / trainer.CHECKPOINTS
+        ckpt = st.pick_resume_checkpoint(root, lambda m, n=name: say(f"[yellow]{n}: {m}[/]"))
+        if ckpt is not None:
+            check_resume_config(ckpt, vcfg)
 
 
 def train_all(
@@ -956,15 +983,25 @@ class _Progress:
 # Dry run
 
 
-def dry_run_fanout(cfg: RunConfig, console: Any) -> dict[str, Any]:
-    """Check every variant (config, data, target, drafter) without loading weights; show the placement."""
+def dry_run_fanout(
+    cfg: RunConfig, console: Any, *, resume: bool = False, move_aside: bool = False
+) -> dict[str, Any]:
+    """Check every variant (config, data, target, drafter, attention memory, its run folder) without loading
+    weights; show the placement. The run folders are checked as training would, and nothing is moved."""
     from dflashkit.train.plan import dry_run
+    from dflashkit.train.rundir import RUN_FILES, claim_run_folder
 
     targets, devices = placement(cfg)
+    variants = variant_configs(cfg)
+    if not resume and not move_aside:  # raises, naming the choices, when an earlier fan-out is there
+        names = [*RUN_FILES, *(name for name, _ in variants)]
+        claim_run_folder(
+            Path(cfg.run.out_dir), move_aside=False, report=console.print, names=names, what="a fan-out run"
+        )
     plans = {}
-    for (name, vcfg), dev in zip(variant_configs(cfg), devices, strict=True):
+    for (name, vcfg), dev in zip(variants, devices, strict=True):
         console.print(f"[bold]variant {name}[/] on {dev}")
-        plans[name] = dry_run(vcfg, console)
+        plans[name] = dry_run(vcfg, console, resume=resume, move_aside=move_aside)
     where = ", ".join(str(d) for d in targets)
     console.print(
         f"fan-out: target on {where} ({len(targets)} worker(s)); {len(plans)} drafters; "

@@ -1,5 +1,7 @@
-"""`dflashkit train --dry-run`: check config, data manifest, target and drafter together, without
-loading the target's weights or training, and print the plan."""
+"""`dflashkit train --dry-run`: run the checks the run itself would make, without loading the target's
+weights or training, and print the plan: config, data (its manifest, and the packed rows of both splits:
+enough of them for a batch), target and drafter together, and the attention memory a training step and an
+evaluation row would need on this device."""
 
 from __future__ import annotations
 
@@ -12,19 +14,32 @@ from dflashkit.config import RunConfig
 from dflashkit.errors import ConfigError
 
 
-def dry_run(cfg: RunConfig, console: Any, nproc: int | None = None, nnodes: int = 1) -> dict[str, Any]:
+def dry_run(
+    cfg: RunConfig,
+    console: Any,
+    nproc: int | None = None,
+    nnodes: int = 1,
+    *,
+    resume: bool = False,
+    move_aside: bool = False,
+) -> dict[str, Any]:
     """``nproc`` x ``nnodes``: the ranks a data-parallel launch would start (``--nproc``, ``--nnodes``);
-    None for one process."""
+    None for one process. ``resume``, ``move_aside``: the run folder is checked as `train` would (nothing
+    is moved or renamed)."""
     from dflashkit.data.dataset import read_manifest
     from dflashkit.target.hf import identity_of_folder, load_target_config
     from dflashkit.train.trainer import (
         check_data_matches_target,
+        check_rows,
         drafter_config,
+        pack_dataset,
         resolve_backend,
         resolve_device,
+        total_steps,
         use_compiled_regions,
     )
 
+    out = run_folder_plan(cfg, resume=resume, move_aside=move_aside)
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)
     ranks = (nproc or 1) * (nnodes if nproc else 1)
@@ -37,8 +52,11 @@ def dry_run(cfg: RunConfig, console: Any, nproc: int | None = None, nnodes: int 
     check_data_matches_target(manifest, ident, dc, str(data_dir))
     if cfg.drafter.init and not Path(cfg.drafter.init).is_dir():
         raise ConfigError(f"drafter.init={cfg.drafter.init} is not a checkpoint folder")
+    train_rows, val_rows = pack_dataset(cfg, target_cfg)  # an empty split is an error here too
+    check_rows(cfg, train_rows, ranks)
+    attention = attention_memory(cfg, dc, device, backend)
     features = "online (the target runs every step)"
-    if cfg.data.features_dir:  # everything but the packed rows' digest, which needs the tokenizer
+    if cfg.data.features_dir:
         from dflashkit.data.features import check_capture_matches, read_features_manifest
 
         fm = read_features_manifest(cfg.data.features_dir)
@@ -49,7 +67,7 @@ def dry_run(cfg: RunConfig, console: Any, nproc: int | None = None, nnodes: int 
             layer_ids=dc.target_layer_ids,
             max_len=cfg.train.max_len,
             data_manifest=manifest,
-            rows={},
+            rows={"train": train_rows, "validation": val_rows},
         )
         features = f"offline, {cfg.data.features_dir} ({fm['dtype']}, layers {fm['target_layer_ids']})"
     per_step = ranks * cfg.train.batch_size * cfg.train.grad_accum
@@ -67,11 +85,14 @@ def dry_run(cfg: RunConfig, console: Any, nproc: int | None = None, nnodes: int 
         "features": features,
         "target": f"{ident['name']} ({ident['architecture']}, {ident['num_layers']} layers, hidden {ident['hidden_size']})",
         "drafter": f"{dc.num_hidden_layers} layers, block {dc.block_size}, target layers {dc.target_layer_ids}, mask id {dc.mask_token_id}",
-        "data": f"{data_dir}: {manifest.get('counts', {})}",
+        "data": f"{data_dir}: {manifest.get('counts', {})}; packed into {len(train_rows)} training and "
+        f"{len(val_rows)} held-out rows of {cfg.train.max_len} tokens",
+        "steps": f"{total_steps(cfg, len(train_rows), ranks)}",
+        "attention memory": attention,
         "train": f"lr {cfg.train.lr}, {cfg.train.num_anchors} anchors x {cfg.train.max_len} tokens, "
         f"{ranks} x batch {cfg.train.batch_size} x accum {cfg.train.grad_accum} = {per_step} rows per step",
         "loss": f"{cfg.train.loss_weighting}, gamma {cfg.decay_gamma():.2f}, labels from {cfg.train.labels}",
-        "out": cfg.run.out_dir,
+        "out": out,
     }
     table = Table(title="dflashkit train --dry-run: everything checks out")
     table.add_column("", style="cyan")
@@ -80,3 +101,53 @@ def dry_run(cfg: RunConfig, console: Any, nproc: int | None = None, nnodes: int 
         table.add_row(k, v)
     console.print(table)
     return plan
+
+
+def attention_memory(cfg: RunConfig, dc: Any, device: Any, backend: str) -> str:
+    """The dense attention memory of a training micro-batch and of an evaluation row on this device, checked
+    against the budget as the run checks it before any attention runs (`runtime.compile.preflight_dense`):
+    a shape over budget is the error the run would meet, with a hint for this device."""
+    from dflashkit.runtime.compile import dense_budget_gib, preflight_dense
+
+    if backend == "flex":
+        return "flex: compiled, memory linear in sequence length (no dense score matrix)"
+    q_len = cfg.train.num_anchors * dc.block_size  # N blocks of B slots
+    kv_len = cfg.train.max_len + q_len  # the context, then the blocks
+    heads = dc.num_attention_heads
+    need = 0
+    for batch, what in ((cfg.train.batch_size, "a training micro-batch"), (1, "an evaluation row")):
+        preflight_dense(
+            batch, 1, q_len, kv_len, what=f"the {backend} attention mask of {what}", device=device
+        )
+        where = f"{backend} attention of {what}"
+        need = max(need, preflight_dense(batch, heads, q_len, kv_len, what=where, device=device))
+    return (
+        f"{backend} (dense) on {device}: score matrix {cfg.train.batch_size}x{heads}x{q_len}x{kv_len}, "
+        f"{need / 2**30:.2f} GiB per layer, within the {dense_budget_gib():g} GiB budget"
+    )
+
+
+def run_folder_plan(cfg: RunConfig, *, resume: bool, move_aside: bool) -> str:
+    """What training would do with run.out_dir, checked as `train` checks it (`train.rundir`): an earlier
+    run there is refused without --resume or --move-aside; --resume checks the checkpoint it would continue
+    and the config against the one it was trained with."""
+    from dflashkit.train import state as st
+    from dflashkit.train.rundir import check_resume_config, run_files
+    from dflashkit.train.trainer import CHECKPOINTS
+
+    out = Path(cfg.run.out_dir)
+    if resume:
+        notes: list[str] = []
+        ckpt = st.pick_resume_checkpoint(out / CHECKPOINTS, notes.append, set_aside=False)
+        if ckpt is None:
+            return f"{out} (no checkpoint: --resume starts from scratch)"
+        check_resume_config(ckpt, cfg)
+        return f"{out}, resuming from {ckpt.name}" + (f" ({'; '.join(notes)})" if notes else "")
+    found = run_files(out)
+    if found and move_aside:
+        return f"{out} (its earlier run's files, {', '.join(found)}, would move to {out}.old-<time>)"
+    if found:
+        from dflashkit.train.rundir import claim_run_folder
+
+        claim_run_folder(out, move_aside=False, report=lambda _: None)  # raises, naming the choices
+    return str(out)

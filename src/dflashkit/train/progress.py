@@ -1,4 +1,5 @@
-"""A live progress line for training (rich): step, loss, train and validation acceptance length."""
+"""Live progress of training (rich): a bar of steps with loss, train and validation acceptance length, and,
+while the held-out rows are measured, a bar of its own for that evaluation (the step bar stands still then)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class TrainProgress:
     def __init__(self, total: int, start: int, console: Console):
         self.console = console
         self.progress = Progress(
-            TextColumn("[bold]train"),
+            TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
@@ -32,6 +33,7 @@ class TrainProgress:
             disable=not console.is_terminal and console.quiet,
         )
         self.task = self.progress.add_task("train", total=total, completed=start, info="")
+        self.eval_task: Any = None
         self.info = ""
 
     def __enter__(self) -> TrainProgress:
@@ -55,3 +57,19 @@ class TrainProgress:
             if not self.console.is_terminal:
                 self.console.print(f"step {step}: {self.info}")
         self.progress.update(self.task, completed=step, info=self.info)
+
+    def evaluating(self, done: int, total: int) -> None:
+        """Held-out rows measured so far (`trainer.evaluate`'s ``on_row``): a bar of its own."""
+        if self.eval_task is None:
+            self.eval_task = self.progress.add_task(
+                "validation", total=total, info="held-out rows, a block at every anchor"
+            )
+            if not self.console.is_terminal:
+                self.console.print(f"validation: measuring {total} held-out rows")
+        self.progress.update(self.eval_task, completed=done)
+
+    def evaluated(self) -> None:
+        """The evaluation is over: its bar goes."""
+        if self.eval_task is not None:
+            self.progress.remove_task(self.eval_task)
+            self.eval_task = None

@@ -23,7 +23,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ import torch
 
 from dflashkit.atomic import fsync_path
 from dflashkit.errors import CheckpointError
+from dflashkit.integrity import CorruptFileError, read_checksums, verify_files
 
 STATE_TENSORS = "training_state.pt"
 STATE_JSON = "training_state.json"
@@ -191,17 +192,135 @@ def load_training_state(
 
     Call `restore_rng(state.rng, generators)` afterwards to resume the random streams.
     """
+    return apply_training_state(read_training_state(directory), optimizer, scheduler)
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A checkpoint's training state as read from disk, before it goes into an optimizer."""
+
+    directory: Path
+    progress: dict[str, Any]
+    tensors: dict[str, Any]
+
+
+def read_training_state(directory: str | Path) -> SavedState:
+    """Read (and check against its checksums) the training state of a checkpoint folder; a missing,
+    truncated or corrupted file is a `CheckpointError` naming it."""
     directory = Path(directory)
     if not (directory / STATE_TENSORS).exists() or not (directory / STATE_JSON).exists():
         raise CheckpointError(
             f"{directory} holds no training state ({STATE_TENSORS} and {STATE_JSON}); "
             "point the resume path at a step-* folder written by `dflashkit train`"
         )
-    progress = json.loads((directory / STATE_JSON).read_text())
-    tensors = torch.load(directory / STATE_TENSORS, map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(tensors["optimizer"])
+    verify_files(directory, [STATE_JSON, STATE_TENSORS])
+    try:
+        progress = json.loads((directory / STATE_JSON).read_text())
+        progress["step"], progress["data_cursor"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CorruptFileError(f"{directory / STATE_JSON} is corrupted ({e})") from None
+    try:
+        tensors = torch.load(directory / STATE_TENSORS, map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CorruptFileError(
+            f"{directory / STATE_TENSORS} cannot be read ({str(e).strip().splitlines()[0][:200]}); the file is "
+            "truncated or corrupted"
+        ) from None
+    return SavedState(directory, progress, tensors)
+
+
+def apply_training_state(
+    saved: SavedState, optimizer: torch.optim.Optimizer, scheduler: Any | None = None
+) -> TrainingState:
+    """Fill `optimizer` and `scheduler` from a read training state; returns the rest."""
+    progress, tensors = saved.progress, saved.tensors
+    try:
+        optimizer.load_state_dict(tensors["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(
+            f"{saved.directory}: its optimizer state does not fit this drafter ({str(e).strip()[:200]}); "
+            "resume with the run's own settings, or start a new run"
+        ) from None
     if scheduler is not None:
         if tensors["scheduler"] is None:
-            raise CheckpointError(f"{directory} was saved without a scheduler; resume with the same schedule")
+            raise CheckpointError(
+                f"{saved.directory} was saved without a scheduler; resume with the same schedule"
+            )
         scheduler.load_state_dict(tensors["scheduler"])
-    return TrainingState(progress["step"], progress["data_cursor"], tensors["rng"], progress["extra"])
+    return TrainingState(progress["step"], progress["data_cursor"], tensors["rng"], progress.get("extra", {}))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which checkpoint a resume continues from
+
+
+def step_dirs(root: str | Path) -> list[Path]:
+    """The step-* checkpoint folders of `root`, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), reverse=True)
+
+
+def check_checkpoint(folder: str | Path) -> None:
+    """That every file of a checkpoint folder is whole: checked against its checksums (or, in a folder
+    written before checksums, by structure), and its training state readable. Raises `CheckpointError`."""
+    folder = Path(folder)
+    verify_files(folder, None if read_checksums(folder) is not None else _STRUCTURED_FILES)
+    for name in ("config.json", STATE_JSON):
+        try:
+            json.loads((folder / name).read_text())
+        except FileNotFoundError:
+            raise CorruptFileError(f"{folder / name} is missing; the checkpoint is incomplete") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptFileError(f"{folder / name} is corrupted ({e})") from None
+
+
+_STRUCTURED_FILES = ("model.safetensors", STATE_TENSORS)
+
+
+def pick_resume_checkpoint(
+    root: str | Path, report: Callable[[str], None], *, set_aside: bool = True
+) -> Path | None:
+    """The checkpoint a resume continues from: the one `latest` names when it is intact, else the newest
+    intact step-* folder. Each damaged one is reported (and, with ``set_aside``, renamed to
+    step-N.damaged-<k> so that rotation and later resumes pass over it; nothing is deleted). None when
+    there is no checkpoint; a `CheckpointError` when none is intact."""
+    root = Path(root)
+    try:
+        latest = read_latest(root)
+    except CheckpointError as e:
+        report(str(e))
+        latest = None
+    candidates = ([latest] if latest is not None else []) + [p for p in step_dirs(root) if p != latest]
+    damaged: list[str] = []
+    for folder in candidates:
+        try:
+            check_checkpoint(folder)
+        except (CheckpointError, OSError) as e:
+            damaged.append(folder.name)
+            report(f"checkpoint {folder.name} is damaged: {e}")
+            if set_aside:
+                set_aside_damaged(folder, report)
+            continue
+        if folder != latest:
+            report(f"resuming from {folder.name}, the newest intact checkpoint")
+        return folder
+    if damaged:
+        raise CheckpointError(
+            f"no intact checkpoint in {root} (damaged: {', '.join(damaged)}); start the run again "
+            "(dflashkit train --move-aside keeps the old files), or copy a good checkpoint into it"
+        )
+    return None
+
+
+def set_aside_damaged(folder: Path, report: Callable[[str], None]) -> None:
+    """Rename a damaged checkpoint folder to step-N.damaged-<k>: kept, but no longer a step-* folder."""
+    k = 0
+    while (dest := folder.with_name(f"{folder.name}.damaged-{k}")).exists():
+        k += 1
+    try:
+        os.rename(folder, dest)
+    except OSError:  # another rank renamed it first, or the filesystem refuses: leave it
+        return
+    report(f"renamed {folder.name} to {dest.name} (kept for inspection; delete it when done)")

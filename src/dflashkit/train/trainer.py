@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,8 @@ from torch import Tensor
 from dflashkit.atomic import atomic_dir
 from dflashkit.attention.masks import BlockLayout
 from dflashkit.config import RunConfig, dump_config
-from dflashkit.errors import ConfigError, DataError, DeviceError, EnvironmentDriftError
-from dflashkit.model.checkpoint import load_drafter, write_checkpoint
+from dflashkit.errors import CheckpointError, ConfigError, DataError, DeviceError, EnvironmentDriftError
+from dflashkit.model.checkpoint import check_checkpoint_folder, load_drafter, write_checkpoint
 from dflashkit.model.config import DrafterConfig, config_for_target
 from dflashkit.model.drafter import DFlashDrafter, build_block_masks
 from dflashkit.runtime import fingerprint as fpmod
@@ -55,6 +56,7 @@ from dflashkit.train.metrics import (
     served_order_walk,
     served_tau,
 )
+from dflashkit.train.rundir import RUN_CONFIG_FILE, check_resume_config, claim_run_folder
 
 CHECKPOINTS = "checkpoints"
 BEST = "best"
@@ -133,10 +135,13 @@ class Rows:
         )
 
 
-def pack_rows(records: list[Any], max_len: int, pad_token_id: int) -> Rows:
+def pack_rows(records: list[Any], max_len: int, pad_token_id: int, where: str = "the dataset split") -> Rows:
     """Pack tokenized records (with .input_ids and .loss_mask) into rows of max_len tokens."""
     if not records:
-        raise DataError("the dataset split is empty; prepare more prompts (data.max_prompts)")
+        raise DataError(
+            f"{where} holds no records; prepare more prompts (data.max_prompts), or see why `dflashkit "
+            "prepare` kept none (prompts longer than data.max_prompt_tokens are left out)"
+        )
     plain = [{"input_ids": r.input_ids, "loss_mask": r.loss_mask} for r in records]
     return Rows(*pack_sequences(plain, max_len, pad_token_id))
 
@@ -359,14 +364,40 @@ def check_data_matches_target(
 
 def load_rows(cfg: RunConfig, target: TargetModel) -> tuple[Rows, Rows]:
     """The packed training and validation rows of data.dir, as training sees them."""
+    return pack_dataset(cfg, target.config)
+
+
+def pack_dataset(cfg: RunConfig, target_config: Any) -> tuple[Rows, Rows]:
+    """The packed training and validation rows of data.dir (``target_config``: the target's HF config,
+    for its padding token; no weights needed)."""
     from dflashkit.data.dataset import load_dataset
 
-    pad = int(getattr(target.config, "pad_token_id", None) or 0)
+    pad = int(getattr(target_config, "pad_token_id", None) or 0)
     data_dir = Path(cfg.data.dir)
-    return (
-        pack_rows(load_dataset(data_dir, "train"), cfg.train.max_len, pad),
-        pack_rows(load_dataset(data_dir, "validation"), cfg.train.max_len, pad),
+    train, val = (
+        pack_rows(load_dataset(data_dir, split), cfg.train.max_len, pad, f"the {split} split of {data_dir}")
+        for split in ("train", "validation")
     )
+    return train, val
+
+
+def check_rows(cfg: RunConfig, train_rows: Rows, world_size: int = 1) -> None:
+    """Enough training rows for one global micro-batch (world_size x train.batch_size rows)."""
+    micro = world_size * cfg.train.batch_size
+    if len(train_rows) < micro:
+        ranks = f"{world_size} ranks x " if world_size > 1 else ""
+        raise DataError(
+            f"{cfg.data.dir} packs into {len(train_rows)} training rows of {cfg.train.max_len} tokens, fewer "
+            f"than {ranks}train.batch_size={cfg.train.batch_size}; prepare more data or lower the batch size"
+        )
+
+
+def total_steps(cfg: RunConfig, num_train_rows: int, world_size: int = 1) -> int:
+    """Optimizer steps of the run: train.max_steps, else train.epochs over the training rows."""
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    per_step = world_size * cfg.train.batch_size * cfg.train.grad_accum
+    return max(1, math.ceil(cfg.train.epochs * num_train_rows / per_step))
 
 
 def setup_run(cfg: RunConfig, *, dist: dd.Dist | None = None, target: Any = None) -> Run:
@@ -379,6 +410,8 @@ def setup_run(cfg: RunConfig, *, dist: dd.Dist | None = None, target: Any = None
     backend = resolve_backend(cfg, device)
     data_dir = Path(cfg.data.dir)
     manifest = read_manifest(data_dir)
+    if cfg.drafter.init:
+        check_checkpoint_folder(cfg.drafter.init)  # before the target loads
     if target is None:
         target = TargetModel.load(cfg.target.path, dtype=target_dtype(cfg, device), device=device)
     dc = drafter_config(cfg, target.config, target.identity())
@@ -406,18 +439,8 @@ def setup_run(cfg: RunConfig, *, dist: dd.Dist | None = None, target: Any = None
             data_manifest=manifest,
             rows={"train": train_rows, "validation": val_rows},
         )
-    micro = dist.world_size * cfg.train.batch_size  # rows of one global micro-batch
-    if len(train_rows) < micro:
-        ranks = f"{dist.world_size} ranks x " if dist.parallel else ""
-        raise DataError(
-            f"{data_dir} packs into {len(train_rows)} training rows of {cfg.train.max_len} tokens, fewer than "
-            f"{ranks}train.batch_size={cfg.train.batch_size}; prepare more data or lower the batch size"
-        )
-    per_step = micro * cfg.train.grad_accum
-    if cfg.train.max_steps is not None:
-        total = cfg.train.max_steps
-    else:
-        total = max(1, math.ceil(cfg.train.epochs * len(train_rows) / per_step))
+    check_rows(cfg, train_rows, dist.world_size)
+    total = total_steps(cfg, len(train_rows), dist.world_size)
     return Run(
         cfg,
         Path(cfg.run.out_dir),
@@ -530,11 +553,13 @@ def served_rounds(outs: list[StepOutput], row: int = 0) -> list[int]:
     return served_order_walk(anchors, lengths, valid)
 
 
-def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
+def evaluate(
+    run: Run, max_rows: int | None = None, on_row: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
     """Acceptance on validation rows, measured at every anchor: the mean over all blocks (`acceptance_length`)
     and the served-order acceptance length (`served_acceptance_length`, `metrics.served_order_walk`: what
     serving these rows would measure). Under torchrun the rows are dealt over the ranks and the sums reduced:
-    every rank gets the result."""
+    every rank gets the result. ``on_row(done, total)`` follows the rows this process measures."""
     d = _dist(run)
     drafter = run.drafter
     was_training = drafter.training
@@ -542,7 +567,10 @@ def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
     n = len(run.val_rows) if max_rows is None else min(max_rows, len(run.val_rows))
     total: dict[str, Tensor] | None = None
     sums = [0.0, 0.0, 0.0, 0.0]  # loss, loss weight, served tokens, served rounds
-    for i, counted in dd.lockstep_rows(n, d):  # one row at a time: the one warmed evaluation shape
+    rows_here = list(dd.lockstep_rows(n, d))  # one row at a time: the one warmed evaluation shape
+    for done, (i, counted) in enumerate(rows_here):
+        if on_row is not None:
+            on_row(done, len(rows_here))
         idx = [i]
         rows = run.val_rows.take(idx, run.device)
         feats, argmax = features_for(run, "validation", idx, rows)
@@ -555,6 +583,8 @@ def evaluate(run: Run, max_rows: int | None = None) -> dict[str, Any]:
         rounds = served_rounds(outs)
         sums[2] += sum(rounds) * keep
         sums[3] += len(rounds) * keep
+    if on_row is not None:
+        on_row(len(rows_here), len(rows_here))
     drafter.train(was_training)
     if total is not None:
         total = dd.reduce_stats(total, d)
@@ -583,12 +613,12 @@ def save_checkpoint(
     weights = dd.full_state_dict(run.drafter, d)
     opt = dd.checkpoint_optimizer(run.drafter, optimizer, d, gather=True)
     if d.is_main:
-        with atomic_dir(root / name) as tmp:
+        with atomic_dir(root / name, checksums=True) as tmp:
             _write_weights(run, weights, tmp, torch.float32)
             st.save_training_state(
                 tmp, opt, scheduler, step, cursor, st.capture_rng({"anchors": generator}), extra
             )
-            (tmp / "run_config.yaml").write_text(dump_config(run.cfg))
+            (tmp / RUN_CONFIG_FILE).write_text(dump_config(run.cfg))
             fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)
         st.write_latest(root, name)
         st.rotate_checkpoints(root, run.cfg.train.keep_last)
@@ -602,9 +632,11 @@ def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
     weights = dd.full_state_dict(run.drafter, d)
     if not d.is_main:
         return
-    with atomic_dir(run.out_dir / BEST) as tmp:
+    with atomic_dir(run.out_dir / BEST, checksums=True) as tmp:
         _write_weights(run, weights, tmp, torch.bfloat16)  # bf16 z-lab layout: what serving loads
-        (tmp / "metrics.json").write_text(json.dumps({"step": step, **metrics}, indent=2) + "\n")
+        # data_dir: whose held-out split these numbers were measured on (eval compares like with like)
+        record = {"step": step, "data_dir": str(Path(run.cfg.data.dir).resolve()), **metrics}
+        (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
         fpmod.save(fpmod.collect(), tmp / fpmod.FINGERPRINT_FILE)
 
 
@@ -631,6 +663,18 @@ def check_env_drift(ckpt: Path, allow: bool, console: Any) -> None:
             f"the checkpoint {ckpt} was written in another environment (critical: {keys}); resume there, or "
             "pass --allow-env-drift (run.allow_env_drift=true) to continue anyway"
         )
+
+
+def load_weights(drafter: DFlashDrafter, weights: dict[str, Tensor], where: Path) -> None:
+    """Put a checkpoint's weights into the run's drafter; a mismatch is one clear error, never a traceback."""
+    try:
+        drafter.load_state_dict(weights)
+    except RuntimeError as e:
+        detail = (str(e).strip().splitlines() or [""])[-1].strip()[:200]
+        raise CheckpointError(
+            f"{where} holds a drafter of another shape than this config makes ({detail}); resume with the "
+            "run's own drafter settings, or start a new run"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -680,10 +724,15 @@ def train(
     stop_after: int | None = None,
     run: Run | None = None,
     features: Any = None,
+    move_aside: bool = False,
 ) -> TrainResult:
     """Train a drafter as the config says. ``stop_after`` ends the loop early after that many steps
     (as an interruption would), leaving the checkpoints for ``resume``. Started by torchrun, each
     process trains its share of every global batch (data-parallel: see dflashkit.train.distributed).
+
+    Without ``resume`` a run folder that holds an earlier run is refused, or, with ``move_aside``, its
+    files are moved to ``<out>.old-<time>`` first (`rundir.claim_run_folder`). With ``resume`` the newest
+    intact checkpoint continues, if the config keeps what it was trained with (`rundir.check_resume_config`).
 
     A fan-out (dflashkit.train.fanout) drives this loop in its drafter threads: ``run`` is set up, and its
     attention warmed, by the caller; ``features`` (called as ``features_for`` is) feeds each training
@@ -691,10 +740,58 @@ def train(
     d = dd.init_distributed(cfg)
     try:
         return _train(
-            cfg, d, resume=resume, console=console, stop_after=stop_after, run=run, features=features
+            cfg,
+            d,
+            resume=resume,
+            console=console,
+            stop_after=stop_after,
+            run=run,
+            features=features,
+            move_aside=move_aside,
         )
     finally:
         dd.shutdown(d)
+
+
+def find_resume_point(cfg: RunConfig, d: dd.Dist, console: Any) -> tuple[Path, st.SavedState] | None:
+    """The checkpoint a resume continues from (the newest intact one, `state.pick_resume_checkpoint`) and
+    its training state, checked against the config before anything slow loads. None: no checkpoint."""
+    root = Path(cfg.run.out_dir) / CHECKPOINTS
+    while True:
+        ckpt = st.pick_resume_checkpoint(
+            root, lambda m: console.print(f"[yellow]{m}[/]"), set_aside=d.is_main
+        )
+        if ckpt is None:
+            return None
+        check_resume_config(ckpt, cfg)
+        try:
+            return ckpt, st.read_training_state(ckpt)
+        except CheckpointError as e:  # unreadable in a way its checksums could not tell: try an older one
+            console.print(f"[yellow]checkpoint {ckpt.name} is damaged: {e}[/]")
+            if not d.is_main:
+                raise
+            st.set_aside_damaged(ckpt, lambda m: console.print(f"[yellow]{m}[/]"))
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop the records after ``step`` from metrics.jsonl (steps a resume will train again, so that they
+    are not logged twice); returns how many were dropped. The file is replaced atomically."""
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass  # a torn last line of a crash: dropped
+    if len(keep) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return len(lines) - len(keep)
 
 
 def _train(
@@ -706,26 +803,33 @@ def _train(
     stop_after: int | None,
     run: Run | None = None,
     features: Any = None,
+    move_aside: bool = False,
 ) -> TrainResult:
     from rich.console import Console
 
     from dflashkit.train.progress import TrainProgress
 
     console = (console or Console()) if d.is_main else Console(quiet=True)  # rank 0 speaks
+    out = Path(cfg.run.out_dir)
+    # The run folder's rules first, before anything slow loads (every rank reads the same files).
+    resume_point = find_resume_point(cfg, d, console) if resume else None
+    if resume and resume_point is None:
+        console.print(f"[yellow]no checkpoint in {out / CHECKPOINTS}: starting from scratch[/]")
+    if not resume and (d.is_main or not move_aside):  # every rank refuses alike; rank 0 alone moves
+        claim_run_folder(out, move_aside=move_aside, report=console.print)
+    dd.barrier(d)
+    latest, saved_state = resume_point if resume_point is not None else (None, None)
+    if latest is not None:
+        check_env_drift(latest, cfg.run.allow_env_drift, console)
     warm = run is None  # a caller that brings its run has warmed it up
     run = setup_run(cfg, dist=d) if run is None else run
     features = features or features_for
-    out = run.out_dir
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
     tc = cfg.train
-    latest = st.read_latest(out / CHECKPOINTS) if resume else None
-    if resume and latest is None:
-        console.print(f"[yellow]no checkpoint in {out / CHECKPOINTS}: starting from scratch[/]")
     if latest is not None:  # the full weights go in before DDP / FSDP takes the drafter
-        check_env_drift(latest, cfg.run.allow_env_drift, console)
-        resumed = load_drafter(latest, run.target, dtype=torch.float32, device=run.device)
-        run.drafter.load_state_dict(resumed.state_dict())
+        resumed = load_drafter(latest, run.target, dtype=torch.float32, device=run.device, verify=False)
+        load_weights(run.drafter, resumed.state_dict(), latest)
     model = dd.wrap_drafter(run.drafter, cfg, d).train()  # the drafter itself in one process
     params = [p for p in run.drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
@@ -740,13 +844,15 @@ def _train(
     micro = d.world_size * tc.batch_size  # rows of one global micro-batch
     layout = {"world_size": d.world_size, "global_batch": micro * tc.grad_accum}
 
-    if latest is not None:
+    if latest is not None and saved_state is not None:
         optimizer_io = dd.checkpoint_optimizer(run.drafter, optimizer, d, gather=False)
-        state = st.load_training_state(latest, optimizer_io, scheduler)
+        state = st.apply_training_state(saved_state, optimizer_io, scheduler)
         st.restore_rng(state.rng, {"anchors": generator})
         step, cursor = state.step, dict(state.data_cursor)
         best = float(state.extra.get("best_acceptance_length", best))
         console.print(f"resumed from {latest} at step {step}")
+        if d.is_main:
+            trim_metrics(metrics_path, step)
         note = dd.resume_note(state.extra, d, layout["global_batch"])
         if note:
             console.print(f"[yellow]{note}[/]")
@@ -830,7 +936,8 @@ def _train(
                 }
                 window = None
             if step % tc.eval_every == 0 or step == run.total_steps:
-                last_val = evaluate(run)  # the same reduced numbers on every rank
+                last_val = evaluate(run, on_row=progress.evaluating)  # the same numbers on every rank
+                progress.evaluated()
                 record = (record or {"step": step}) | {"val": last_val}
                 if served_tau(last_val) > best:  # chosen by what serving will measure
                     best = served_tau(last_val)
@@ -861,13 +968,26 @@ def _train(
     return TrainResult(step, time.perf_counter() - t0, best, last_val, out, losses)
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl in step order, one per step: where a step was logged twice (a run
+    resumed by an older dflashkit trained it again) the later record wins; a torn line is skipped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = record
+        except (ValueError, KeyError, TypeError):
+            continue
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def plot_training(metrics_path: Path, png: Path) -> Path | None:
     """Loss and acceptance length (training batches and held-out) over steps, as one PNG."""
     if not metrics_path.is_file():
         return None
     from matplotlib.figure import Figure  # not pyplot: its global state is not for threads (fan-out)
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records = read_metrics(metrics_path)
     train = [r for r in records if r.get("loss") is not None]
     val = [r for r in records if "val" in r]
     fig = Figure(figsize=(11, 4))
