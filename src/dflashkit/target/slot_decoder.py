@@ -42,6 +42,8 @@ Attention = Literal["sdpa", "flash"]
 def flash_varlen(*args: Any, **kwargs: Any) -> Any:
     """FlashAttention's variable-length forward (CUDA, bf16/fp16), as torch ships it."""
     return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -233,24 +235,29 @@ def forward(
     attend = _attend_flash if attention == "flash" else _attend_sdpa
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([nq * d, nk * d, nk * d], dim=-1)
-        q = q.view(rows, chunk, nq, d)
-        k = k.view(rows, chunk, nk, d)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, w.eps)
-        if layer.k_norm is not None:
-            k = rms_norm(k, layer.k_norm, w.eps)
-        q = apply_rotary(q, rotary)
-        cache.k[i][slots[:, None], positions] = apply_rotary(k, rotary)
-        cache.v[i][slots[:, None], positions] = v.view(rows, chunk, nk, d)
-        out = attend(q, cache.k[i], cache.v[i], slots, positions, kv_len)  # [R, C, nq * d]
-        x = x + F.linear(out, layer.o)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(rows, chunk, nq + 2 * nk, d)
+        qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk :]
+        if layer.q_norm is not None:  # Qwen3: each head normalised before the rotation
+            qk = torch.cat(
+                [rms_norm(qk[:, :, :nq], layer.q_norm, w.eps), rms_norm(qk[:, :, nq:], layer.k_norm, w.eps)],
+                dim=2,
+            )
+        qk = apply_rotary(qk, rotary)  # queries and keys turned in one pass
+        cache.k[i][slots[:, None], positions] = qk[:, :, nq:]
+        cache.v[i][slots[:, None], positions] = v
+        out = attend(qk[:, :, :nq], cache.k[i], cache.v[i], slots, positions, kv_len)  # [R, C, nq * d]
+        x = _add_linear(x, out, layer.o)
         h = rms_norm(x, layer.post_norm, w.eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = _add_linear(x, F.silu(gate) * up, layer.down)
     picked = x[torch.arange(rows, device=x.device), last]  # [R, hidden]
     return F.linear(rms_norm(picked, w.norm, w.eps), w.lm_head).float()
+
+
+def _add_linear(x: Tensor, a: Tensor, weight: Tensor) -> Tensor:
+    """x + a @ weight.T as one matmul that accumulates onto x (the residual add rides in the GEMM)."""
+    shape = x.shape
+    return torch.addmm(x.reshape(-1, shape[-1]), a.reshape(-1, a.shape[-1]), weight.t()).view(shape)
 
 
 def _attend_sdpa(
