@@ -35,7 +35,8 @@ from dflashkit.errors import DflashkitError
 
 SETS: tuple[str, ...] = ("mtbench", "gsm8k", "humaneval", "heldout")
 SET_TITLES = {"mtbench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval", "heldout": "held-out"}
-BENCH_JSON, BENCH_PNG, SETS_DIR, EARLIER_DIR = "bench.json", "bench.png", "sets", "earlier"
+BENCH_JSON, BENCH_PNG, BENCH_MD = "bench.json", "bench.png", "bench.md"
+SETS_DIR, EARLIER_DIR = "sets", "earlier"
 SUMMARY_TEMPERATURE = "0"
 # Room for a reply that is decoded to text and tokenized again inside the next turn's prompt.
 REPLY_SLACK = 16
@@ -313,7 +314,8 @@ def decode_set(
                 progress(r)
             if stop_at_difference and r.first_difference is not None:
                 return out
-            replies.append(dec.reply_text(spec.tokens))
+            if not conv.prefixes:  # the next turn is rendered after this reply
+                replies.append(dec.reply_text(spec.tokens))
     return out
 
 
@@ -511,22 +513,31 @@ def plot(bench: dict[str, Any], path: Path) -> Path:
     colors = ["#3b7dd8", "#d8663b", "#5aa05a", "#8d5ad8"]
     for ax, key, label in ((axes[0], "tau", "acceptance length tau"), (axes[1], "speedup", "speedup (x)")):
         for j, t in enumerate(temps):
-            xs, ys = [], []
+            xs, ys, low, high = [], [], [], []
             for i, name in enumerate(names):
-                value = sets[name]["temperatures"].get(t, {}).get(key)
-                if value is not None and not math.isnan(value):
-                    xs.append(i + (j - (len(temps) - 1) / 2) * width)
-                    ys.append(value)
-            bars = ax.bar(xs, ys, width, label=f"T={t}", color=colors[j % len(colors)])
-            ax.bar_label(bars, fmt="%.2f", fontsize=8)
+                fig_t = sets[name]["temperatures"].get(t)
+                value = fig_t.get(key) if fig_t else None
+                if value is None or math.isnan(value):
+                    continue
+                xs.append(i + (j - (len(temps) - 1) / 2) * width)
+                ys.append(value)
+                if key == "tau":  # the spread over responses: p10 to p90
+                    sp = fig_t["tau_per_response"]
+                    low.append(max(0.0, value - sp["p10"]))
+                    high.append(max(0.0, sp["p90"] - value))
+            errors = [low, high] if key == "tau" and ys else None
+            color = colors[j % len(colors)]
+            bars = ax.bar(xs, ys, width, yerr=errors, capsize=3, label=f"T={t}", color=color)
+            ax.bar_label(bars, fmt="%.2f", fontsize=8, label_type="center" if key == "tau" else "edge")
         if key == "speedup":
             ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(names)), [SET_TITLES.get(n, n) for n in names])
         ax.set_ylabel(label)
         ax.legend()
+    axes[0].set_title("tau over all rounds; whiskers: p10-p90 over responses", fontsize=9)
     s = bench["settings"]
     fig.suptitle(
-        f"{Path(s['drafter']).name} on {s['target']}: {s['engine']} engine, {s['dtype']}, "
+        f"{'/'.join(Path(s['drafter']).parts[-2:])} on {s['target']}: {s['engine']} engine, {s['dtype']}, "
         f"{s['max_new_tokens']} new tokens"
     )
     fig.tight_layout()
@@ -535,12 +546,45 @@ def plot(bench: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def markdown_table(bench: dict[str, Any]) -> str:
+    """The table as Markdown (for a results file), with the settings and the command above it."""
+    s = bench["settings"]
+    lines = [
+        f"{'/'.join(Path(s['drafter']).parts[-2:])} (B={s['block_size']}) on {s['target']}: {s['engine']} engine, "
+        f"{s['dtype']}, {s['device']}, {s['max_new_tokens']} new tokens per reply",
+        "",
+        f"`{bench['command']}`",
+        "",
+        "| set | T | prompts (replies) | tau | tau p10-p90 | AR tok/s | spec tok/s | speedup | fp32 lossless |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x: float | None, spec: str) -> str:
+        return "-" if x is None or math.isnan(x) else format(x, spec)
+
+    for name, res in bench["sets"].items():
+        check = res.get("lossless_fp32")
+        for key, fig in res["temperatures"].items():
+            lossless = "-"
+            if check and key == "0":
+                lossless = f"{'yes' if check['lossless'] else 'NO'} ({check['responses']})"
+            sp = fig["tau_per_response"]
+            lines.append(
+                f"| {SET_TITLES.get(name, name)} | {key} | {res['prompts']} ({fig['responses']}) | "
+                f"{f(fig['tau'], '.2f')} | {f(sp['p10'], '.2f')}-{f(sp['p90'], '.2f')} | "
+                f"{f(fig['ar_tokens_per_second'], '.1f')} | {f(fig['spec_tokens_per_second'], '.1f')} | "
+                f"{f(fig['speedup'], '.2f')}x | {lossless} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(
     out: Path, settings: dict[str, Any], command: str, summary_path: Path | None
 ) -> dict[str, Any]:
-    """bench.json and bench.png from every set in ``out``; the T=0 summary at ``summary_path`` when asked."""
+    """bench.json, bench.md and bench.png from every set in ``out``; the T=0 summary at ``summary_path`` when asked."""
     bench = combined(out, settings, command)
     _write_json(out / BENCH_JSON, bench)
+    (out / BENCH_MD).write_text(markdown_table(bench))
     plot(bench, out / BENCH_PNG)
     if summary_path is not None:
         if not bench["summary_t0"]:

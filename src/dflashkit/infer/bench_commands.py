@@ -172,7 +172,7 @@ def _bench(args: argparse.Namespace) -> int:
     for line in agreement_lines(combined):
         console.print(line)
     console.print(
-        f"wrote {out / bench.BENCH_JSON} and {out / bench.BENCH_PNG}"
+        f"wrote {out / bench.BENCH_JSON}, {out / bench.BENCH_MD} and {out / bench.BENCH_PNG}"
         + (f", and the T=0 summary {summary_path}" if summary_path else "")
     )
     failed = [
@@ -232,21 +232,24 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
 
     s = combined["settings"]
     t = Table(
-        title=f"dflashkit bench: {Path(s['drafter']).name} (B={s['block_size']}) on {s['target']}, "
-        f"{s['engine']} engine, {s['dtype']}, {s['device']}, {s['max_new_tokens']} new tokens"
+        title=f"dflashkit bench: {'/'.join(Path(s['drafter']).parts[-2:])} (B={s['block_size']}) on "
+        f"{s['target']}; {s['engine']} engine, {s['dtype']}, {s['device']}, {s['max_new_tokens']} new tokens",
+        caption="prompts: conversations (replies decoded); tau: tokens per target pass over all rounds; "
+        "p10-p90: tau per reply; fp32 lossless: replies checked, greedy; * measured by this command (the "
+        "other sets were in the folder already, with the same settings)",
     )
-    for col, justify in (
-        ("set", "left"),
-        ("T", "right"),
-        ("prompts (responses)", "right"),
-        ("tau", "right"),
-        ("tau per response: median [p10, p90]", "right"),
-        ("AR tok/s", "right"),
-        ("spec tok/s", "right"),
-        ("speedup", "right"),
-        ("fp32 lossless", "right"),
+    for col in (
+        "set",
+        "T",
+        "prompts",
+        "tau",
+        "p10-p90",
+        "AR tok/s",
+        "spec tok/s",
+        "speedup",
+        "fp32 lossless",
     ):
-        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+        t.add_column(col, justify="left" if col == "set" else "right")
     for name, res in combined["sets"].items():
         check = res.get("lossless_fp32")
         lossless = (
@@ -255,17 +258,16 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
         for key, fig in res["temperatures"].items():
             spread = fig["tau_per_response"]
             t.add_row(
-                SET_TITLES.get(name, name) + (" *" if name in measured else ""),
+                SET_TITLES.get(name, name) + ("*" if name in measured else ""),
                 key,
                 f"{res['prompts']} ({fig['responses']})",
                 _fmt(fig["tau"], ".3f"),
-                f"{_fmt(spread['median'])} [{_fmt(spread['p10'])}, {_fmt(spread['p90'])}]",
+                f"{_fmt(spread['p10'])}-{_fmt(spread['p90'])}",
                 _fmt(fig["ar_tokens_per_second"], ".1f"),
                 _fmt(fig["spec_tokens_per_second"], ".1f"),
                 _fmt(fig["speedup"], ".2f", "x"),
                 lossless if key == "0" else "-",
             )
-    t.caption = "* measured by this command; the others were already in the folder, with the same settings"
     return t
 
 
