@@ -184,8 +184,9 @@ def test_the_static_engine_grows_when_a_prompt_needs_more_room(tiny):
     _folder, target, drafter = tiny
     dec = _decoder(target, drafter, "static")
     first = dec.ready(20)
-    assert dec.ready(20) is first and dec.ready(10) is first
-    assert dec.ready(40).capacity == 40
+    assert first.capacity == bench.CAPACITY_STEP  # rounded up
+    assert dec.ready(bench.CAPACITY_STEP) is first and dec.ready(10) is first
+    assert dec.ready(bench.CAPACITY_STEP + 1).capacity == 2 * bench.CAPACITY_STEP
 
 
 def test_the_fp32_check_runs_on_float32_copies_and_names_a_difference(tiny, monkeypatch):

@@ -40,6 +40,8 @@ SETS_DIR, EARLIER_DIR = "sets", "earlier"
 SUMMARY_TEMPERATURE = "0"
 # Room for a reply that is decoded to text and tokenized again inside the next turn's prompt.
 REPLY_SLACK = 16
+# Static engine capacities are rounded up to a multiple of this.
+CAPACITY_STEP = 128
 
 
 class BenchLosslessError(DflashkitError):
@@ -225,12 +227,14 @@ class Decoder:
 
     def ready(self, capacity: int) -> Any:
         """The engine to decode with: "dynamic", or a static engine of at least ``capacity`` positions
-        (built, and on a GPU compiled and warmed up, when none is held or the held one is too small)."""
+        (built, and on a GPU compiled and warmed up, when none is held or the held one is too small; its
+        capacity rounded up to a multiple of CAPACITY_STEP, so that similar sets share one engine)."""
         from dflashkit.infer.engine import ready_engine
 
         if self.engine == "dynamic":
             return "dynamic"
         if self._engine is None or self._engine.capacity < capacity:
+            capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
             self._engine, warm = ready_engine(
                 self.engine, self.target, self.drafter, capacity=capacity, compile=self.compile
             )
