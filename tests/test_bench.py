@@ -312,6 +312,8 @@ def test_bench_says_what_is_missing_before_loading_anything(drafter_run, tmp_pat
     assert "the heldout set is a dataset's held-out split: give --data DIR" in capsys.readouterr().err
     assert main([*base, "--sets", "mtbench,math"]) == 2
     assert "unknown prompt set math" in capsys.readouterr().err
+    assert main([*base, "--max-turns", "0"]) == 2
+    assert "--max-turns takes a count of at least 1" in capsys.readouterr().err
     assert main([*base, "--temperatures", "0,x"]) == 2
     assert "--temperatures takes numbers" in capsys.readouterr().err
     assert main([*base, "--temperatures", "1", "--summary", str(tmp_path / "s.json")]) == 2

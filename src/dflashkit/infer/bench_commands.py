@@ -36,6 +36,14 @@ def set_specs(args: argparse.Namespace) -> list[str]:
             f"unknown prompt set {', '.join(unknown)}; --sets takes {', '.join(SETS)} (a file: --prompts FILE)"
         )
     specs += list(args.prompts or [])
+    for flag, value in (
+        ("--max-prompts", args.limit),
+        ("--max-turns", args.max_turns),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--lossless-prompts", args.lossless_prompts),
+    ):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} takes a count of at least 1, not {value}")
     names = [set_name(s) for s in specs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
