@@ -110,6 +110,7 @@ COMMAND_MODULES = (
     "dflashkit.train.commands",  # train
     "dflashkit.train.fanout_commands",  # fanout
     "dflashkit.infer.commands",  # eval, generate
+    "dflashkit.infer.bench_commands",  # bench
 )
 
 

@@ -29,7 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dflashkit.config import SourceSpec
 from dflashkit.data.parallel import TokenizerPool
-from dflashkit.data.sources import load_prompts, select_prompts, split_prompts
+from dflashkit.data.sources import (
+    benchmark_questions,
+    check_benchmark_overlap,
+    load_prompts,
+    select_prompts,
+    split_prompts,
+)
 from dflashkit.errors import ConfigError, DataError, DflashkitError
 
 if TYPE_CHECKING:
@@ -187,11 +193,13 @@ def plan_records(settings: PrepareSettings) -> list[SourcePlan]:
     """Read every source, de-duplicate (within a source, and against earlier sources), select (seeded
     shuffle, `count`), split off the held-out prompts per source, and make the records: `samples_per_prompt`
     sampled records per training prompt, one greedy record per held-out prompt (held-out replies are what
-    serving at temperature 0 produces, which is what the held-out acceptance length predicts)."""
+    serving at temperature 0 produces, which is what the held-out acceptance length predicts). A selected
+    prompt that holds a question of an installed benchmark set (MT-Bench, GSM8K, HumanEval) is refused."""
     from dflashkit.data.regenerate import Job, record_id
 
     plans: list[SourcePlan] = []
     seen: set[str] = set()
+    questions = benchmark_questions()
     for spec in settings.source_specs():
         read = load_prompts(
             spec.source, spec.format, skip_malformed=settings.skip_malformed, max_turns=spec.max_turns
@@ -199,6 +207,7 @@ def plan_records(settings: PrepareSettings) -> list[SourcePlan]:
         unique = [p for p in read.prompts if p.id not in seen]
         seen.update(p.id for p in unique)
         selected = select_prompts(unique, spec.count, settings.seed)
+        check_benchmark_overlap(spec.source, selected, questions)
         if spec.val_count is not None:  # a fixed held-out set: the first prompts of the seeded order
             validation, train = selected[: spec.val_count], selected[spec.val_count :]
         else:
