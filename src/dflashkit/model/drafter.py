@@ -331,8 +331,14 @@ class DFlashDrafter(nn.Module):
                     m.weight.fill_(1.0)
 
     def context(self, context_features: Tensor) -> Tensor:
-        """Fuse concatenated target features [batch, S, n*H] into context rows [batch, S, H]."""
-        return self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
+        """Fuse concatenated target features [batch, S, n*H] into context rows [batch, S, H].
+
+        Flattened to [batch*S, n*H] for the matmul: the decode loop passes slices of a verified block
+        ([1, kept, n*H] inside [1, B, n*H]), which ``torch.matmul`` would otherwise run as a batched
+        matmul over a copy of the fc weight, on every call."""
+        x = context_features.to(self.fc.weight.dtype)
+        fused = self.fc(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return self.hidden_norm(fused)
 
     def forward(
         self,

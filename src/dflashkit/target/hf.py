@@ -251,9 +251,15 @@ class TargetModel:
         return self.model.get_input_embeddings()(ids)
 
     def lm_head(self, h: Tensor) -> Tensor:
-        """Logits [..., V] of hidden states h (the drafter's output is already normed)."""
+        """Logits [..., V] of hidden states h (the drafter's output is already normed).
+
+        The rows are flattened to [rows, H] first. A slice such as ``hidden[:, 1:]`` ([1, B-1, H] inside
+        [1, B, H]) cannot be folded into one matrix by ``torch.matmul``, which then runs a batched matmul
+        over a copy of the whole [V, H] weight, on every call: on the 2-core CPU that copy made the
+        drafter's head cost 45 ms per round instead of ~2 ms (benchmarks/NOTES.md, the CPU round)."""
         head = self.model.get_output_embeddings()
-        return head(h.to(head.weight.dtype))
+        rows = h.to(head.weight.dtype).reshape(-1, h.shape[-1])  # a view when it can be, else a copy of h
+        return head(rows).view(*h.shape[:-1], -1)
 
     def embed_weight(self) -> Tensor:
         return self.model.get_input_embeddings().weight
