@@ -75,7 +75,7 @@ def measure(target, drafter, args, device) -> dict:
     B = drafter.config.block_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, target.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
-    capacity = args.prompt_len + args.tokens + B
+    capacity = args.prompt_len + max(args.tokens, args.calls) + B
     engine, warm = ready_engine("static", target, drafter, capacity=capacity, compile=args.compile)
     layer_ids = drafter.config.target_layer_ids
     with torch.no_grad():
@@ -95,21 +95,23 @@ def measure(target, drafter, args, device) -> dict:
         )
         taus = [t for s in sp for t in s.accept_lengths]
 
-        # the engine calls alone, at a fixed place: after the prompt, cropped back after each verify
-        P = len(prompt)
-        engine.prefill(torch.tensor([prompt], device=device))
+        # the engine calls alone, from the end of the prompt: each verify keeps one token (a rejected round),
+        # so the cache grows by one per call (a static step's cost does not depend on where it writes)
+        def verify(ids):
+            engine.keep(engine.verify(ids), [0])
+
+        def after_prompt():
+            return engine.prefill(torch.tensor([prompt], device=device))[1]
+
         one = torch.tensor([[prompt[-1]]], device=device)
         block = torch.tensor([prompt[-B:]], device=device)
-
-        def verify(ids):
-            engine.verify(ids)
-            engine.crop(P)
-
-        calls = {
-            "target [1, 1]": timed(lambda: verify(one), args.calls, device),
-            f"target [1, {B}]": timed(lambda: verify(block), args.calls, device),
-            f"draft [1, {B}]": timed(lambda: engine.draft(prompt[-1], P), args.calls, device),
-        }
+        calls = {}
+        after_prompt()
+        calls["target [1, 1]"] = timed(lambda: verify(one), args.calls, device)
+        after_prompt()
+        calls[f"target [1, {B}]"] = timed(lambda: verify(block), args.calls, device)
+        context = after_prompt()
+        calls[f"draft [1, {B}]"] = timed(lambda: engine.draft(context, prompt[-1]), args.calls, device)
     return {
         "warmup_seconds": warm,
         "ms_per_ar_token": token_ms,

@@ -1,5 +1,6 @@
 """Decode engines: the static engine (preallocated caches, fixed-shape steps) decodes exactly as the dynamic
-one, eager and compiled; rows beyond the valid length of either static cache are never read; its errors."""
+one, eager and compiled; rows beyond the valid length of either static cache are never read; a verified
+tree's accepted path leaves the caches of a chain, on both engines; their errors."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.engine import DynamicEngine, StaticEngine, make_engine
 from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
+from dflashkit.infer.tree import DraftTree
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.embedded import MASK_TOKEN_ID
@@ -49,14 +51,42 @@ class ScriptedDrafts:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def draft(self, anchor, start):
-        logits = self.engine.draft(anchor, start)
+    def draft(self, context, anchor):
+        logits = self.engine.draft(context, anchor)
+        start = context.end
         k, self.rounds = self.rounds % B, self.rounds + 1
         right = self.continuation[start + 1 : start + B]
         tokens = [right[i] if i < k and i < len(right) else 7 for i in range(B - 1)]
         scripted = torch.zeros_like(logits)
         scripted[torch.arange(B - 1), tokens] = 1.0
         return scripted
+
+
+class ScriptedTree(ScriptedDrafts):
+    """Drafts for tree rounds: for the first k slots (k cycling 0 .. B-1 over the rounds) the reference
+    token ranks second, after a wrong token, so accepted branches run through nodes that are not the
+    tree's first ones and their cache rows must move. Records every kept path."""
+
+    def __init__(self, engine, continuation):
+        super().__init__(engine, continuation)
+        self.paths = []
+
+    def draft(self, context, anchor):
+        logits = self.engine.draft(context, anchor)
+        start = context.end
+        k, self.rounds = self.rounds % B, self.rounds + 1
+        right = self.continuation[start + 1 : start + B]
+        scripted = torch.full_like(logits, -30.0)
+        for i in range(B - 1):
+            wrong = 7 if i >= len(right) or right[i] != 7 else 8
+            scripted[i, wrong] = 0.0
+            if i < k and i < len(right):
+                scripted[i, right[i]] = -0.2
+        return scripted
+
+    def keep(self, verified, path):
+        self.paths.append(list(path))
+        return self.engine.keep(verified, path)
 
 
 def test_static_target_cache_never_reads_rows_beyond_the_valid_length(target):
@@ -238,3 +268,69 @@ def test_static_engine_replays_cuda_graphs_on_gpu():
         assert counters["inductor"]["cudagraph_skips"] == skips == 0, "a step ran without its CUDA graph"
     finally:
         unfreeze()
+
+
+@pytest.mark.parametrize("budget", [3, 10])
+def test_tree_rounds_decode_as_autoregressive_on_both_engines(target, drafter, budget):
+    """Greedy tree rounds give the autoregressive tokens on both engines, with the same acceptance lengths,
+    for scripted trees (accepted branches off the first nodes: rows moved) and for the real drafter."""
+    static = StaticEngine(target, drafter, capacity=64, tree_budget=budget)
+    for prompt in prompts(5, 13):
+        ar = autoregressive_generate(target, prompt, 20, layer_ids=LAYERS)
+        scripted = {}
+        for name, engine in (("dynamic", DynamicEngine(target, drafter)), ("static", static)):
+            script = ScriptedTree(engine, prompt + ar.tokens)
+            g = speculative_generate(target, drafter, prompt, 20, engine=script, tree_budget=budget)
+            assert g.tokens == ar.tokens, name
+            scripted[name] = (g, script.paths)
+        (dyn, paths), (sta, _) = scripted["dynamic"], scripted["static"]
+        # a budget of 3 holds one right node (second after a wrong one), a budget of 10 two levels of them
+        assert sta.accept_lengths == dyn.accept_lengths and max(dyn.accept_lengths) == (
+            2 if budget == 3 else 3
+        )
+        assert any(p != list(range(len(p))) for p in paths), "no accepted branch needed its rows moved"
+        for engine in ("dynamic", static):
+            real = speculative_generate(target, drafter, prompt, 20, engine=engine, tree_budget=budget)
+            assert real.tokens == ar.tokens
+
+
+def test_a_kept_tree_path_leaves_the_caches_of_a_chain(target, drafter):
+    """Verify a tree, keep a branch that is not the first nodes: target cache rows, logits and the drafter's
+    next context equal those of verifying that branch as a chain, on both engines."""
+    prompt = torch.tensor([prompts(9)[0]])
+    #  0 - 1 - 2
+    #   \- 3 - 4 - 5     the kept branch: 0, 3, 4, 5
+    tree = DraftTree([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])
+    path, branch = [0, 3, 4, 5], torch.tensor([[900, 41, 42, 43]])
+    for make in (lambda: DynamicEngine(target, drafter), lambda: StaticEngine(target, drafter, capacity=32)):
+        engine, reference = make(), make()
+        with torch.no_grad():
+            engine.prefill(prompt)
+            verified = engine.verify_tree(tree)
+            context = engine.keep(verified, path)
+            reference.prefill(prompt)
+            chain = reference.verify(branch)  # B = 4 tokens: a target step of both engines
+        torch.testing.assert_close(verified.logits[path], chain.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(context.features, chain.features, atol=1e-4, rtol=1e-4)
+        assert (context.start, context.end) == (9, 13)
+        n = 9 + len(path)
+        for mine, theirs in zip(_kv(engine), _kv(reference), strict=True):
+            torch.testing.assert_close(mine[:, :, :n], theirs[:, :, :n], atol=1e-5, rtol=1e-5)
+        assert (len(engine._tcache) if isinstance(engine, DynamicEngine) else engine._length) == n
+
+
+def _kv(engine):
+    return [t for layer in engine._tcache.hf.layers for t in (layer.keys, layer.values)]
+
+
+def test_keep_refuses_what_the_caches_cannot_hold(target, drafter):
+    engine = DynamicEngine(target, drafter)
+    engine.prefill(torch.tensor([prompts(6)[0]]))
+    first = engine.verify(torch.tensor([[1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match="starts at node 0 and increases"):
+        engine.keep(first, [0, 2, 1])
+    with pytest.raises(ValueError, match="starts at node 0 and increases"):
+        engine.keep(first, [1, 2])
+    engine.keep(first, [0, 1])
+    with pytest.raises(ValueError, match="the Verified of the last verify"):
+        engine.keep(first, [0])

@@ -1,5 +1,5 @@
-"""The draft/verify loop: greedy losslessness, statistical losslessness of both sampling rules, cache
-cropping, EOS inside an accepted block, and prompts longer than a sliding drafter's window."""
+"""The draft/verify loop: greedy losslessness, statistical losslessness of both sampling rules and of tree
+rounds, cache cropping, EOS inside an accepted block, and prompts longer than a sliding drafter's window."""
 
 import math
 
@@ -112,6 +112,27 @@ def test_eos_inside_an_accepted_block_stops_there(tiny):
     assert ar_stop.tokens == spec.tokens
 
 
+@pytest.mark.parametrize("budget", [1, 4, 16, 40])
+def test_greedy_tree_rounds_are_lossless(tiny, budget):
+    target, drafter = tiny
+    for seed in range(4):
+        prompt = torch.randint(0, 10, (7 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ar = autoregressive_generate(target, prompt, 30)
+        spec = speculative_generate(target, drafter, prompt, 30, tree_budget=budget)
+        assert spec.tokens == ar.tokens
+        assert all(1 <= t <= 4 for t in spec.accept_lengths)
+
+
+def test_full_acceptance_of_a_tree_commits_whole_blocks(tiny):
+    target, drafter = tiny
+    prompt = [1, 2, 3, 4, 5]
+    ar = autoregressive_generate(target, prompt, 25)
+    oracle = OracleDrafter(target, drafter.config, prompt + ar.tokens)
+    spec = speculative_generate(target, oracle, prompt, 25, tree_budget=6)
+    assert spec.tokens == ar.tokens
+    assert spec.accept_lengths[:-1] == [4] * (len(spec.accept_lengths) - 1)
+
+
 def test_prompt_longer_than_a_sliding_window(tiny, tmp_path):
     target, drafter = tiny
     cfg = drafter.config.updated(sliding_window=6, layer_types=["sliding_attention"])
@@ -145,21 +166,18 @@ def _exact_two_token_distribution(target, prompt, s):
     return joint
 
 
-@pytest.mark.parametrize("rule", ["exact", "rejection"])
-def test_sampling_is_lossless_statistically(tiny, rule):
-    """The first two generated tokens, over many seeds, follow the target's own distribution
-    (chi-square goodness of fit against the exactly enumerated distribution)."""
-    target, drafter = tiny
+def _two_token_p_value(target, drafter, rule, tree_budget=None, n=1500):
+    """p-value of the chi-square goodness of fit of the first two generated tokens, over n seeds, against
+    the target's own exactly enumerated distribution."""
     prompt = [3, 1, 4, 1, 5]
     s = Sampling(temperature=1.0, top_p=0.95, rule=rule)
     with torch.no_grad():
         joint = _exact_two_token_distribution(target, prompt, s)
-    n = 1500
     counts = torch.zeros_like(joint)
     accepted = 0
     for seed in range(n):
         s.seed = seed
-        g = speculative_generate(target, drafter, prompt, 5, s)
+        g = speculative_generate(target, drafter, prompt, 5, s, tree_budget=tree_budget)
         counts[g.tokens[0], g.tokens[1]] += 1
         accepted += sum(t - 1 for t in g.accept_lengths)
     assert accepted > 0, "the test must exercise accepted drafts"
@@ -171,8 +189,41 @@ def test_sampling_is_lossless_statistically(tiny, rule):
     assert float(counts[joint == 0].sum()) == 0, "a token outside the nucleus was produced"
     chi2 = float(((obs - exp) ** 2 / exp.clamp_min(1e-9)).sum())
     dof = obs.numel() - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
-    assert p_value > 1e-3, f"{rule}: chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
+
+
+@pytest.mark.parametrize("rule", ["exact", "rejection"])
+def test_sampling_is_lossless_statistically(tiny, rule):
+    """The first two generated tokens, over many seeds, follow the target's own distribution
+    (chi-square goodness of fit against the exactly enumerated distribution)."""
+    target, drafter = tiny
+    p_value = _two_token_p_value(target, drafter, rule)
+    assert p_value > 1e-3, f"{rule}: p={p_value:.2e}"
+
+
+def test_tree_sampling_is_lossless_statistically(tiny):
+    """Tree rounds at T > 0 (the target samples at every node, the walk follows its samples): the first two
+    tokens follow the target's own distribution."""
+    target, drafter = tiny
+    p_value = _two_token_p_value(target, drafter, "exact", tree_budget=5)
+    assert p_value > 1e-3, f"tree: p={p_value:.2e}"
+
+
+def test_the_tree_test_catches_a_walk_that_is_not_exact(tiny, monkeypatch):
+    """The same test fails a walk that takes the drafter's best child whenever the target's sample is not
+    among the children: the harness can see a wrong tree rule."""
+    from dflashkit.infer import speculative, tree
+
+    def biased(t, choices):
+        path, committed = tree.accepted_path(t, choices)
+        if len(path) == 1 and t.children[0]:
+            best = min(t.children[0].values())  # node 1: the drafter's best first token
+            return [0, best], [t.tokens[best], committed[0]]
+        return path, committed
+
+    monkeypatch.setattr(speculative, "accepted_path", biased)
+    target, drafter = tiny
+    assert _two_token_p_value(target, drafter, "exact", tree_budget=5) < 1e-6
 
 
 def test_rejection_rule_accepts_more_than_exact_match(tiny):

@@ -1,16 +1,22 @@
 """Decode engines: where the target and drafter passes of the decode loops run, and what they cache.
 
-The loops (``dflashkit.infer.speculative``) are the same for every engine; an engine answers four calls,
-for batch 1:
+The loops (``dflashkit.infer.speculative``) are the same for every engine. An engine answers these calls,
+for batch 1, and what passes from one call to the next is a value the loop holds, never hidden state:
 
-- ``prefill(prompt)``: the target reads the prompt; returns the logits of its last position. Its features
-  become the drafter's first context rows.
-- ``draft(anchor, start)``: the drafter reads the context rows it has not seen yet and fills the block
-  [anchor, MASK x (B-1)] at positions start .. start+B-1; returns the logits of the B-1 drafted slots.
-- ``verify(ids)``: the target reads ids [1, t] after everything cached (t = 1 for a token, B for a
-  block); returns their logits [t, V] and keeps their features.
-- ``crop(n)``: keep the first n positions; of the last verified tokens, those below n are the drafter's
-  next context rows.
+- ``prefill(prompt)`` -> (logits [V] of the last prompt position, ``Context``): the target reads the
+  prompt; the context holds the prompt's features the drafter has not read yet.
+- ``draft(context, anchor)`` -> logits [B-1, V]: the drafter reads ``context`` (target features of
+  committed positions), then fills the block [anchor, MASK x (B-1)], the anchor at position
+  ``context.end``; the logits are those of the B-1 drafted slots.
+- ``verify(ids)`` -> ``Verified``: the target reads ids [1, t] after everything cached (t = 1 for a
+  token, B for a block); ``Verified`` holds their logits [t, V], features and start position.
+- ``verify_tree(tree)`` -> ``Verified``: the target reads the nodes of a ``DraftTree``
+  (``dflashkit.infer.tree``) in one pass, node i at position start + depth(i), seeing the cache and its
+  ancestors; logits and features per node.
+- ``keep(verified, path)`` -> ``Context``: of the last verified tokens, keep the nodes ``path`` (increasing
+  node ids, node 0 first; a chain keeps 0 .. n-1): the target cache ends as if exactly those tokens had been
+  written after ``verified.start`` (a tree's K/V rows move down to consecutive positions), and their
+  features are the drafter's next context.
 
 Engines:
 
@@ -20,10 +26,11 @@ Engines:
   embedded 30-layer target, whether 1 or 16 tokens).
 - ``"static"`` (``StaticEngine``): caches allocated once for ``capacity`` positions, crop by moving the
   write position only (rows beyond are hidden by the causal/anchor masks and overwritten later), and
-  fixed-shape steps: the target at [1, 1] (a token) and [1, B] (a block), the drafter at [1, B] (the
-  last verified block's rows, then the draft block). With ``compile=True`` each step compiles once per
-  shape through ``CompiledRegion`` (CUDA graphs on a GPU: one launch per step) during ``warm_up()``,
-  and compiles are frozen after it. The prefill (any prompt length) runs eagerly.
+  fixed-shape steps: the target at [1, 1] (a token), [1, B] (a block) and [1, N] (a tree of N nodes, when
+  built with ``tree_budget``), the drafter at [1, B] (up to B new context rows, then the draft block).
+  With ``compile=True`` each step compiles once per shape through ``CompiledRegion`` (CUDA graphs on a
+  GPU: one launch per step) during ``warm_up()``, and compiles are frozen after it. The prefill (any
+  prompt length) runs eagerly.
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on both engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
@@ -36,12 +43,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dflashkit.errors import DflashkitError
+from dflashkit.infer.tree import DraftTree
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 
@@ -49,16 +59,47 @@ ENGINES: tuple[str, ...] = ("dynamic", "static")
 WARM_CALLS_GRAPHED = 3  # a CUDA-graph region warms, records, then replays: all three before freezing
 
 
+@dataclass(frozen=True)
+class Context:
+    """Target features [1, s, n*H] of the committed positions start .. start+s-1 that the drafter has not
+    read yet (s may be 0: an engine may have let the drafter read them already). The next block's anchor
+    sits at ``end``."""
+
+    features: Tensor
+    start: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.features.shape[1]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One target pass over t new tokens, written after the ``start`` cached positions: logits [t, V] (row
+    i: the target's distribution for the token after token i) and features [1, t, n*H]. Hand it to
+    ``keep`` before the next verify: the engine's caches hold these tokens until then."""
+
+    logits: Tensor
+    features: Tensor
+    start: int
+
+
 class Engine(Protocol):
     name: str
     target: TargetModel
     drafter: DFlashDrafter | None
 
-    def reserve(self, prompt_len: int, max_new_tokens: int) -> None: ...
-    def prefill(self, prompt: Tensor) -> Tensor: ...
-    def draft(self, anchor: int, start: int) -> Tensor: ...
-    def verify(self, ids: Tensor) -> Tensor: ...
-    def crop(self, n: int) -> None: ...
+    def reserve(self, prompt_len: int, max_new_tokens: int, width: int | None = None) -> None: ...
+    def prefill(self, prompt: Tensor) -> tuple[Tensor, Context]: ...
+    def draft(self, context: Context, anchor: int) -> Tensor: ...
+    def verify(self, ids: Tensor) -> Verified: ...
+    def verify_tree(self, tree: DraftTree) -> Verified: ...
+    def keep(self, verified: Verified, path: Sequence[int]) -> Context: ...
+
+
+def round_width(block_size: int, tree_budget: int | None = None) -> int:
+    """Positions one round writes past its start: the block, or a tree's root and ``tree_budget`` nodes."""
+    return max(block_size, (tree_budget or 0) + 1)
 
 
 def _layer_ids(drafter: DFlashDrafter | None, layer_ids: Sequence[int] | None) -> list[int]:
@@ -77,6 +118,25 @@ def _need_drafter(engine: Engine) -> DFlashDrafter:
             f"this {engine.name} engine was built without a drafter: it decodes autoregressively only"
         )
     return engine.drafter
+
+
+def _check_path(verified: Verified, open_pass: Verified | None, path: Sequence[int]) -> int:
+    """Refuse a path the caches cannot keep: not of the last verify, not starting at its first token, or
+    not increasing node ids within it. Returns its length."""
+    if verified is not open_pass:
+        raise ValueError("keep() takes the Verified of the last verify(), once")
+    t = verified.logits.shape[0]
+    if not path or path[0] != 0 or any(path[i] >= path[i + 1] for i in range(len(path) - 1)) or path[-1] >= t:
+        raise ValueError(f"a kept path starts at node 0 and increases within the {t} verified tokens: {path}")
+    return len(path)
+
+
+def _path_rows(features: Tensor, path: Sequence[int]) -> Tensor:
+    """The features [1, len(path), n*H] of the kept nodes (a slice for a chain's prefix)."""
+    n = len(path)
+    if list(path) == list(range(n)):
+        return features[:, :n]
+    return features[:, list(path)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,42 +162,59 @@ class DynamicEngine:
         self._slot = torch.arange(max(_block_size(drafter), 1), device=target.device)[None]
         self._tcache = target.new_cache()
         self._dcache: Any = None
-        self._last: tuple[Tensor, int] = (torch.empty(0), 0)  # features of the last verify, its start
-        self._pending: tuple[Tensor, Tensor] = (torch.empty(0), torch.empty(0))
+        self._open: Verified | None = None  # the last verify, until keep() settles the caches
 
-    def reserve(self, prompt_len: int, max_new_tokens: int) -> None:
+    def reserve(self, prompt_len: int, max_new_tokens: int, width: int | None = None) -> None:
         """Growing caches: any length fits."""
 
-    def prefill(self, prompt: Tensor) -> Tensor:
+    def prefill(self, prompt: Tensor) -> tuple[Tensor, Context]:
         self._tcache = self.target.new_cache()
         self._dcache = self.drafter.new_cache() if self.drafter is not None else None
+        self._open = None
         logits, feats = self.target.forward_step(prompt, self._tcache, self.layer_ids, all_logits=False)
-        self._pending = (feats, torch.arange(prompt.shape[1], device=prompt.device)[None])
-        return logits[0, -1]
+        return logits[0, -1], Context(feats, 0)
 
-    def draft(self, anchor: int, start: int) -> Tensor:
+    def draft(self, context: Context, anchor: int) -> Tensor:
         drafter = _need_drafter(self)
         B = drafter.config.block_size
         block = torch.full((1, B), drafter.config.mask_token_id, dtype=torch.long, device=self.target.device)
         block[0, 0] = anchor
-        feats, positions = self._pending
         hidden = drafter.draft(
-            feats, positions, self.target.embed(block), start + self._slot, self._dcache, self.backend
+            context.features,
+            torch.arange(context.start, context.end, device=self.target.device)[None],
+            self.target.embed(block),
+            context.end + self._slot,
+            self._dcache,
+            self.backend,
         )
-        self._pending = (feats[:, :0], positions[:, :0])  # seen: the drafter's cache holds them now
         return self.target.lm_head(hidden[:, 1:])[0]
 
-    def verify(self, ids: Tensor) -> Tensor:
+    def verify(self, ids: Tensor) -> Verified:
         start = len(self._tcache)
         logits, feats = self.target.forward_step(ids, self._tcache, self.layer_ids)
-        self._last = (feats, start)
-        return logits[0]
+        self._open = Verified(logits[0], feats, start)
+        return self._open
 
-    def crop(self, n: int) -> None:
-        self._tcache.crop(n)
-        feats, start = self._last
-        kept = n - start
-        self._pending = (feats[:, :kept], start + self._slot[:, :kept])
+    def verify_tree(self, tree: DraftTree) -> Verified:
+        dev = self.target.device
+        start, n = len(self._tcache), len(tree)
+        visible = torch.ones(n, start + n, dtype=torch.bool, device=dev)
+        visible[:, start:] = tree.ancestor_mask(dev)
+        logits, feats = self.target.forward_step(
+            tree.ids(dev),
+            self._tcache,
+            self.layer_ids,
+            positions=tree.positions(start, dev),
+            attention_mask=self.target.tree_mask(visible),
+        )
+        self._open = Verified(logits[0], feats, start)
+        return self._open
+
+    def keep(self, verified: Verified, path: Sequence[int]) -> Context:
+        _check_path(verified, self._open, path)
+        self._open = None
+        self._tcache.keep_rows(verified.start, path)
+        return Context(_path_rows(verified.features, path), verified.start)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,9 +224,10 @@ class DynamicEngine:
 class StaticEngine:
     """Preallocated caches and fixed-shape steps, compiled once per shape with ``compile=True``.
 
-    ``capacity`` bounds prompt + new tokens + block (``reserve`` checks each generation against it).
-    Build one per (target, drafter, capacity) and reuse it: a new engine means new buffers, and
-    compiled steps and CUDA graphs are tied to buffer addresses.
+    ``capacity`` bounds prompt + new tokens + the widest round (``reserve`` checks each generation against
+    it). ``tree_budget``: the node budget of the trees this engine will verify, so that ``warm_up`` compiles
+    their step too. Build one per (target, drafter, capacity) and reuse it: a new engine means new buffers,
+    and compiled steps and CUDA graphs are tied to buffer addresses.
     """
 
     name = "static"
@@ -163,6 +241,7 @@ class StaticEngine:
         layer_ids: Sequence[int] | None = None,
         compile: bool = False,
         backend: str = "sdpa",
+        tree_budget: int | None = None,
     ):
         from dflashkit.runtime.compile import graph_mode
 
@@ -172,18 +251,21 @@ class StaticEngine:
         self.capacity = capacity
         self.layer_ids = _layer_ids(drafter, layer_ids)
         self.block_size = _block_size(drafter)
+        self.tree_budget = tree_budget or None
         dev = target.device
         self._tcache = target.new_static_cache(capacity)
         self._dcache = drafter.new_static_cache(capacity) if drafter is not None else None
         self._block = torch.full((1, self.block_size), self._mask_id(), dtype=torch.long, device=dev)
         self._length = 0  # positions held by the target cache: the next write goes here
-        self._last: tuple[Tensor, Tensor] | None = None  # features and positions of the last verify
+        self._open: Verified | None = None  # the last verify, until keep() settles the caches
         self.compiled = compile
         self.mode = graph_mode(dev) if compile else None
         self._target_step: Callable[..., tuple[Tensor, Tensor]] = self._target_block
+        self._tree_step: Callable[..., tuple[Tensor, Tensor]] = self._target_tree
         self._draft_step: Callable[..., Tensor] = self._draft_block
         if compile:
             self._target_step = self._region(self._target_block, "the static engine's target step")
+            self._tree_step = self._region(self._target_tree, "the static engine's tree step")
             self._draft_step = self._region(self._draft_block, "the static engine's draft step")
 
     def _region(self, step: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -207,12 +289,17 @@ class StaticEngine:
         """The target over ids [1, t] at positions [1, t]: logits [t, V] and features [1, t, n*H]."""
         return self.target.walk(ids, positions, self._tcache, self.layer_ids)
 
+    def _target_tree(self, ids: Tensor, positions: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The target over the nodes of a tree (ids [1, N], rotary positions [1, N]: root + depth) under
+        the additive mask [1, 1, N, capacity]: logits [N, V] and features [1, N, n*H]."""
+        return self.target.walk(ids, positions, self._tcache, self.layer_ids, mask=mask)
+
     def _draft_block(
         self, rows: Tensor, row_positions: Tensor, block: Tensor, block_positions: Tensor
     ) -> Tensor:
-        """Write the last verified rows (features [1, B, n*H] at their positions; those at or beyond the
-        anchor are rejected drafts, hidden by the mask and overwritten later), then draft the block.
-        Returns the logits [B-1, V] of the drafted slots."""
+        """Write context rows (features [1, B, n*H] at their positions; those at or beyond the anchor are
+        padding, hidden by the mask and overwritten later), then draft the block. Returns the logits
+        [B-1, V] of the drafted slots."""
         drafter = _need_drafter(self)
         assert self._dcache is not None
         drafter.write_context(rows, row_positions, self._dcache)
@@ -221,57 +308,82 @@ class StaticEngine:
 
     # --- the engine calls -----------------------------------------------------------------------
 
-    def reserve(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Refuse a generation the preallocated caches cannot hold, before anything runs."""
-        need = prompt_len + max_new_tokens + self.block_size
+    def reserve(self, prompt_len: int, max_new_tokens: int, width: int | None = None) -> None:
+        """Refuse a generation the preallocated caches cannot hold, before anything runs. ``width``: the
+        positions one round writes (``round_width``; default the block)."""
+        width = max(width or 0, self.block_size)
+        need = prompt_len + max_new_tokens + width
         if need > self.capacity:
             raise DflashkitError(
                 f"the static engine holds {self.capacity} positions, but a prompt of {prompt_len} tokens + "
-                f"max_new_tokens {max_new_tokens} + block {self.block_size} needs {need}: build it with "
+                f"max_new_tokens {max_new_tokens} + a round of {width} needs {need}: build it with "
                 f"capacity >= {need} (eval sizes it from the prompts; generate from --max-new-tokens and "
                 "the prompt), shorten the prompt or max_new_tokens, or use --engine dynamic"
             )
 
-    def prefill(self, prompt: Tensor) -> Tensor:
+    def prefill(self, prompt: Tensor) -> tuple[Tensor, Context]:
+        """The prompt, eagerly; the drafter reads the prompt's features here too (any length), so the
+        context handed back is empty."""
         P = prompt.shape[1]
         positions = torch.arange(P, device=prompt.device)[None]
         logits, feats = self.target.walk(prompt, positions, self._tcache, self.layer_ids, last_only=True)
         self._length = P
+        self._open = None
         if self.drafter is not None:
             assert self._dcache is not None
             self.drafter.write_context(feats, positions, self._dcache)
-            # the first draft step writes B rows from the anchor on: nothing there yet, and masked
-            self._last = (
-                feats.new_zeros(1, self.block_size, feats.shape[-1]),
-                self._positions(P, self.block_size),
-            )
-        return logits[0]
+        return logits[0], Context(feats[:, :0], P)
 
-    def draft(self, anchor: int, start: int) -> Tensor:
+    def draft(self, context: Context, anchor: int) -> Tensor:
         _need_drafter(self)
-        assert self._last is not None
-        rows, row_positions = self._last
+        B = self.block_size
+        rows = context.features
+        if rows.shape[1] > B:
+            raise ValueError(
+                f"the static engine's draft step reads at most {B} context rows, got {rows.shape[1]}"
+            )
+        rows = F.pad(rows, (0, 0, 0, B - rows.shape[1]))  # padding rows sit at the anchor and beyond: masked
         self._block[0, 0] = anchor
-        return self._draft_step(rows, row_positions, self._block, self._positions(start, self.block_size))
+        return self._draft_step(
+            rows, self._positions(context.start, B), self._block, self._positions(context.end, B)
+        )
 
-    def verify(self, ids: Tensor) -> Tensor:
+    def verify(self, ids: Tensor) -> Verified:
         t = ids.shape[1]
         if t not in (1, self.block_size):
             raise ValueError(f"the static engine's target steps take 1 or {self.block_size} tokens, got {t}")
+        self._check_room(t)
+        logits, feats = self._target_step(ids, self._positions(self._length, t))
+        self._open = Verified(logits, feats, self._length)
+        self._length += t
+        return self._open
+
+    def verify_tree(self, tree: DraftTree) -> Verified:
+        dev = self.target.device
+        n, start = len(tree), self._length
+        self._check_room(n)
+        visible = torch.arange(self.capacity, device=dev)[None, :] < start  # the cache ...
+        visible = visible.expand(n, -1).clone()
+        visible[:, start : start + n] = tree.ancestor_mask(dev)  # ... and each node's ancestors
+        logits, feats = self._tree_step(
+            tree.ids(dev), tree.positions(start, dev), self.target.tree_mask(visible)
+        )
+        self._open = Verified(logits, feats, start)
+        self._length += n
+        return self._open
+
+    def _check_room(self, t: int) -> None:
         if self._length + t > self.capacity:
             raise DflashkitError(
                 f"the static engine's cache of {self.capacity} positions is full; reserve() first"
             )
-        positions = self._positions(self._length, t)
-        logits, feats = self._target_step(ids, positions)
-        self._last = (feats, positions)
-        self._length += t
-        return logits
 
-    def crop(self, n: int) -> None:
-        if not 0 <= n <= self._length:
-            raise ValueError(f"cannot crop a static engine holding {self._length} positions to {n}")
-        self._length = n  # the next step writes from n on; rows beyond are masked until then
+    def keep(self, verified: Verified, path: Sequence[int]) -> Context:
+        n = _check_path(verified, self._open, path)
+        self._open = None
+        self._tcache.keep_rows(verified.start, path)
+        self._length = verified.start + n  # the next step writes from here; rows beyond are masked until then
+        return Context(_path_rows(verified.features, path), verified.start)
 
     # --- warm-up --------------------------------------------------------------------------------
 
@@ -292,6 +404,8 @@ class StaticEngine:
             steps[f"target [1, {B}]"] = lambda: self._warm_target(B)
         if self.drafter is not None:
             steps[f"draft [1, {B}]"] = self._warm_draft
+        if self.tree_budget:
+            steps[f"target tree [1, {self.tree_budget + 1}]"] = self._warm_tree
         seconds: dict[str, float] = {}
         # under no_grad, as the decode loops run: grad mode is part of every graph's guards
         with COMPILE_LOCK, torch.no_grad():
@@ -310,6 +424,13 @@ class StaticEngine:
     def _warm_target(self, t: int) -> None:
         ids = torch.zeros(1, t, dtype=torch.long, device=self.target.device)
         self._target_step(ids, self._positions(0, t))
+
+    def _warm_tree(self) -> None:
+        assert self.tree_budget
+        n, dev = self.tree_budget + 1, self.target.device
+        ids = torch.zeros(1, n, dtype=torch.long, device=dev)
+        visible = torch.arange(self.capacity, device=dev)[None, :] <= torch.arange(n, device=dev)[:, None]
+        self._tree_step(ids, self._positions(0, n), self.target.tree_mask(visible))
 
     def _warm_draft(self) -> None:
         width = len(self.layer_ids) * self.target.hidden_size
@@ -330,6 +451,7 @@ def make_engine(
     layer_ids: Sequence[int] | None = None,
     compile: bool = False,
     backend: str = "sdpa",
+    tree_budget: int | None = None,
 ) -> Engine:
     """An engine by name ("dynamic" or "static"; a static one needs ``capacity``), or ``name`` itself
     when it already is an engine (checked to serve this target and drafter)."""
@@ -341,9 +463,15 @@ def make_engine(
         return DynamicEngine(target, drafter, layer_ids=layer_ids, backend=backend)
     if name == "static":
         if capacity is None:
-            raise ValueError("a static engine needs its capacity (prompt + max_new_tokens + block)")
+            raise ValueError("a static engine needs its capacity (prompt + max_new_tokens + round)")
         return StaticEngine(
-            target, drafter, capacity=capacity, layer_ids=layer_ids, compile=compile, backend=backend
+            target,
+            drafter,
+            capacity=capacity,
+            layer_ids=layer_ids,
+            compile=compile,
+            backend=backend,
+            tree_budget=tree_budget,
         )
     raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
 
@@ -355,15 +483,17 @@ def ready_engine(
     *,
     capacity: int,
     compile: bool | None = None,
+    tree_budget: int | None = None,
 ) -> tuple[str | Engine, dict[str, float]]:
     """What the commands and benchmarks decode with: "dynamic" (an engine per call), or one static engine
     of this capacity, compiled and warmed up (compiles then frozen) when ``compile`` is True, or None and
-    the target is on a GPU. Returns it and the warm-up seconds per step shape."""
+    the target is on a GPU; ``tree_budget``: its tree step is warmed up too. Returns it and the warm-up
+    seconds per step shape."""
     if name not in ENGINES:
         raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
     if name == "dynamic":
         return name, {}
     if compile is None:
         compile = target.device.type == "cuda"
-    engine = StaticEngine(target, drafter, capacity=capacity, compile=compile)
+    engine = StaticEngine(target, drafter, capacity=capacity, compile=compile, tree_budget=tree_budget)
     return engine, engine.warm_up()

@@ -6,8 +6,13 @@ One round, batch 1:
   2. the target verifies [anchor, d1 .. d_{B-1}] in one pass;
   3. the longest acceptable prefix is committed, plus one token from the target (the bonus), so every
      round commits between 1 and B tokens (the acceptance length tau);
-  4. the target cache is cropped to the committed length; the drafter's cache only ever holds context
-     rows, so it needs no crop; the bonus token is the next anchor.
+  4. the engine keeps the anchor and the accepted drafts (the target cache is cropped to them; the
+     drafter's cache only ever holds context rows, so it needs no crop); their target features are the
+     drafter's next context rows, and the bonus token is the next anchor.
+
+With a node budget (``tree_budget``), step 2 verifies a token tree instead of the chain: the budget's
+best-scoring branches of the drafter's per-slot top-k, all in one target pass, and step 3 accepts the
+longest branch the target agrees with (``dflashkit.infer.tree``).
 
 The passes run on a decode engine (``dflashkit.infer.engine``): "dynamic" (growing caches, eager; the
 default) or "static" (preallocated caches, fixed-shape steps, compiled once per shape). Both loops below
@@ -20,6 +25,8 @@ Acceptance rules (`rule`):
     probability min(1, p(d_i)/q(d_i)); at the first rejection draw from norm(max(0, p - q)). Also
     lossless (the output is distributed exactly as the target's), and accepts more than "exact" when
     temperature > 0. At temperature 0 both rules are the greedy rule.
+A tree round always uses "exact" (a tree's tokens are the drafter's top-k, not samples from q; for fixed
+candidates that rule is the best a lossless rule can do: ``dflashkit.infer.tree``).
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from dflashkit.infer.engine import Engine, make_engine
+from dflashkit.infer.engine import Engine, Verified, make_engine, round_width
+from dflashkit.infer.tree import accepted_path, build_tree
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 
@@ -144,59 +152,82 @@ def speculative_generate(
     stopper: Stopper | None = None,
     backend: str = "sdpa",
     engine: str | Engine = "dynamic",
+    tree_budget: int | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` after the prompt with DFlash speculative decoding (batch 1).
 
     ``engine``: "dynamic", "static" (a one-off static engine, eager, sized for this call) or an engine
-    object built once and reused over many calls (e.g. a compiled, warmed-up ``StaticEngine``)."""
+    object built once and reused over many calls (e.g. a compiled, warmed-up ``StaticEngine``).
+    ``tree_budget``: verify a tree of that many drafted nodes each round (0 or None: the chain)."""
     s = sampling or Sampling()
     dev = target.device
     B = drafter.config.block_size
     P = len(prompt_ids)
-    dec = make_engine(engine, target, drafter, capacity=P + max_new_tokens + B, backend=backend)
-    dec.reserve(P, max_new_tokens)
+    width = round_width(B, tree_budget)
+    dec = make_engine(
+        engine, target, drafter, capacity=P + max_new_tokens + width, backend=backend, tree_budget=tree_budget
+    )
+    dec.reserve(P, max_new_tokens, width)
     gen = _new_generator(s, dev)
     _sync(dev)
     t0 = time.perf_counter()
 
     # Prefill: the target reads the prompt; its features become the drafter's first context rows.
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    first = int(choose(dec.prefill(prompt), s, gen))
-    new: list[int] = [first]
-    start = P  # position of the newest committed token: the next anchor
+    logits, context = dec.prefill(prompt)
+    new: list[int] = [int(choose(logits, s, gen))]
     _sync(dev)
     out = Generation(tokens=new)
     out.prefill_seconds = time.perf_counter() - t0
 
     stopped = stopper.check(new, 0)[1] if stopper else None
     while stopped is None and len(new) < max_new_tokens:
-        # 1. draft: the block [anchor, MASK x (B-1)] at positions start .. start+B-1
-        draft_logits = dec.draft(new[-1], start)  # [B-1, V]
-        drafts = choose(draft_logits, s, gen)  # [B-1]
-        # 2. verify: the target reads the anchor and the drafts at positions start .. start+B-1
-        block = torch.cat([drafts.new_full((1,), new[-1]), drafts])[None]
-        logits = dec.verify(block)  # [B, V]: logits[i] is the target's distribution for position start+i+1
-        # 3. accept
-        if s.greedy or s.rule == "exact":
-            acc, committed = _exact(drafts, choose(logits, s, gen))
+        # 1. draft: the drafter reads the new context rows and fills [anchor, MASK x (B-1)]
+        draft_logits = dec.draft(context, new[-1])  # [B-1, V]
+        # 2. verify and 3. accept: the accepted path (node ids) and the committed tokens
+        if tree_budget:
+            verified, path, committed = _tree_round(dec, new[-1], draft_logits, tree_budget, s, gen)
         else:
-            acc, committed = _rejection(drafts, draft_logits, logits, s, gen)
+            verified, path, committed = _chain_round(dec, new[-1], draft_logits, s, gen)
         room = max_new_tokens - len(new)
-        committed = committed[:room]
         before = len(new)
-        new.extend(committed)
-        out.accept_lengths.append(acc + 1)  # tau of this round (the last round may commit fewer)
+        new.extend(committed[:room])
+        out.accept_lengths.append(len(path))  # tau of this round (the last round may commit fewer)
         if stopper is not None:
             trimmed, stopped = stopper.check(new, before)
             del new[len(trimmed) :]
-        # 4. crop: keep the anchor and the accepted drafts; their features feed the drafter next round
-        kept = acc + 1
-        dec.crop(start + kept)
-        start += kept
+        # 4. keep: the caches hold the accepted path; its features are the drafter's next context
+        context = dec.keep(verified, path)
     _sync(dev)
     out.seconds = time.perf_counter() - t0
     out.stopped = stopped or "length"
     return out
+
+
+def _chain_round(
+    dec: Engine, anchor: int, draft_logits: Tensor, s: Sampling, gen: torch.Generator | None
+) -> tuple[Verified, list[int], list[int]]:
+    """The chain: the drafter's choice per slot, verified as one block [anchor, d1 .. d_{B-1}]."""
+    drafts = choose(draft_logits, s, gen)  # [B-1]
+    block = torch.cat([drafts.new_full((1,), anchor), drafts])[None]
+    verified = dec.verify(block)  # logits[i]: the target's distribution for the token after block[i]
+    if s.greedy or s.rule == "exact":
+        acc, committed = _exact(drafts, choose(verified.logits, s, gen))
+    else:
+        acc, committed = _rejection(drafts, draft_logits, verified.logits, s, gen)
+    return verified, list(range(acc + 1)), committed
+
+
+def _tree_round(
+    dec: Engine, anchor: int, draft_logits: Tensor, budget: int, s: Sampling, gen: torch.Generator | None
+) -> tuple[Verified, list[int], list[int]]:
+    """The tree: the budget's best branches of the drafter's per-slot top-k, verified in one pass; the
+    target chooses at every node (one copy from the device), and the walk follows its choices."""
+    probs = torch.softmax(draft_logits.float(), dim=-1) if s.greedy else probabilities(draft_logits, s)
+    tree = build_tree(anchor, probs, budget)
+    verified = dec.verify_tree(tree)
+    path, committed = accepted_path(tree, choose(verified.logits, s, gen).tolist())
+    return verified, path, committed
 
 
 def _exact(drafts: Tensor, choices: Tensor) -> tuple[int, list[int]]:
@@ -248,19 +279,19 @@ def autoregressive_generate(
     dev = target.device
     P = len(prompt_ids)
     dec = make_engine(engine, target, capacity=P + max_new_tokens + 1, layer_ids=layer_ids)
-    dec.reserve(P, max_new_tokens)
+    dec.reserve(P, max_new_tokens, 1)
     gen = _new_generator(s, dev)
     _sync(dev)
     t0 = time.perf_counter()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    token = choose(dec.prefill(prompt), s, gen)  # on the device: the next step's input, no copy back
+    token = choose(dec.prefill(prompt)[0], s, gen)  # on the device: the next step's input, no copy back
     new = [int(token)]
     _sync(dev)
     out = Generation(tokens=new)
     out.prefill_seconds = time.perf_counter() - t0
     stopped = stopper.check(new, 0)[1] if stopper else None
     while stopped is None and len(new) < max_new_tokens:
-        logits = dec.verify(token.view(1, 1))
+        logits = dec.verify(token.view(1, 1)).logits  # nothing to keep: every token is committed
         token = choose(logits[-1], s, gen)
         new.append(int(token))
         out.accept_lengths.append(1)

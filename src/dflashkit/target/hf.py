@@ -147,21 +147,41 @@ class TargetCache:
         if n < len(self):
             self.hf.crop(n - len(self))
 
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """Keep the positions before ``start``, then the rows ``start + r`` for r in ``rows`` (increasing),
+        moved to start, start+1, ...; drop the rest (a verified tree's accepted path: ``dflashkit.infer.tree``)."""
+        _move_rows([(layer.keys, layer.values) for layer in self.hf.layers], start, rows)
+        self.crop(start + len(rows))
+
+
+def _move_rows(layers: Sequence[tuple[Tensor, Tensor]], start: int, rows: Sequence[int]) -> None:
+    """Copy K/V rows (dim 2) ``start + rows[i]`` to ``start + i`` in every layer's tensors, in place. A no-op
+    when ``rows`` is 0, 1, 2, ... (a chain's accepted prefix is already where it belongs)."""
+    if list(rows) == list(range(len(rows))):
+        return
+    for keys, values in layers:
+        src = torch.tensor([start + r for r in rows], device=keys.device)
+        keys[:, :, start : start + len(rows)] = keys.index_select(2, src)
+        values[:, :, start : start + len(rows)] = values.index_select(2, src)
+
 
 # Decoders whose forward is exactly: embed, causal mask, rotary tables, the layers, final norm. ``walk``
 # repeats that forward; other architectures (scaled embeddings, sliding layers, ...) keep the dynamic engine.
 STATIC_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Attention kernels of transformers that add an explicit [b, 1, q, k] mask (tree verification passes one).
+TREE_ATTENTION = ("sdpa", "eager")
 
 
 class StaticTargetCache:
     """The target's K/V cache for the static engine: transformers' StaticCache, allocated once for
     ``capacity`` positions and never reallocated (compiled steps and CUDA graphs keep its addresses).
 
-    Nothing is ever cropped or moved. A step at ``start`` first sets every layer's write position to
+    Nothing is ever cropped or reallocated. A step at ``start`` first sets every layer's write position to
     ``start`` (``seek``), then writes its rows at start, start+1, ...; its queries sit at those
     positions, and the causal mask lets a query at p read rows 0..p only, so rows left beyond by a
     longer earlier step (rejected drafts) are never read, and the next step overwrites them.
-    "Keep the first n positions" is therefore just "the next step starts at n".
+    "Keep the first n positions" is therefore just "the next step starts at n". A verified token tree
+    keeps its accepted path by copying those rows down to consecutive positions (``keep_rows``, in place).
     """
 
     def __init__(self, config: Any, capacity: int, dtype: torch.dtype, device: torch.device):
@@ -171,6 +191,11 @@ class StaticTargetCache:
         self.hf = StaticCache(config=config, max_cache_len=capacity)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.hf.early_initialization(1, config.num_key_value_heads, head_dim, dtype, torch.device(device))
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """Move the rows ``start + r`` for r in ``rows`` (increasing) to start, start+1, ..., in place (the
+        next step then starts at start + len(rows): ``dflashkit.infer.engine``)."""
+        _move_rows([(layer.keys, layer.values) for layer in self.hf.layers], start, rows)
 
     def seek(self, start: Tensor) -> None:
         """Make the next write land at position ``start`` (a 0-d tensor: a compiled step must not
@@ -335,20 +360,50 @@ class TargetModel:
 
     @torch.no_grad()
     def forward_step(
-        self, input_ids: Tensor, cache: TargetCache, layer_ids: Sequence[int], *, all_logits: bool = True
+        self,
+        input_ids: Tensor,
+        cache: TargetCache,
+        layer_ids: Sequence[int],
+        *,
+        all_logits: bool = True,
+        positions: Tensor | None = None,
+        attention_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Run new tokens [b, t] after the ``len(cache)`` cached positions; extend the cache.
 
         Returns logits [b, t, V] (or [b, 1, V] for the last position when ``all_logits`` is False,
-        e.g. for a prefill) and the features [b, t, n*H] of the new positions.
+        e.g. for a prefill) and the features [b, t, n*H] of the new positions. By default the tokens sit
+        at the next t positions and see the cache and each other causally; a token tree passes its rotary
+        ``positions`` [b, t] and an additive ``attention_mask`` [b, 1, t, len(cache) + t] (``tree_mask``),
+        which transformers takes as given.
         """
         start = len(cache)
         b, t = input_ids.shape
-        positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
+        if positions is None:
+            positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
         kwargs = {self._cache_kwarg: cache.hf, "logits_to_keep": 0 if all_logits else 1}
+        if attention_mask is not None:
+            self.check_tree_attention()
+            kwargs["attention_mask"] = attention_mask
         with self._capturing(layer_ids) as wanted:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
         return out.logits, self._concat(wanted)
+
+    def check_tree_attention(self) -> None:
+        """Refuse an attention kernel that ignores an explicit mask (tree verification needs one)."""
+        kernel = getattr(self.config, "_attn_implementation", None)
+        if kernel not in TREE_ATTENTION:
+            raise DflashkitError(
+                f"{self.name} runs attention with {kernel!r}, which takes no tree mask; tree verification "
+                f"needs one of {', '.join(TREE_ATTENTION)} (load the target with it, or verify chains: "
+                "--tree-budget 0)"
+            )
+
+    def tree_mask(self, visible: Tensor) -> Tensor:
+        """The additive mask [1, 1, t, S] (0 where a query sees a key, the dtype's minimum elsewhere) of a
+        boolean visibility [t, S], in the target's dtype, as transformers' sdpa and eager kernels add it."""
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
+        return mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[None, None]
 
     def check_static(self) -> None:
         """Refuse a target that ``walk`` cannot run exactly as its own forward does."""
@@ -373,16 +428,21 @@ class TargetModel:
         layer_ids: Sequence[int],
         *,
         last_only: bool = False,
+        mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """The decoder's forward over new tokens [1, t] at ``positions`` [1, t] (consecutive), written
-        into ``cache`` from ``positions[0, 0]`` on, as a plain walk over the layers: traceable whole by
-        torch.compile. Returns logits [t, V] (or [1, V] of the last position with ``last_only``) and the
-        features [1, t, n*H] (raw outputs of ``layer_ids``, in id order, as ``forward_step`` returns)."""
+        """The decoder's forward over new tokens [1, t] at ``positions`` [1, t], written into ``cache`` at
+        rows ``positions[0, 0]`` .. +t-1, as a plain walk over the layers: traceable whole by
+        torch.compile. The tokens see the cache and each other causally (consecutive positions), or as
+        ``mask`` says (a token tree: an additive [1, 1, t, capacity] mask, ``tree_mask``; its root first,
+        the rows in node order, the rotary positions root + depth). Returns logits [t, V] (or [1, V] of the
+        last position with ``last_only``) and the features [1, t, n*H] (raw outputs of ``layer_ids``, in id
+        order, as ``forward_step`` returns)."""
         from transformers.masking_utils import create_causal_mask
 
         cache.seek(positions[0, 0])
         h = self.decoder.embed_tokens(input_ids)
-        mask = create_causal_mask(self.config, h, None, cache.hf, positions)  # positional: 5.17 and 5.24
+        if mask is None:
+            mask = create_causal_mask(self.config, h, None, cache.hf, positions)  # positional: 5.17 and 5.24
         rotary = self.decoder.rotary_emb(h, position_ids=positions)
         wanted = []
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,100 @@
+"""Tree verification's pure parts: the best-first tree within a node budget, the ancestor mask, and the
+walk that picks the accepted path."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from dflashkit.infer.speculative import _exact
+from dflashkit.infer.tree import DraftTree, accepted_path, build_tree, chain
+
+
+def brute_force_best(probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
+    """The ``budget`` best-scoring branches (token tuples) over every branch of every depth: the tree's
+    nodes, found by enumeration."""
+    depth, vocab = probs.shape
+    scored = []
+    for d in range(1, depth + 1):
+        for branch in itertools.product(range(vocab), repeat=d):
+            score = math.prod(float(probs[i, t]) for i, t in enumerate(branch))
+            scored.append((score, branch))
+    scored.sort(reverse=True)
+    return {branch for _, branch in scored[:budget]}
+
+
+def branches(tree: DraftTree) -> set[tuple[int, ...]]:
+    out = set()
+    for node in range(1, len(tree)):
+        tokens, n = [], node
+        while n > 0:
+            tokens.append(tree.tokens[n])
+            n = tree.parents[n]
+        out.add(tuple(reversed(tokens)))
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 9, 17, 40])
+def test_the_tree_is_the_budgets_best_branches_parents_first(budget):
+    gen = torch.Generator().manual_seed(budget)
+    probs = torch.softmax(torch.randn(3, 5, generator=gen) * 2, dim=-1)  # 3 slots, 5 tokens: no ties
+    tree = build_tree(99, probs, budget)
+    assert tree.tokens[0] == 99 and tree.parents[0] == -1 and len(tree) == budget + 1
+    assert all(0 <= tree.parents[i] < i for i in range(1, len(tree)))
+    assert branches(tree) == brute_force_best(probs, budget)
+
+
+def test_a_tree_holds_no_more_nodes_than_the_slots_have_branches():
+    probs = torch.softmax(torch.randn(1, 4), dim=-1)  # one slot of 4 tokens: 4 branches at most
+    assert len(build_tree(0, probs, 10)) == 5
+    with pytest.raises(ValueError, match="node budget of at least 1"):
+        build_tree(0, probs, 0)
+
+
+def test_ancestor_mask_and_positions():
+    #       0
+    #     1   2
+    #     3     4
+    #     5
+    tree = DraftTree([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 2, 3])
+    assert tree.depths == [0, 1, 1, 2, 2, 3] and tree.depth == 3
+    sees = tree.ancestor_mask("cpu").int().tolist()
+    assert sees == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 0, 1, 0, 1, 0],
+        [1, 1, 0, 1, 0, 1],
+    ]
+    assert tree.positions(7, "cpu").tolist() == [[7, 8, 8, 9, 9, 10]]
+    assert chain([4, 5, 6]).ancestor_mask("cpu").tolist() == torch.ones(3, 3).tril().bool().tolist()
+
+
+def test_the_walk_follows_the_targets_choices():
+    tree = DraftTree([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 2, 3])
+    # the target's choice after each node: after the root 12 (node 2), after node 2 14 (node 4), then 9
+    choices = [12, 0, 14, 0, 9, 0]
+    assert accepted_path(tree, choices) == ([0, 2, 4], [12, 14, 9])
+    assert accepted_path(tree, [5, 0, 0, 0, 0, 0]) == ([0], [5])  # no child holds it: the bonus only
+    assert accepted_path(tree, [11, 13, 0, 15, 0, 8]) == ([0, 1, 3, 5], [11, 13, 15, 8])
+
+
+def test_a_chain_walks_as_the_exact_rule():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        drafts = torch.randint(0, 3, (5,), generator=gen)
+        choices = torch.randint(0, 3, (6,), generator=gen)
+        acc, committed = _exact(drafts, choices)
+        path, walked = accepted_path(chain([7, *drafts.tolist()]), choices.tolist())
+        assert path == list(range(acc + 1)) and walked == committed
+
+
+def test_a_malformed_tree_is_refused():
+    with pytest.raises(ValueError, match="parent must be an earlier node"):
+        DraftTree([1, 2, 3], [-1, 2, 0])
+    with pytest.raises(ValueError, match="a sibling already holds token 2"):
+        DraftTree([1, 2, 2], [-1, 0, 0])
+    with pytest.raises(ValueError, match="needs a root"):
+        DraftTree([1, 2], [0, 0])
