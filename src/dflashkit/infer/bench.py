@@ -199,6 +199,7 @@ class Decoder:
     top_p: float = 1.0
     seed: int = 0
     compile: bool | None = None  # static engine: compile its steps (None: on a GPU)
+    tree_budget: int | None = None  # drafted nodes per tree round (None: chain rounds)
     console: Any = None
     _engine: Any = field(default=None, repr=False)
 
@@ -214,6 +215,8 @@ class Decoder:
     def capacity(self, bset: BenchSet) -> int:
         """Positions a static engine needs for every response of the set: the longest prompt + new tokens +
         block, where a later turn's prompt is bounded by the rendered turns plus the earlier replies."""
+        from dflashkit.infer.engine import round_width
+
         B = self.drafter.config.block_size
         longest = 0
         for conv in bset.conversations:
@@ -223,7 +226,7 @@ class Decoder:
             n = conv.n_turns
             rendered = len(self.prompt_ids(conv, n - 1, [""] * (n - 1)))
             longest = max(longest, rendered + (n - 1) * (self.max_new_tokens * 9 // 8 + REPLY_SLACK))
-        return longest + self.max_new_tokens + B
+        return longest + self.max_new_tokens + round_width(B, self.tree_budget)
 
     def ready(self, capacity: int) -> Any:
         """The engine to decode with: "dynamic", or a static engine of at least ``capacity`` positions
@@ -236,7 +239,12 @@ class Decoder:
         if self._engine is None or self._engine.capacity < capacity:
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
             self._engine, warm = ready_engine(
-                self.engine, self.target, self.drafter, capacity=capacity, compile=self.compile
+                self.engine,
+                self.target,
+                self.drafter,
+                capacity=capacity,
+                compile=self.compile,
+                tree_budget=self.tree_budget,
             )
             if warm and self.console is not None:
                 steps = ", ".join(f"{name} {s:.1f} s" for name, s in warm.items())
@@ -245,11 +253,14 @@ class Decoder:
 
     def warm_up(self, ids: list[int]) -> None:
         """A few tokens of both loops before measuring: first-call costs stay out of the figures."""
+        from dflashkit.infer.engine import round_width
         from dflashkit.infer.speculative import Sampling, autoregressive_generate, speculative_generate
 
         n = min(4, self.max_new_tokens)
-        engine = self.ready(len(ids) + n + self.drafter.config.block_size)
-        speculative_generate(self.target, self.drafter, ids, n, Sampling(), engine=engine)
+        engine = self.ready(len(ids) + n + round_width(self.drafter.config.block_size, self.tree_budget))
+        speculative_generate(
+            self.target, self.drafter, ids, n, Sampling(), engine=engine, tree_budget=self.tree_budget
+        )
         autoregressive_generate(
             self.target, ids, n, Sampling(), layer_ids=self.drafter.config.target_layer_ids, engine=engine
         )
@@ -282,7 +293,10 @@ def decode_set(
 
     if compare and temperature > 0:
         raise DflashkitError("the lossless check compares greedy outputs token for token: temperature 0")
+    from dflashkit.infer.engine import round_width
+
     rule = "rejection" if temperature > 0 else "exact"
+    B = dec.drafter.config.block_size
     stopper = Stopper(dec.eos_ids)
     engine = dec.ready(dec.capacity(bset))
     out: list[Response] = []
@@ -290,11 +304,18 @@ def decode_set(
         replies: list[str] = []
         for turn in range(conv.n_turns):
             ids = dec.prompt_ids(conv, turn, replies)
-            engine = dec.ready(len(ids) + dec.max_new_tokens + dec.drafter.config.block_size)
+            engine = dec.ready(len(ids) + dec.max_new_tokens + round_width(B, dec.tree_budget))
             seed = dec.seed * 1_000_003 + len(out)
             s = Sampling(temperature=temperature, top_p=dec.top_p, rule=rule, seed=seed)
             spec = speculative_generate(
-                dec.target, dec.drafter, ids, dec.max_new_tokens, s, stopper, engine=engine
+                dec.target,
+                dec.drafter,
+                ids,
+                dec.max_new_tokens,
+                s,
+                stopper,
+                engine=engine,
+                tree_budget=dec.tree_budget,
             )
             r = Response(
                 c,
@@ -553,9 +574,10 @@ def plot(bench: dict[str, Any], path: Path) -> Path:
 def markdown_table(bench: dict[str, Any]) -> str:
     """The table as Markdown (for a results file), with the settings and the command above it."""
     s = bench["settings"]
+    trees = f", trees of {s['tree_budget']} drafted nodes" if s.get("tree_budget") else ""
     lines = [
-        f"{'/'.join(Path(s['drafter']).parts[-2:])} (B={s['block_size']}) on {s['target']}: {s['engine']} engine, "
-        f"{s['dtype']}, {s['device']}, {s['max_new_tokens']} new tokens per reply",
+        f"{'/'.join(Path(s['drafter']).parts[-2:])} (B={s['block_size']}) on {s['target']}: {s['engine']} engine"
+        f"{trees}, {s['dtype']}, {s['device']}, {s['max_new_tokens']} new tokens per reply",
         "",
         f"`{bench['command']}`",
         "",

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from dflashkit.infer.commands import add_tree_budget
+
 DEFAULT_SETS = "mtbench,gsm8k,humaneval,heldout"
 
 
@@ -113,6 +115,8 @@ def _bench(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "enable_thinking": thinking,
     }
+    if args.tree_budget:  # only then: chain results measured before trees existed keep their settings
+        settings["tree_budget"] = args.tree_budget
     out = Path(args.out or drafter_dir.parent / "bench")
     bench.check_settings(out, settings)
 
@@ -128,6 +132,7 @@ def _bench(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             seed=args.seed,
             console=console,
+            tree_budget=args.tree_budget or None,
         )
 
     dec = decoder(target, drafter)
@@ -236,6 +241,12 @@ def _fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
     return f"{x:{spec}}{unit}"
 
 
+def rounds_note(settings: dict[str, Any]) -> str:
+    """ ", trees of N drafted nodes" when the rounds verified trees; nothing for chains."""
+    budget = settings.get("tree_budget")
+    return f", trees of {budget} drafted nodes" if budget else ""
+
+
 def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
     """The rich table of every set in the folder (those measured by this command marked *)."""
     from rich.table import Table
@@ -245,7 +256,8 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
     s = combined["settings"]
     t = Table(
         title=f"dflashkit bench: {'/'.join(Path(s['drafter']).parts[-2:])} (B={s['block_size']}) on "
-        f"{s['target']}; {s['engine']} engine, {s['dtype']}, {s['device']}, {s['max_new_tokens']} new tokens",
+        f"{s['target']}; {s['engine']} engine{rounds_note(s)}, {s['dtype']}, {s['device']}, "
+        f"{s['max_new_tokens']} new tokens",
         caption="prompts: conversations (replies decoded); tau: tokens per target pass over all rounds; "
         "p10-p90: tau per reply; fp32 lossless: replies checked, greedy; * measured by this command (the "
         "other sets were in the folder already, with the same settings)",
@@ -370,6 +382,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="decode engine of both loops: dynamic (any target) or static (preallocated caches, fixed-shape "
         "steps compiled as CUDA graphs on a GPU; llama/mistral/qwen2/qwen3 targets)",
     )
+    add_tree_budget(p)
     p.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16"], help="target/drafter dtype (auto: bf16 on GPU)"
     )

@@ -134,9 +134,7 @@ def _eval(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     backend = "sdpa"
     longest = max((len(p) for p in prompt_ids), default=0)
-    engine = _engine(
-        args, target, drafter, longest + args.max_new_tokens + drafter.config.block_size, console
-    )
+    engine = _engine(args, target, drafter, longest + args.max_new_tokens + _width(args, drafter), console)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"decoding {len(prompt_ids)} prompts", total=len(prompt_ids))
         report = evaluate(
@@ -154,6 +152,7 @@ def _eval(args: argparse.Namespace) -> int:
             ),
             names=(str(args.drafter), target.name),
             engine=engine,
+            tree_budget=args.tree_budget,
         )
     reference = training_reference(Path(args.drafter), args.prompts, args.data)
     out_dir = Path(args.out or Path(args.drafter).parent / "eval")
@@ -170,6 +169,7 @@ def _eval(args: argparse.Namespace) -> int:
     t.add_row("per-position acceptance", " ".join(f"{p:.2f}" for p in report.per_position_acceptance))
     t.add_row("tau histogram (1..B)", " ".join(str(c) for c in report.accept_length_histogram[1:]))
     t.add_row("decode engine", report.engine)
+    t.add_row("rounds", f"trees of {args.tree_budget} drafted nodes" if args.tree_budget else "chains")
     t.add_row("speculative tokens/s", f"{report.spec_tokens_per_second:.1f}")
     if report.ar_tokens_per_second:
         t.add_row("autoregressive tokens/s", f"{report.ar_tokens_per_second:.1f}")
@@ -191,11 +191,18 @@ def _engine(args: argparse.Namespace, target: Any, drafter: Any, capacity: int, 
     up on a GPU: its compile time is reported, and kept out of the measured decoding)."""
     from dflashkit.infer.engine import ready_engine
 
-    engine, warm = ready_engine(args.engine, target, drafter, capacity=capacity)
+    engine, warm = ready_engine(args.engine, target, drafter, capacity=capacity, tree_budget=args.tree_budget)
     if warm:
         steps = ", ".join(f"{name} {s:.1f} s" for name, s in warm.items())
         console.print(f"static engine: {capacity} positions; compiled and warmed up ({steps})")
     return engine
+
+
+def _width(args: argparse.Namespace, drafter: Any) -> int:
+    """Positions one speculative round writes: the block, or a tree of --tree-budget nodes and its root."""
+    from dflashkit.infer.engine import round_width
+
+    return round_width(drafter.config.block_size, args.tree_budget)
 
 
 # A static engine for `generate` holds this many prompt tokens (more when a one-shot prompt is longer).
@@ -217,7 +224,7 @@ def _generate(args: argparse.Namespace) -> int:
     engines: list[Any] = []  # the static engine, built for the first prompt and rebuilt if one is longer
 
     def engine_for(prompt_len: int) -> Any:
-        room = args.max_new_tokens + drafter.config.block_size
+        room = args.max_new_tokens + _width(args, drafter)
         if args.engine == "dynamic":
             return "dynamic"
         if not engines or engines[0].capacity < prompt_len + room:
@@ -229,7 +236,16 @@ def _generate(args: argparse.Namespace) -> int:
     def one(text: str) -> None:
         ids = generation_prompt_ids(tokenizer, [{"role": "user", "content": text}], enable_thinking=thinking)
         engine = engine_for(len(ids))
-        g = speculative_generate(target, drafter, ids, args.max_new_tokens, sampling, stopper, engine=engine)
+        g = speculative_generate(
+            target,
+            drafter,
+            ids,
+            args.max_new_tokens,
+            sampling,
+            stopper,
+            engine=engine,
+            tree_budget=args.tree_budget,
+        )
         console.print(rounds_markup(g, tokenizer, stopper.eos))
         console.print(
             f"[dim]{len(g.tokens)} tokens, mean acceptance length {g.mean_acceptance_length:.2f}, "
@@ -334,6 +350,29 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="decode engine: dynamic (growing caches, eager; any target) or static (preallocated caches, "
         "fixed-shape steps compiled once as CUDA graphs on a GPU; llama/mistral/qwen2/qwen3 targets)",
     )
+    add_tree_budget(p)
+
+
+def add_tree_budget(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tree-budget",
+        type=_tree_budget,
+        default=0,
+        metavar="N",
+        help="verify a tree of N drafted nodes per round (the best branches of the drafter's per-slot top-k, "
+        "one target pass, the longest branch the target agrees with; lossless) instead of the chain "
+        "(0, the default)",
+    )
+
+
+def _tree_budget(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a node budget is a whole number >= 0 (0: the chain), got {text!r}")
+    return n
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -61,6 +61,7 @@ class EvalReport:
     lossless: bool | None
     results: list[PromptResult] = field(default_factory=list)
     engine: str = "dynamic"  # the decode engine both loops ran on
+    tree_budget: int | None = None  # drafted nodes per tree round (None: chain rounds)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,16 +110,20 @@ def evaluate(
     progress: Any = None,
     names: tuple[str, str] = ("drafter", "target"),
     engine: str | Engine = "dynamic",
+    tree_budget: int | None = None,
 ) -> EvalReport:
     """Decode every prompt speculatively (and autoregressively for the baseline/lossless check), both on
-    ``engine`` (a name, or an engine built once for all prompts: ``dflashkit.infer.engine``)."""
+    ``engine`` (a name, or an engine built once for all prompts: ``dflashkit.infer.engine``); with
+    ``tree_budget``, speculative rounds verify trees of that many drafted nodes (``dflashkit.infer.tree``)."""
     if check_lossless and not sampling.greedy:
         raise DflashkitError("--check-lossless compares greedy outputs token for token: use --temperature 0")
     stopper = Stopper(eos_ids)
     gens: list[tuple[Generation, Generation | None]] = []
     results = []
     for i, ids in enumerate(prompt_ids):
-        spec = speculative_generate(target, drafter, ids, max_new_tokens, sampling, stopper, backend, engine)
+        spec = speculative_generate(
+            target, drafter, ids, max_new_tokens, sampling, stopper, backend, engine, tree_budget
+        )
         ar = None
         if baseline or check_lossless:
             ar = autoregressive_generate(
@@ -164,6 +169,7 @@ def evaluate(
         lossless=True if check_lossless else None,
         results=results,
         engine=engine if isinstance(engine, str) else engine.name,
+        tree_budget=tree_budget or None,
     )
 
 

@@ -1,0 +1,245 @@
+"""Tree verification against the chain: tau, tokens/s, speedup and the cost of a round, per node budget.
+
+For each prompt set (MT-Bench, the held-out split of the drafter's dataset) every reply is decoded, one after
+another on the same prompt, autoregressively (the baseline), with chain rounds, and with tree rounds of each
+node budget (`dflashkit.infer.tree`), all greedy on one decode engine, so that every figure of a reply is
+measured side by side. A later turn of a conversation follows the target's own reply to the earlier one (the
+autoregressive reply), the same for every configuration. Per set and configuration:
+
+- tau: tokens per target pass over all rounds (what the speedup follows);
+- AR and speculative tokens/s (decode time, prefill excluded) and the speedup;
+- the round cost in autoregressive tokens: tau x AR tok/s / speculative tok/s (speedup = tau / round cost);
+- for trees, tau and round cost relative to the chain (the issue's goal: tau +30% at no more than +10% round
+  cost), and whether the greedy output equalled the autoregressive output (always, in float32).
+
+Writes `tree_vs_chain.json` and `tree_vs_chain.md` to --out (and to $OUT on the GPU machine).
+
+    python benchmarks/tree_vs_chain.py -c configs/embedded.yaml --out runs/embedded/tree_vs_chain   # CPU
+    python benchmarks/tree_vs_chain.py --drafter DIR --data DIR --engine static --dtype bfloat16 \\
+        --max-prompts 80 --max-new-tokens 256 --out OUT                                          # GPU
+    python benchmarks/tree_vs_chain.py -c configs/embedded.yaml --smoke --out /tmp/tvc             # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import write_report  # noqa: E402
+
+CHAIN = "chain"
+
+
+def config_name(budget: int) -> str:
+    return f"tree-{budget}" if budget else CHAIN
+
+
+def summarise(rows: list[dict[str, Any]], budgets: list[int]) -> dict[str, Any]:
+    """The figures of one set from its per-reply rows: AR tokens/s, and per configuration tau, tokens/s,
+    speedup, round cost and (trees) the ratios to the chain."""
+    ar_tokens = sum(r["ar_tokens"] for r in rows)
+    ar_seconds = sum(r["ar_seconds"] for r in rows)
+    ar_tps = ar_tokens / ar_seconds if ar_seconds > 0 else math.nan
+    out: dict[str, Any] = {"replies": len(rows), "ar_tokens_per_second": ar_tps, "configs": {}}
+    for budget in [0, *budgets]:
+        name = config_name(budget)
+        rounds = [t for r in rows for t in r[name]["accept_lengths"]]
+        tokens = sum(r[name]["tokens"] for r in rows)
+        seconds = sum(r[name]["seconds"] for r in rows)
+        tau = sum(rounds) / len(rounds) if rounds else math.nan
+        spec_tps = tokens / seconds if seconds > 0 else math.nan
+        fig = {
+            "tree_budget": budget or None,
+            "rounds": len(rounds),
+            "new_tokens": tokens,
+            "tau": tau,
+            "spec_tokens_per_second": spec_tps,
+            "speedup": spec_tps / ar_tps,
+            "round_cost_ar_tokens": tau * ar_tps / spec_tps,
+            "equal_to_ar": all(r[name]["equal_to_ar"] for r in rows),
+        }
+        if budget:
+            chain = out["configs"][CHAIN]
+            fig["tau_gain_vs_chain"] = tau / chain["tau"] - 1
+            fig["round_cost_vs_chain"] = fig["round_cost_ar_tokens"] / chain["round_cost_ar_tokens"] - 1
+        out["configs"][name] = fig
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    lines = [
+        f"{s['drafter']} (B={s['block_size']}) on {s['target']}: {s['engine']} engine, {s['dtype']}, {s['device']}, "
+        f"greedy, {s['max_new_tokens']} new tokens per reply",
+        "",
+        f"`{result['command']}`",
+        "",
+        "| set | rounds | replies | tau | tau vs chain | AR tok/s | spec tok/s | speedup | round cost (AR tokens) "
+        "| round cost vs chain | = AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for set_name, res in result["sets"].items():
+        for name, f in res["configs"].items():
+            gain = f"{f['tau_gain_vs_chain']:+.1%}" if "tau_gain_vs_chain" in f else "-"
+            cost = f"{f['round_cost_vs_chain']:+.1%}" if "round_cost_vs_chain" in f else "-"
+            lines.append(
+                f"| {set_name} | {name} | {res['replies']} | {f['tau']:.2f} | {gain} | "
+                f"{res['ar_tokens_per_second']:.1f} | {f['spec_tokens_per_second']:.1f} | {f['speedup']:.2f}x | "
+                f"{f['round_cost_ar_tokens']:.2f} | {cost} | {'yes' if f['equal_to_ar'] else 'no'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "-c", "--config", help="a training run config: its target, dtype, drafter (best/) and data"
+    )
+    ap.add_argument("--drafter", help="drafter checkpoint folder")
+    ap.add_argument("--target", help="'embedded' or an HF model folder")
+    ap.add_argument("--data", help="the drafter's dataset folder (the held-out set)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's, else bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--engine", default="dynamic", help="dynamic or static")
+    ap.add_argument("--sets", default="mtbench,heldout")
+    ap.add_argument("--budgets", default="8,16,32,64", help="node budgets of the trees")
+    ap.add_argument("--max-prompts", type=int, default=16, help="conversations per set")
+    ap.add_argument("--max-turns", type=int, default=None, help="user turns per conversation (default: all)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--smoke", action="store_true", help="2 prompts, 1 turn, 16 tokens, budgets 8,16")
+    ap.add_argument("--out", required=True, help="folder for tree_vs_chain.json and tree_vs_chain.md")
+    args = ap.parse_args()
+    if args.smoke:
+        args.max_prompts, args.max_turns, args.max_new_tokens, args.budgets = 2, 1, 16, "8,16"
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflashkit.data.regenerate import eos_token_ids
+    from dflashkit.infer import bench
+    from dflashkit.infer.engine import ready_engine
+    from dflashkit.infer.evaluate import first_difference
+    from dflashkit.infer.speculative import Sampling, Stopper, autoregressive_generate, speculative_generate
+    from dflashkit.model.checkpoint import load_drafter
+    from dflashkit.target.hf import TargetModel
+
+    if args.config:
+        from dflashkit.config import load_config
+
+        cfg = load_config(args.config, [])
+        args.target = args.target or cfg.target.path
+        args.drafter = args.drafter or str(Path(cfg.run.out_dir) / "best")
+        args.data = args.data or cfg.data.dir
+        args.dtype = args.dtype or cfg.target.dtype
+    if not args.drafter:
+        sys.exit("name the drafter: --drafter DIR or -c CONFIG")
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    if any(b < 1 for b in budgets):
+        sys.exit(f"node budgets are whole numbers >= 1, got {args.budgets!r}")
+    device = torch.device(
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    dtype = getattr(torch, args.dtype or "bfloat16")
+    sets = [
+        bench.load_set(s, limit=args.max_prompts, max_turns=args.max_turns, data_dir=args.data)
+        for s in args.sets.split(",")
+    ]
+    target = TargetModel.load(args.target or "embedded", dtype=dtype, device=device)
+    drafter = load_drafter(args.drafter, target, dtype=dtype, device=device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    eos = eos_token_ids(target.model, tokenizer)
+    B = drafter.config.block_size
+    # sized for the widest round (the largest tree)
+    dec = bench.Decoder(
+        target, drafter, tokenizer, eos, max_new_tokens=args.max_new_tokens, tree_budget=max(budgets)
+    )
+    capacity = max(dec.capacity(s) for s in sets)
+    capacity = -(-capacity // bench.CAPACITY_STEP) * bench.CAPACITY_STEP
+    engines = {  # one engine per configuration: a static engine warms up the tree step of its own budget
+        b: ready_engine(args.engine, target, drafter, capacity=capacity, tree_budget=b or None)[0]
+        for b in [0, *budgets]
+    }
+    stopper = Stopper(eos)
+    greedy = Sampling()
+    layer_ids = drafter.config.target_layer_ids
+    warm = dec.prompt_ids(sets[0].conversations[0], 0, [])
+    for b, engine in engines.items():  # first-call costs out of the figures
+        speculative_generate(target, drafter, warm, 4, greedy, engine=engine, tree_budget=b or None)
+    autoregressive_generate(target, warm, 4, greedy, layer_ids=layer_ids, engine=engines[0])
+
+    result: dict[str, Any] = {
+        "kind": "dflashkit-tree-vs-chain",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": "python " + " ".join(sys.argv),
+        "settings": {
+            "target": target.name,
+            "drafter": "/".join(Path(args.drafter).resolve().parts[-2:]),
+            "block_size": B,
+            "engine": args.engine,
+            "dtype": args.dtype or "bfloat16",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "threads": torch.get_num_threads(),
+            "max_new_tokens": args.max_new_tokens,
+            "budgets": budgets,
+        },
+        "sets": {},
+    }
+    for bset in sets:
+        rows = []
+        for conv in bset.conversations:
+            replies: list[str] = []
+            for turn in range(conv.n_turns):
+                ids = dec.prompt_ids(conv, turn, replies)
+                ar = autoregressive_generate(
+                    target, ids, args.max_new_tokens, greedy, stopper, layer_ids, engine=engines[0]
+                )
+                row: dict[str, Any] = {
+                    "ar_tokens": len(ar.tokens),
+                    "ar_seconds": ar.seconds - ar.prefill_seconds,
+                }
+                for b, engine in engines.items():
+                    g = speculative_generate(
+                        target,
+                        drafter,
+                        ids,
+                        args.max_new_tokens,
+                        greedy,
+                        stopper,
+                        engine=engine,
+                        tree_budget=b or None,
+                    )
+                    row[config_name(b)] = {
+                        "tokens": len(g.tokens),
+                        "seconds": g.seconds - g.prefill_seconds,
+                        "accept_lengths": g.accept_lengths,
+                        "equal_to_ar": first_difference(g.tokens, ar.tokens) is None,
+                    }
+                rows.append(row)
+                taus = " ".join(
+                    f"{config_name(b)} {sum(row[config_name(b)]['accept_lengths']) / len(row[config_name(b)]['accept_lengths']):.2f}"
+                    for b in engines
+                )
+                print(f"{bset.name} {len(rows)}: tau {taus}", flush=True)
+                if not conv.prefixes:
+                    replies.append(dec.reply_text(ar.tokens))
+        result["sets"][bset.name] = summarise(rows, budgets) | {"source": bset.source}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tree_vs_chain.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    (out / "tree_vs_chain.md").write_text(table)
+    write_report("tree_vs_chain.json", result)
+    print(table)
+    print(f"wrote {out / 'tree_vs_chain.json'} and {out / 'tree_vs_chain.md'}")
+
+
+if __name__ == "__main__":
+    main()
