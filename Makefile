@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dflashkit doctor --check
 	$(VENV)/bin/dflashkit prepare -c $(DEMO)
 	$(VENV)/bin/dflashkit train -c $(DEMO) --move-aside
-	$(VENV)/bin/dflashkit eval -c $(DEMO) --prompts validation --check-lossless
+	$(VENV)/bin/dflashkit eval -c $(DEMO) --prompts validation --dtype bfloat16 --check-lossless
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

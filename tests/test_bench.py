@@ -180,6 +180,21 @@ def test_greedy_decoding_is_lossless_on_both_engines_and_sampling_is_seeded(tiny
     assert first[0].ar_seconds is None
 
 
+def test_tree_rounds_decode_losslessly_on_both_engines(tiny):
+    """A decoder with a node budget: greedy tree rounds equal the autoregressive output on both engines,
+    with the same acceptance lengths; the static engine is sized for the tree (its root and the budget)."""
+    _folder, target, drafter = tiny
+    outs = {}
+    for engine in ("dynamic", "static"):
+        dec = _decoder(target, drafter, engine)
+        dec.tree_budget = 20
+        responses = decode_set(dec, _set(), 0.0, compare=True)
+        assert all(r.first_difference is None for r in responses)
+        outs[engine] = [r.accept_lengths for r in responses]
+    assert outs["dynamic"] == outs["static"]
+    assert dec.capacity(_set()) == 7 + 12 + 21
+
+
 def test_the_static_engine_grows_when_a_prompt_needs_more_room(tiny):
     _folder, target, drafter = tiny
     dec = _decoder(target, drafter, "static")

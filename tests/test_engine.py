@@ -334,3 +334,30 @@ def test_keep_refuses_what_the_caches_cannot_hold(target, drafter):
     engine.keep(first, [0, 1])
     with pytest.raises(ValueError, match="the Verified of the last verify"):
         engine.keep(first, [0])
+
+
+def test_the_static_engine_names_the_transformers_it_was_tested_on():
+    """pyproject.toml declares the tested range; a transformers whose StaticCache lacks what the static engine
+    reads is refused in one line naming it."""
+    import re
+    from pathlib import Path
+
+    from dflashkit.target import hf
+
+    low, high = hf.TESTED_TRANSFORMERS
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.search(rf'"transformers>={re.escape(low)},<5\.{int(high.split(".")[1]) + 1}"', pyproject)
+
+    class Layer:  # no cumulative_length
+        pass
+
+    class Cache:
+        layers = [Layer()]
+
+        def early_initialization(self, *args):
+            pass
+
+    with pytest.raises(
+        DflashkitError, match=r"transformers 5\.17-5\.24, which transformers .* \(--engine dynamic\)"
+    ):
+        hf._check_static_cache(Cache())

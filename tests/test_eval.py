@@ -62,6 +62,33 @@ def test_check_lossless_names_prompt_and_position(
     assert "prompt 0" in err and "new token 3" in err and "Traceback" not in err
 
 
+def test_a_bf16_eval_checks_losslessness_on_float32_copies(untrained_drafter, tiny_dataset, tmp_path, capsys):
+    """--dtype bfloat16 --check-lossless: the greedy check runs on float32 copies, the figures in bf16, and
+    the table shows both (the main job's last step)."""
+    args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--dtype", "bfloat16")
+    assert main(args) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["dtype"] == "bfloat16" and report["lossless"] is True
+    assert report["lossless_check"]["dtype"] == "float32" and report["lossless_check"]["prompts"] == 2
+    assert report["round_cost_ar_tokens"] == pytest.approx(
+        report["mean_acceptance_length"] / report["speedup"]
+    )
+    out = " ".join(capsys.readouterr().out.split())
+    assert "speedup (bfloat16)" in out and "on float32 copies" in out
+
+
+def test_eval_with_tree_rounds(untrained_drafter, tiny_dataset, tmp_path, capsys):
+    args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--tree-budget", "6")
+    assert main(args) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["tree_budget"] == 6 and report["lossless"] is True
+    assert "trees of 6 drafted nodes" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        main([*args[:-1], "-1"])
+    assert refused.value.code == 2
+    assert "a node budget is a whole number >= 0" in capsys.readouterr().err
+
+
 def test_eval_refuses_a_template_mismatch(untrained_drafter, tiny_dataset, tmp_path, capsys):
     import shutil
 

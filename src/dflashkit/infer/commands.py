@@ -121,39 +121,56 @@ def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
-    from dflashkit.infer.evaluate import evaluate, training_reference, write_report
+    from dflashkit.infer.evaluate import training_reference, write_report
 
     console = Console()
-    target, drafter, tokenizer, _dtype, manifest = _load(args)
+    target, drafter, tokenizer, dtype, manifest = _load(args)
     thinking = _enable_thinking(args, tokenizer, manifest)
     prompt_ids, source = eval_prompts(args, tokenizer, thinking)
     sampling = _sampling(args)
-    backend = "sdpa"
     longest = max((len(p) for p in prompt_ids), default=0)
-    engine = _engine(args, target, drafter, longest + args.max_new_tokens + _width(args, drafter), console)
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(f"decoding {len(prompt_ids)} prompts", total=len(prompt_ids))
-        report = evaluate(
-            target,
-            drafter,
-            prompt_ids,
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            eos_ids=_eos_ids(target, tokenizer),
-            baseline=not args.no_baseline,
-            check_lossless=args.check_lossless,
-            backend=backend,
-            progress=lambda i, g: bar.update(
-                task, advance=1, description=f"prompt {i + 1}: tau {g.mean_acceptance_length:.2f}"
-            ),
-            names=(str(args.drafter), target.name),
-            engine=engine,
-            tree_budget=args.tree_budget,
+    capacity = longest + args.max_new_tokens + _width(args, drafter)
+    eos_ids = _eos_ids(target, tokenizer)
+    check32 = None
+    if args.check_lossless and dtype != torch.float32:
+        # Greedy outputs are compared in float32, on float32 copies (in bf16 the two loops may part after a
+        # near tie, as any two bf16 kernels may); the figures are then measured in the run's dtype.
+        from dflashkit.model.checkpoint import load_drafter
+        from dflashkit.target.hf import TargetModel
+
+        console.print("lossless check: decoding on float32 copies of the target and the drafter first")
+        t32 = TargetModel.load(args.target or "embedded", dtype=torch.float32, device=target.device)
+        d32 = load_drafter(args.drafter, t32, dtype=torch.float32, device=target.device, verify=False).eval()
+        engine32 = _engine(args, t32, d32, capacity, console)
+        check32 = _decode(
+            args, t32, d32, prompt_ids, sampling, eos_ids, engine32, check=True, console=console
         )
+        del t32, d32, engine32
+    engine = _engine(args, target, drafter, capacity, console)
+    report = _decode(
+        args,
+        target,
+        drafter,
+        prompt_ids,
+        sampling,
+        eos_ids,
+        engine,
+        check=args.check_lossless and check32 is None,
+        console=console,
+    )
+    report.dtype = str(dtype).removeprefix("torch.")
+    if check32 is not None:
+        report.lossless = True
+        report.lossless_check = {
+            "dtype": "float32",
+            "prompts": check32.prompts,
+            "mean_acceptance_length": check32.mean_acceptance_length,
+            "speedup": check32.speedup,
+        }
     reference = training_reference(Path(args.drafter), args.prompts, args.data)
     out_dir = Path(args.out or Path(args.drafter).parent / "eval")
     js, png, kept = write_report(report, out_dir, reference, label=prompts_label(args.prompts))
@@ -170,15 +187,67 @@ def _eval(args: argparse.Namespace) -> int:
     t.add_row("tau histogram (1..B)", " ".join(str(c) for c in report.accept_length_histogram[1:]))
     t.add_row("decode engine", report.engine)
     t.add_row("rounds", f"trees of {args.tree_budget} drafted nodes" if args.tree_budget else "chains")
-    t.add_row("speculative tokens/s", f"{report.spec_tokens_per_second:.1f}")
+    t.add_row("speculative tokens/s", f"{report.spec_tokens_per_second:.1f} ({report.dtype})")
     if report.ar_tokens_per_second:
-        t.add_row("autoregressive tokens/s", f"{report.ar_tokens_per_second:.1f}")
-        t.add_row("speedup", f"{report.speedup:.2f}x")
+        t.add_row("autoregressive tokens/s", f"{report.ar_tokens_per_second:.1f} ({report.dtype})")
+        t.add_row(f"speedup ({report.dtype})", f"{report.speedup:.2f}x")
+        t.add_row("round cost (autoregressive tokens)", f"{report.round_cost:.2f}")
     if args.check_lossless:
-        t.add_row("lossless (greedy spec == greedy target)", "[green]yes, every prompt and token[/]")
+        t.add_row(
+            "lossless (greedy spec == greedy target, float32)",
+            f"[green]yes, every prompt and token[/]{_check_note(report)}",
+        )
     console.print(t)
     console.print(f"wrote {js} and {png} (this evaluation is also kept as {kept.name}; earlier ones stay)")
     return 0
+
+
+def _decode(
+    args: argparse.Namespace,
+    target: Any,
+    drafter: Any,
+    prompt_ids: list[list[int]],
+    sampling: Any,
+    eos_ids: list[int],
+    engine: Any,
+    *,
+    check: bool,
+    console: Any,
+) -> Any:
+    """``evaluate`` over the prompts with a progress bar: the EvalReport."""
+    from rich.progress import Progress
+
+    from dflashkit.infer.evaluate import evaluate
+
+    label = f"decoding {len(prompt_ids)} prompts ({str(target.dtype).removeprefix('torch.')})"
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(label, total=len(prompt_ids))
+        return evaluate(
+            target,
+            drafter,
+            prompt_ids,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            eos_ids=eos_ids,
+            baseline=not args.no_baseline,
+            check_lossless=check,
+            backend="sdpa",
+            progress=lambda i, g: bar.update(
+                task, advance=1, description=f"prompt {i + 1}: tau {g.mean_acceptance_length:.2f}"
+            ),
+            names=(str(args.drafter), target.name),
+            engine=engine,
+            tree_budget=args.tree_budget,
+        )
+
+
+def _check_note(report: Any) -> str:
+    """Where the lossless check ran, when not in the measured run itself."""
+    check = report.lossless_check
+    if not check:
+        return ""
+    speed = f", speedup {check['speedup']:.2f}x there" if check["speedup"] else ""
+    return f" (on float32 copies: tau {check['mean_acceptance_length']:.3f}{speed})"
 
 
 def prompts_label(prompts: str) -> str:

@@ -62,9 +62,17 @@ class EvalReport:
     results: list[PromptResult] = field(default_factory=list)
     engine: str = "dynamic"  # the decode engine both loops ran on
     tree_budget: int | None = None  # drafted nodes per tree round (None: chain rounds)
+    dtype: str = ""  # of the target and drafter the figures were measured with
+    # the greedy check when it ran on float32 copies (a bf16 run): its dtype, prompts, tau and speedup
+    lossless_check: dict[str, Any] | None = None
+
+    @property
+    def round_cost(self) -> float | None:
+        """What one speculative round costs in autoregressive tokens: tau / speedup (speedup = tau / cost)."""
+        return self.mean_acceptance_length / self.speedup if self.speedup else None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "round_cost_ar_tokens": self.round_cost}
 
 
 def summarise(

@@ -172,6 +172,25 @@ STATIC_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 TREE_ATTENTION = ("sdpa", "eager")
 
 
+# The transformers releases the static engine is tested on (pyproject.toml declares the same range): it
+# reads StaticCache's per-layer write position (``cumulative_length``) and its ``early_initialization``.
+TESTED_TRANSFORMERS = ("5.17", "5.24")
+
+
+def _check_static_cache(cache: Any) -> None:
+    """Refuse, in one line, a transformers whose StaticCache lacks what the static engine uses."""
+    layers = getattr(cache, "layers", None) or [None]
+    if not hasattr(cache, "early_initialization") or not hasattr(layers[0], "cumulative_length"):
+        import transformers
+
+        low, high = TESTED_TRANSFORMERS
+        raise DflashkitError(
+            f"the static decode engine uses StaticCache internals of transformers {low}-{high}, which "
+            f"transformers {transformers.__version__} does not have: install transformers>={low},<={high}, "
+            "or use the dynamic engine (--engine dynamic)"
+        )
+
+
 class StaticTargetCache:
     """The target's K/V cache for the static engine: transformers' StaticCache, allocated once for
     ``capacity`` positions and never reallocated (compiled steps and CUDA graphs keep its addresses).
@@ -189,6 +208,7 @@ class StaticTargetCache:
 
         self.capacity = capacity
         self.hf = StaticCache(config=config, max_cache_len=capacity)
+        _check_static_cache(self.hf)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.hf.early_initialization(1, config.num_key_value_heads, head_dim, dtype, torch.device(device))
 
