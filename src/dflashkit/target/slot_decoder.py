@@ -225,6 +225,30 @@ def forward(
     are returned). Row r's token c sits at position starts[r] + c and attends to its slot's positions
     0 .. starts[r] + c. ``kv_len`` bounds the positions read (>= the largest starts + C; the sdpa path's
     width). Returns float32 logits [R, vocab]."""
+    x, _ = decode(w, cache, tokens, slots, starts, kv_len=kv_len, attention=attention)
+    picked = x[torch.arange(x.shape[0], device=x.device), last]  # [R, hidden]
+    return logits(w, picked)
+
+
+def logits(w: DecoderWeights, x: Tensor) -> Tensor:
+    """The final norm and the vocabulary head over hidden states [..., hidden]: float32 logits."""
+    return F.linear(rms_norm(x, w.norm, w.eps), w.lm_head).float()
+
+
+def decode(
+    w: DecoderWeights,
+    cache: SlotCache,
+    tokens: Tensor,
+    slots: Tensor,
+    starts: Tensor,
+    *,
+    kv_len: int,
+    attention: Attention = "sdpa",
+    keep: tuple[int, ...] = (),
+) -> tuple[Tensor, list[Tensor]]:
+    """The decoder layers over rows of new tokens (as ``forward``), writing their keys and values into the
+    cache. Returns the last layer's hidden states [R, C, hidden] (before the final norm) and the outputs
+    of the layers listed in ``keep`` (in layer order; the drafter's context features)."""
     rows, chunk = tokens.shape
     positions = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
         max=cache.capacity - 1
@@ -233,6 +257,7 @@ def forward(
     x = w.embed[tokens]  # [R, C, hidden]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     attend = _attend_flash if attention == "flash" else _attend_sdpa
+    kept = []
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
         qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(rows, chunk, nq + 2 * nk, d)
@@ -250,8 +275,9 @@ def forward(
         h = rms_norm(x, layer.post_norm, w.eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
         x = _add_linear(x, F.silu(gate) * up, layer.down)
-    picked = x[torch.arange(rows, device=x.device), last]  # [R, hidden]
-    return F.linear(rms_norm(picked, w.norm, w.eps), w.lm_head).float()
+        if i in keep:
+            kept.append(x)
+    return x, kept
 
 
 def _add_linear(x: Tensor, a: Tensor, weight: Tensor) -> Tensor:
