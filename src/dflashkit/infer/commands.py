@@ -217,7 +217,6 @@ def _generate(args: argparse.Namespace) -> int:
     console = Console()
     target, drafter, tokenizer, _dtype, manifest = _load(args)
     args.engine = resolve_engine(args.engine, target)
-    console.print(f"[dim]decode engine: {args.engine}[/dim]")
     thinking = _enable_thinking(args, tokenizer, manifest)
     stopper = Stopper(_eos_ids(target, tokenizer), args.stop or [], tokenizer)
     sampling = _sampling(args)
@@ -241,7 +240,7 @@ def _generate(args: argparse.Namespace) -> int:
         console.print(rounds_markup(g, tokenizer, stopper.eos))
         console.print(
             f"[dim]{len(g.tokens)} tokens, mean acceptance length {g.mean_acceptance_length:.2f}, "
-            f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}[/]"
+            f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}, {args.engine} engine[/]"
         )
 
     console.print(ROUNDS_LEGEND)
