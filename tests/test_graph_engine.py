@@ -117,6 +117,6 @@ def test_auto_engine_is_the_fastest_lossless_one(target):
     from dflashkit.infer.engine import ENGINE_CHOICES as choices
     from dflashkit.infer.engine import resolve_engine
 
-    assert ENGINE_CHOICES == choices
+    assert choices == ENGINE_CHOICES
     assert resolve_engine("auto", target) == ("graphs" if target.device.type == "cuda" else "dynamic")
     assert resolve_engine("static", target) == "static"
