@@ -164,14 +164,14 @@ def test_greedy_decoding_is_lossless_on_both_engines_and_sampling_is_seeded(tiny
     _folder, target, drafter = tiny
     bset = _set()
     outs = {}
-    for engine in ("dynamic", "static"):
+    for engine in ("dynamic", "static", "graphs"):
         dec = _decoder(target, drafter, engine)
         responses = decode_set(dec, bset, 0.0, compare=True)
         assert len(responses) == bset.responses == 6
         assert all(r.first_difference is None for r in responses)
         assert all(r.ar_new_tokens == r.new_tokens == 12 for r in responses)
         outs[engine] = [r.accept_lengths for r in responses]
-    assert outs["dynamic"] == outs["static"]  # fp32: the engines decode token for token alike
+    assert outs["dynamic"] == outs["static"] == outs["graphs"]  # fp32: token for token alike
     assert sum(sum(t) - len(t) for t in outs["dynamic"]) > 0, "the test must exercise accepted drafts"
     dec = _decoder(target, drafter)
     first = decode_set(dec, bset, 1.0, baseline=False)

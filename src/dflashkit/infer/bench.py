@@ -248,7 +248,7 @@ class Decoder:
             )
             if warm and self.console is not None:
                 steps = ", ".join(f"{name} {s:.1f} s" for name, s in warm.items())
-                self.console.print(f"static engine: {capacity} positions; compiled and warmed up ({steps})")
+                self.console.print(f"{self.engine} engine: {capacity} positions; warmed up ({steps})")
         return self._engine
 
     def warm_up(self, ids: list[int]) -> None:

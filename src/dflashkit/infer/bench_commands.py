@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from dflashkit.infer.commands import add_tree_budget
+from dflashkit.infer.commands import ENGINE_CHOICES, add_tree_budget
 
 DEFAULT_SETS = "mtbench,gsm8k,humaneval,heldout"
 
@@ -62,6 +62,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from dflashkit.infer import bench
     from dflashkit.infer.commands import _enable_thinking, _eos_ids, _load
+    from dflashkit.infer.engine import resolve_engine
     from dflashkit.model.checkpoint import load_drafter
     from dflashkit.target.hf import TargetModel
 
@@ -98,6 +99,7 @@ def _bench(args: argparse.Namespace) -> int:
     if data_from_config and not heldout and not (Path(args.data) / "manifest.json").is_file():
         args.data = None  # the config's dataset is not here, and only the held-out set needs it
     target, drafter, tokenizer, dtype, manifest = _load(argparse.Namespace(**{**vars(args), "config": None}))
+    args.engine = resolve_engine(args.engine, target, args.tree_budget)
     thinking = _enable_thinking(args, tokenizer, manifest)
     eos_ids = _eos_ids(target, tokenizer)
     drafter_dir = Path(args.drafter)
@@ -377,10 +379,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of the sampling (0)")
     p.add_argument(
         "--engine",
-        choices=["dynamic", "static"],
-        default="dynamic",
-        help="decode engine of both loops: dynamic (any target) or static (preallocated caches, fixed-shape "
-        "steps compiled as CUDA graphs on a GPU; llama/mistral/qwen2/qwen3 targets)",
+        choices=list(ENGINE_CHOICES),
+        default="auto",
+        help="decode engine of both loops: auto (the fastest lossless one: graphs on a GPU, else dynamic), "
+        "dynamic (any target), static (transformers' layers compiled per step shape) or graphs (the fused "
+        "target forward, one CUDA graph per step shape; llama/mistral/qwen2/qwen3 targets)",
     )
     add_tree_budget(p)
     p.add_argument(

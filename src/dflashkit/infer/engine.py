@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -51,37 +50,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflashkit.errors import DflashkitError
+from dflashkit.infer.graph_engine import GraphEngine
+from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
 from dflashkit.infer.tree import DraftTree
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
+from dflashkit.target.slot_decoder import check_supported
 
-ENGINES: tuple[str, ...] = ("dynamic", "static")
+ENGINES: tuple[str, ...] = ("dynamic", "static", "graphs")
+ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINES)  # what --engine takes
 WARM_CALLS_GRAPHED = 3  # a CUDA-graph region warms, records, then replays: all three before freezing
-
-
-@dataclass(frozen=True)
-class Context:
-    """Target features [1, s, n*H] of the committed positions start .. start+s-1 that the drafter has not
-    read yet (s may be 0: an engine may have let the drafter read them already). The next block's anchor
-    sits at ``end``."""
-
-    features: Tensor
-    start: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.features.shape[1]
-
-
-@dataclass(frozen=True)
-class Verified:
-    """One target pass over t new tokens, written after the ``start`` cached positions: logits [t, V] (row
-    i: the target's distribution for the token after token i) and features [1, t, n*H]. Hand it to
-    ``keep`` before the next verify: the engine's caches hold these tokens until then."""
-
-    logits: Tensor
-    features: Tensor
-    start: int
 
 
 class Engine(Protocol):
@@ -118,25 +96,6 @@ def _need_drafter(engine: Engine) -> DFlashDrafter:
             f"this {engine.name} engine was built without a drafter: it decodes autoregressively only"
         )
     return engine.drafter
-
-
-def _check_path(verified: Verified, open_pass: Verified | None, path: Sequence[int]) -> int:
-    """Refuse a path the caches cannot keep: not of the last verify, not starting at its first token, or
-    not increasing node ids within it. Returns its length."""
-    if verified is not open_pass:
-        raise ValueError("keep() takes the Verified of the last verify(), once")
-    t = verified.logits.shape[0]
-    if not path or path[0] != 0 or any(path[i] >= path[i + 1] for i in range(len(path) - 1)) or path[-1] >= t:
-        raise ValueError(f"a kept path starts at node 0 and increases within the {t} verified tokens: {path}")
-    return len(path)
-
-
-def _path_rows(features: Tensor, path: Sequence[int]) -> Tensor:
-    """The features [1, len(path), n*H] of the kept nodes (a slice for a chain's prefix)."""
-    n = len(path)
-    if list(path) == list(range(n)):
-        return features[:, :n]
-    return features[:, list(path)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,10 +170,10 @@ class DynamicEngine:
         return self._open
 
     def keep(self, verified: Verified, path: Sequence[int]) -> Context:
-        _check_path(verified, self._open, path)
+        check_kept_path(verified, self._open, path)
         self._open = None
         self._tcache.keep_rows(verified.start, path)
-        return Context(_path_rows(verified.features, path), verified.start)
+        return Context(kept_rows(verified.features, path), verified.start)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -379,11 +338,11 @@ class StaticEngine:
             )
 
     def keep(self, verified: Verified, path: Sequence[int]) -> Context:
-        n = _check_path(verified, self._open, path)
+        n = check_kept_path(verified, self._open, path)
         self._open = None
         self._tcache.keep_rows(verified.start, path)
         self._length = verified.start + n  # the next step writes from here; rows beyond are masked until then
-        return Context(_path_rows(verified.features, path), verified.start)
+        return Context(kept_rows(verified.features, path), verified.start)
 
     # --- warm-up --------------------------------------------------------------------------------
 
@@ -473,7 +432,26 @@ def make_engine(
             backend=backend,
             tree_budget=tree_budget,
         )
+    if name == "graphs":
+        if capacity is None:
+            raise ValueError("a graphs engine needs its capacity (prompt + max_new_tokens + block)")
+        return GraphEngine(target, drafter, capacity=capacity, layer_ids=layer_ids, graphs=compile)
     raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
+
+
+def resolve_engine(name: str, target: TargetModel, tree_budget: int | None = None) -> str:
+    """ "auto" is the fastest lossless engine for this target: "graphs" on a GPU for the decoder families
+    its fused forward reproduces exactly, else "dynamic" (the reference, any target). Tree rounds
+    (``tree_budget``) run on the dynamic engine: the graphs engine verifies chains only."""
+    if name != "auto":
+        return name
+    if target.device.type != "cuda" or tree_budget:
+        return "dynamic"
+    try:
+        check_supported(target.config)
+    except DflashkitError:
+        return "dynamic"
+    return "graphs"
 
 
 def ready_engine(
@@ -489,11 +467,15 @@ def ready_engine(
     of this capacity, compiled and warmed up (compiles then frozen) when ``compile`` is True, or None and
     the target is on a GPU; ``tree_budget``: its tree step is warmed up too. Returns it and the warm-up
     seconds per step shape."""
+    name = resolve_engine(name, target, tree_budget)
     if name not in ENGINES:
-        raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
+        raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
     if name == "dynamic":
         return name, {}
     if compile is None:
         compile = target.device.type == "cuda"
+    if name == "graphs":
+        graph_engine = GraphEngine(target, drafter, capacity=capacity, graphs=compile)
+        return graph_engine, graph_engine.warm_up()
     engine = StaticEngine(target, drafter, capacity=capacity, compile=compile, tree_budget=tree_budget)
     return engine, engine.warm_up()
