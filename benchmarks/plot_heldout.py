@@ -44,7 +44,9 @@ def main(argv: list[str]) -> int:
         ax.plot(x, [m for _, _, m in points], ls="--", color=line.get_color(), alpha=0.6)
     ax.set_xlabel("training rows read (steps x rows per step)")
     ax.set_ylabel("held-out acceptance length tau")
-    ax.set_title("Held-out tau (196 records: 100 chitchat, 96 ShareGPT); dashed: mean over anchors", fontsize=9)
+    ax.set_title(
+        "Held-out tau (196 records: 100 chitchat, 96 ShareGPT); dashed: mean over anchors", fontsize=9
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

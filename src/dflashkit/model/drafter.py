@@ -337,7 +337,7 @@ class DFlashDrafter(nn.Module):
         ([1, kept, n*H] inside [1, B, n*H]), which ``torch.matmul`` would otherwise run as a batched
         matmul over a copy of the fc weight, on every call."""
         x = context_features.to(self.fc.weight.dtype)
-        fused = self.fc(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        fused = self.fc(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.fc.out_features)
         return self.hidden_norm(fused)
 
     def forward(

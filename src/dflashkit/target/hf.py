@@ -304,7 +304,7 @@ class TargetModel:
         drafter's head cost 45 ms per round instead of ~2 ms (benchmarks/NOTES.md, the CPU round)."""
         head = self.model.get_output_embeddings()
         rows = h.to(head.weight.dtype).reshape(-1, h.shape[-1])  # a view when it can be, else a copy of h
-        return head(rows).view(*h.shape[:-1], -1)
+        return head(rows).view(*h.shape[:-1], head.weight.shape[0])
 
     def embed_weight(self) -> Tensor:
         return self.model.get_input_embeddings().weight
