@@ -322,18 +322,13 @@ GPU_FLEX = {"run.device": "cuda", "attention.backend": "flex", "train.autocast":
 @pytest.mark.gpu
 @two_gpus()
 def test_two_gpu_ranks_train_as_one_gpu_with_the_global_batch(tiny_dataset, tmp_path):
-    from dflashkit.runtime import compile as rc
 
-    rc.reset_runtime()  # this process warms and freezes flex for the one-GPU run: undo it afterwards
-    try:
-        one = trainer.train(
-            load_config(
-                None, tiny_overrides(tiny_dataset, tmp_path / "one", **GPU_FLEX, **{"train.batch_size": 2})
-            ),
-            console=quiet(),
-        )
-    finally:
-        rc.reset_runtime()
+    one = trainer.train(
+        load_config(
+            None, tiny_overrides(tiny_dataset, tmp_path / "one", **GPU_FLEX, **{"train.batch_size": 2})
+        ),
+        console=quiet(),
+    )
     log = torchrun_train(
         tiny_overrides(tiny_dataset, tmp_path / "ddp", **GPU_FLEX, **{"train.batch_size": 1})
     )

@@ -9,10 +9,11 @@ import threading
 import pytest
 import torch
 
+from dflashkit.attention.flex import entry_state
 from dflashkit.config import apply_overrides, load_config
 from dflashkit.errors import ConfigError, DeviceError, DflashkitError
 from dflashkit.model.checkpoint import load_drafter
-from dflashkit.runtime import compile as rc
+from dflashkit.runtime.compile import COMPILE_LOCK, frozen_compiles, is_frozen
 from dflashkit.train import fanout, trainer
 from dflashkit.train import state as st
 
@@ -163,11 +164,7 @@ def test_a_drafter_whose_warm_up_fails_does_not_start(tiny_dataset, tmp_path):
     cfg = fanout_config(tiny_dataset, tmp_path / "fan", variants=f"[{A}, {B}]", **{"train.max_steps": 2})
     fan = fanout.setup_fanout(cfg)
     fan.workers[0].run.backend = "flex"
-    rc.reset_runtime()
-    try:
-        result = fanout.train_all(fan, console=quiet())
-    finally:
-        rc.reset_runtime()
+    result = fanout.train_all(fan, console=quiet())
     a, b = result.drafters
     assert a.status == "failed" and "no backward on cpu" in a.error and a.steps == 0 and a.micro_batches == 0
     assert (tmp_path / "fan" / "a" / fanout.ERROR_FILE).is_file()
@@ -207,16 +204,14 @@ def test_compiled_flex_forward_in_drafter_threads_while_the_target_runs(tiny_dat
         "[{name: a}, {name: b, overrides: {drafter.layers: 2}}, {name: c, overrides: {train.lr: 1.0e-3}}]"
     )
     fan = fanout.setup_fanout(fanout_config(tiny_dataset, tmp_path / "fan", variants=variants))
-    rc.reset_runtime()
-    try:
+    for w in fan.workers:
+        w.run.backend = "flex"
+    fanout.share_validation_features(fan)
+    with COMPILE_LOCK:  # what warm_up does, forward only
         for w in fan.workers:
-            w.run.backend = "flex"
-        fanout.share_validation_features(fan)
-        with rc.COMPILE_LOCK:  # what warm_up does, forward only
-            for w in fan.workers:
-                trainer.evaluate(w.run, max_rows=1)
-        rc.freeze()
-        graphs, compiled = fanout.compiled_graph_count(), rc.runtime_state()["compiled_shapes"]
+            trainer.evaluate(w.run, max_rows=1)
+    with frozen_compiles():
+        graphs, compiled = fanout.compiled_graph_count(), entry_state()["compiled_shapes"]
         errors, steps = [], [0] * len(fan.workers)
 
         def drafter(i, w):
@@ -255,9 +250,8 @@ def test_compiled_flex_forward_in_drafter_threads_while_the_target_runs(tiny_dat
         assert errors == []
         assert steps == [STEPS] * 3 and stats["batches"] == STEPS and len(calls) == STEPS
         assert fanout.compiled_graph_count() == graphs
-        assert rc.runtime_state()["compiled_shapes"] == compiled and rc.is_frozen()
-    finally:
-        rc.reset_runtime()
+        assert entry_state()["compiled_shapes"] == compiled and is_frozen()
+    assert not is_frozen()
 
 
 def test_variants_may_not_change_what_the_drafters_share(tiny_dataset, tmp_path):
@@ -298,7 +292,6 @@ def test_ready_config_and_dry_run(tiny_dataset, tmp_path, capsys):
 def test_flex_fanout_on_gpu_warms_every_drafter_then_freezes(tiny_dataset, tmp_path):
     """On the GPU(s): compiled flex forward and backward for two block sizes (target on cuda:0, the
     drafters on cuda:1 when there are two GPUs), warmed serially, then frozen: no compile afterwards."""
-    rc.reset_runtime()
     cfg = fanout_config(
         tiny_dataset,
         tmp_path / "fan",
@@ -310,15 +303,12 @@ def test_flex_fanout_on_gpu_warms_every_drafter_then_freezes(tiny_dataset, tmp_p
             "train.autocast": "bf16",
         },
     )
-    try:
-        result = fanout.train_fanout(cfg, console=quiet())
-        assert result.ok and result.compiles_after_warmup == 0 and rc.is_frozen()
-        assert result.target_batches == STEPS and result.warmup_seconds > 0
-        want = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-        assert [d.device for d in result.drafters] == [want, want]
-        assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())
-    finally:
-        rc.reset_runtime()
+    result = fanout.train_fanout(cfg, console=quiet())
+    assert result.ok and result.compiles_after_warmup == 0 and not is_frozen()
+    assert result.target_batches == STEPS and result.warmup_seconds > 0
+    want = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    assert [d.device for d in result.drafters] == [want, want]
+    assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())
 
 
 @pytest.mark.gpu
@@ -329,7 +319,6 @@ def test_two_target_workers_on_the_gpus(tiny_dataset, tmp_path):
     count = torch.cuda.device_count()
     if count < 2:
         pytest.skip("needs 2 GPUs")
-    rc.reset_runtime()
     cfg = fanout_config(
         tiny_dataset,
         tmp_path / "fan",
@@ -342,12 +331,9 @@ def test_two_target_workers_on_the_gpus(tiny_dataset, tmp_path):
             "fanout.target_devices": "[cuda:0, cuda:1]",
         },
     )
-    try:
-        result = fanout.train_fanout(cfg, console=quiet())
-        assert result.ok and result.compiles_after_warmup == 0 and rc.is_frozen()
-        assert [(t.device, t.batches) for t in result.target_workers] == [("cuda:0", 3), ("cuda:1", 3)]
-        pool = [f"cuda:{i}" for i in range(2, count)] or ["cuda:1"]
-        assert [d.device for d in result.drafters] == [pool[0], pool[1 % len(pool)]]
-        assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())
-    finally:
-        rc.reset_runtime()
+    result = fanout.train_fanout(cfg, console=quiet())
+    assert result.ok and result.compiles_after_warmup == 0 and not is_frozen()
+    assert [(t.device, t.batches) for t in result.target_workers] == [("cuda:0", 3), ("cuda:1", 3)]
+    pool = [f"cuda:{i}" for i in range(2, count)] or ["cuda:1"]
+    assert [d.device for d in result.drafters] == [pool[0], pool[1 % len(pool)]]
+    assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())

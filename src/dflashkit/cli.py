@@ -17,13 +17,13 @@ Handler = Callable[[argparse.Namespace], int]
 def _doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from dflashkit.runtime import doctor
-    from dflashkit.runtime import fingerprint as fpmod
+    from dflashkit.attention import checks as attention_checks
+    from dflashkit.runtime import doctor, fingerprint
 
     console = Console()
     if args.diff:
         return doctor.show_diff(args.diff[0], args.diff[1], console)
-    fp = fpmod.collect()
+    fp = fingerprint.collect()
     if args.json:
         doctor.write_json(fp, args.json)
     elif args.check:
@@ -31,6 +31,7 @@ def _doctor(args: argparse.Namespace) -> int:
     else:
         doctor.show(fp, console)
     if args.check:
+        attention_checks.register()  # the compiled flex_attention and thread-safety self-tests
         return doctor.run_check(Console(stderr=args.json == "-"))
     return 0
 

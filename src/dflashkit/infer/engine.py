@@ -23,7 +23,7 @@ Engines:
   fixed-shape steps: the target at [1, 1] (a token) and [1, B] (a block), the drafter at [1, B] (the
   last verified block's rows, then the draft block). With ``compile=True`` each step compiles once per
   shape through ``CompiledRegion`` (CUDA graphs on a GPU: one launch per step) during ``warm_up()``,
-  and compiles are frozen after it. The prefill (any prompt length) runs eagerly.
+  and runs with compiles frozen after it. The prefill (any prompt length) runs eagerly.
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on both engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
@@ -34,6 +34,7 @@ starts afresh), not from two threads.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -164,7 +165,7 @@ class StaticEngine:
         compile: bool = False,
         backend: str = "sdpa",
     ):
-        from dflashkit.runtime.compile import graph_mode
+        from dflashkit.runtime.compiled_region import graph_mode
 
         if backend not in ("sdpa", "eager"):
             raise DflashkitError(f"the static engine drafts on the sdpa or eager backend, not {backend!r}")
@@ -179,6 +180,7 @@ class StaticEngine:
         self._length = 0  # positions held by the target cache: the next write goes here
         self._last: tuple[Tensor, Tensor] | None = None  # features and positions of the last verify
         self.compiled = compile
+        self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
         self.mode = graph_mode(dev) if compile else None
         self._target_step: Callable[..., tuple[Tensor, Tensor]] = self._target_block
         self._draft_step: Callable[..., Tensor] = self._draft_block
@@ -187,7 +189,7 @@ class StaticEngine:
             self._draft_step = self._region(self._draft_block, "the static engine's draft step")
 
     def _region(self, step: Callable[..., Any], name: str) -> Callable[..., Any]:
-        from dflashkit.runtime.compile import CompiledRegion
+        from dflashkit.runtime.compiled_region import CompiledRegion
 
         return CompiledRegion(
             step, name, mode=self.mode, warm_with="StaticEngine.warm_up()", off_switch="--engine dynamic"
@@ -252,7 +254,8 @@ class StaticEngine:
         assert self._last is not None
         rows, row_positions = self._last
         self._block[0, 0] = anchor
-        return self._draft_step(rows, row_positions, self._block, self._positions(start, self.block_size))
+        with self._frozen():
+            return self._draft_step(rows, row_positions, self._block, self._positions(start, self.block_size))
 
     def verify(self, ids: Tensor) -> Tensor:
         t = ids.shape[1]
@@ -263,7 +266,8 @@ class StaticEngine:
                 f"the static engine's cache of {self.capacity} positions is full; reserve() first"
             )
         positions = self._positions(self._length, t)
-        logits, feats = self._target_step(ids, positions)
+        with self._frozen():
+            logits, feats = self._target_step(ids, positions)
         self._last = (feats, positions)
         self._length += t
         return logits
@@ -275,12 +279,12 @@ class StaticEngine:
 
     # --- warm-up --------------------------------------------------------------------------------
 
-    def warm_up(self, freeze: bool = True) -> dict[str, float]:
+    def warm_up(self) -> dict[str, float]:
         """Compile every step shape now, serially under COMPILE_LOCK (a CUDA-graph step is also recorded
-        and replayed once), then freeze compiles (``freeze=False``: leave that to the caller, e.g.
-        after warming several engines). Returns seconds per step shape. Without compile: a no-op."""
-        from dflashkit.runtime.compile import COMPILE_LOCK, unfreeze
-        from dflashkit.runtime.compile import freeze as freeze_compiles
+        and replayed once). Afterwards each compiled step runs inside `frozen_compiles()`: a shape that
+        was not warmed is an error, never a compile. Returns seconds per step shape. Without compile:
+        a no-op."""
+        from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen
 
         if not self.compiled:
             return {}
@@ -295,7 +299,7 @@ class StaticEngine:
         seconds: dict[str, float] = {}
         # under no_grad, as the decode loops run: grad mode is part of every graph's guards
         with COMPILE_LOCK, torch.no_grad():
-            unfreeze()
+            check_not_frozen("the static engine's warm-up")
             for name, step in steps.items():
                 t0 = time.perf_counter()
                 for _ in range(calls):
@@ -303,9 +307,14 @@ class StaticEngine:
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 seconds[name] = time.perf_counter() - t0
-            if freeze:
-                freeze_compiles()
+        self._warm = True
         return seconds
+
+    def _frozen(self) -> contextlib.AbstractContextManager[Any]:
+        """Compiles frozen around a warmed engine's compiled step."""
+        from dflashkit.runtime.compile import frozen_compiles
+
+        return frozen_compiles() if self._warm else contextlib.nullcontext()
 
     def _warm_target(self, t: int) -> None:
         ids = torch.zeros(1, t, dtype=torch.long, device=self.target.device)

@@ -14,8 +14,9 @@ Read top to bottom:
   through a `TargetView` (its own copies of the frozen embedding and lm_head there).
 - `share_validation_features`: one target pass per held-out row, handed to every drafter.
 - `warm_up`: before any thread starts, every flex attention shape of every drafter on every device,
-  forward and backward, is compiled serially under runtime.compile.COMPILE_LOCK (`warm_up_attention`);
-  then runtime.compile.freeze(): any later compile is an error naming shape and device.
+  forward and backward, is compiled serially under runtime.compile.COMPILE_LOCK (`trainer.warm_up`);
+  then the drafters train inside `frozen_compiles()`: any later compile is an error naming shape and
+  device.
 - `feed_drafters` (the target workers, one thread each): together they walk the micro-batch stream that
   `trainer.train` walks; worker i runs the target once for every W-th micro-batch (k = i mod W, counting
   from the first one needed), waits for its turn (`Turns`), and puts the features into the bounded queue
@@ -51,10 +52,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.attention import flex
 from dflashkit.config import FanoutSection, RunConfig, apply_overrides, dump_config
 from dflashkit.errors import ConfigError, DeviceError, DflashkitError
-from dflashkit.runtime import compile as rc
 from dflashkit.runtime import fingerprint as fpmod
+from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
+from dflashkit.runtime.compile_cache import portable_cache
 from dflashkit.target.hf import TargetModel
 from dflashkit.train import state as st
 from dflashkit.train import trainer
@@ -487,28 +490,27 @@ def compiled_graph_count() -> int:
 def warm_up(fanout: Fanout, console: Any = None) -> float:
     """Compile every shape of every drafter on its device (flex attention, and the compiled layer and
     loss-chunk regions where train.compile is on; a training micro-batch forward and backward, an
-    evaluation row), serially under COMPILE_LOCK, then freeze. Returns the seconds.
+    evaluation row), serially under COMPILE_LOCK, before compiles are frozen. Returns the seconds.
     Must run before any drafter thread starts. A drafter whose warm-up raises (e.g. out of memory on
     its device) is marked failed and will not start; the others are warmed."""
-    flex = [w for w in fanout.workers if w.run.backend == "flex"]
-    if not flex:
+    warmed = [w for w in fanout.workers if w.run.backend == "flex"]
+    if not warmed:
         return 0.0
     t0 = time.perf_counter()
-    with rc.COMPILE_LOCK:
-        rc.unfreeze()  # nothing runs concurrently yet; a previous fan-out may have frozen other shapes
+    with COMPILE_LOCK:
+        check_not_frozen("the fan-out's warm-up")
         # Flex attention outside a region: each drafter adds at most a training and an evaluation graph per
         # layer type (full, sliding). (Inside a region it is part of the region's graph and limit.)
-        limit = rc.compiled_graphs() + 4 * len(flex) + 2
-        if limit > rc.runtime_state()["recompile_limit"]:
-            rc.set_recompile_limit(limit)
-        for w in flex:
+        limit = flex.compiled_graphs() + 4 * len(warmed) + 2
+        if limit > flex.recompile_limit():
+            flex.set_recompile_limit(limit)
+        for w in warmed:
             try:
                 with _on_device(w.run.device):
                     autocast = trainer.autocast_context(w.run.cfg, w.run.device)
-                    trainer.warm_up_attention(w.run, autocast, freeze=False)
+                    trainer.warm_up(w.run, autocast)
             except Exception as e:
                 _record_failure(w, e, "during warm-up", console)
-        rc.freeze()
     return time.perf_counter() - t0
 
 
@@ -816,35 +818,36 @@ def train_all(
     fpmod.save(fpmod.collect(), out / fpmod.FINGERPRINT_FILE)
     show_plan(fanout, console)
     share_validation_features(fanout)
-    with rc.portable_cache(cfg.run.compile_cache, console):
+    with portable_cache(cfg.run.compile_cache, console):
         warm_s = warm_up(fanout, console)
     graphs = compiled_graph_count()
     t_train = time.perf_counter()
-    for w in fanout.workers:
-        if w.status == "failed":  # its warm-up failed
-            continue
-        w.thread = threading.Thread(
-            target=train_drafter,
-            args=(w,),
-            kwargs={"resume": resume, "stop_after": stop_after, "console": console},
-            name=f"drafter-{w.name}",
-            daemon=True,
-        )
-        w.thread.start()
     failure: BaseException | None = None
-    with _Progress(fanout, console) as progress:
-        try:
-            feed_drafters(fanout, on_batch=progress.update)
-            for w in fanout.workers:
-                while w.thread is not None and w.thread.is_alive():
-                    w.thread.join(0.5)
-                    progress.update()
-        except BaseException as e:  # a target worker failed, or Ctrl-C: every drafter stops
-            failure = e
-            fanout.stop.set()
-            for w in fanout.workers:
-                if w.thread is not None:
-                    w.thread.join()
+    with frozen_compiles():  # from here until every thread has ended, nothing compiles
+        for w in fanout.workers:
+            if w.status == "failed":  # its warm-up failed
+                continue
+            w.thread = threading.Thread(
+                target=train_drafter,
+                args=(w,),
+                kwargs={"resume": resume, "stop_after": stop_after, "console": console},
+                name=f"drafter-{w.name}",
+                daemon=True,
+            )
+            w.thread.start()
+        with _Progress(fanout, console) as progress:
+            try:
+                feed_drafters(fanout, on_batch=progress.update)
+                for w in fanout.workers:
+                    while w.thread is not None and w.thread.is_alive():
+                        w.thread.join(0.5)
+                        progress.update()
+            except BaseException as e:  # a target worker failed, or Ctrl-C: every drafter stops
+                failure = e
+                fanout.stop.set()
+                for w in fanout.workers:
+                    if w.thread is not None:
+                        w.thread.join()
     training_s = time.perf_counter() - t_train
     result = FanoutResult(
         out_dir=out,

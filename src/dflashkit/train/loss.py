@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from dflashkit.runtime.compile import CompiledRegion
+from dflashkit.runtime.compiled_region import CompiledRegion
 from dflashkit.train.metrics import per_position_counts
 
 Weighting = Literal["decay", "dpace"]

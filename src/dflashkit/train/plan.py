@@ -105,9 +105,9 @@ def dry_run(
 
 def attention_memory(cfg: RunConfig, dc: Any, device: Any, backend: str) -> str:
     """The dense attention memory of a training micro-batch and of an evaluation row on this device, checked
-    against the budget as the run checks it before any attention runs (`runtime.compile.preflight_dense`):
+    against the budget as the run checks it before any attention runs (`attention.dense_budget.preflight_dense`):
     a shape over budget is the error the run would meet, with a hint for this device."""
-    from dflashkit.runtime.compile import dense_budget_gib, preflight_dense
+    from dflashkit.attention.dense_budget import dense_budget_gib, preflight_dense
 
     if backend == "flex":
         return "flex: compiled, memory linear in sequence length (no dense score matrix)"

@@ -36,6 +36,8 @@ from dflashkit.model.checkpoint import check_checkpoint_folder, load_drafter, wr
 from dflashkit.model.config import DrafterConfig, config_for_target
 from dflashkit.model.drafter import DFlashDrafter, build_block_masks
 from dflashkit.runtime import fingerprint as fpmod
+from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
+from dflashkit.runtime.compile_cache import portable_cache
 from dflashkit.target.hf import TargetModel, default_mask_token_id
 from dflashkit.train import distributed as dd
 from dflashkit.train import state as st
@@ -483,31 +485,26 @@ def features_for(run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tens
     return feats, argmax
 
 
-def warm_up_attention(
-    run: Run, autocast: Any, model: torch.nn.Module | None = None, *, freeze: bool = True
-) -> None:
+def warm_up(run: Run, autocast: Any, model: torch.nn.Module | None = None) -> None:
     """Compile the flex attention of every shape this run uses (a training micro-batch forward and
-    backward, an evaluation row) serially, then freeze: any later compile is an error, never a race or
-    a silent dense path. Rows are padded to max_len and anchors are a fixed count, so these are all.
-    ``model`` is what training steps (a DDP wrapper under torchrun; every rank warms up together).
-    ``freeze=False`` leaves the freeze to the caller (a fan-out warms every drafter first)."""
+    backward, an evaluation row) serially, before the loop freezes compiles (`frozen_compiles`): any later
+    compile is an error, never a race or a silent dense path. Rows are padded to max_len and anchors are
+    a fixed count, so these are all. ``model`` is what training steps (a DDP wrapper under torchrun; every
+    rank warms up together)."""
     if run.backend != "flex" or len(run.train_rows) == 0:
         return
-    from dflashkit.runtime import compile as rc
-
     g = torch.Generator().manual_seed(0)  # its own stream: warm-up must not move the training RNG
     idx = list(range(min(run.cfg.train.batch_size, len(run.train_rows))))
     rows = run.train_rows.take(idx, run.device)
     feats, argmax = features_for(run, "train", idx, rows)
-    with rc.COMPILE_LOCK:
+    with COMPILE_LOCK:
+        check_not_frozen("the training warm-up")
         out = block_step(
             model or run.drafter, run.target, rows, feats, argmax, run.cfg, run.backend, g, autocast
         )
         out.loss.loss.backward()
         run.drafter.zero_grad(set_to_none=True)
         evaluate(run, max_rows=1)
-    if freeze:
-        rc.freeze()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -870,16 +867,14 @@ def _train(
     autocast = autocast_context(cfg, run.device)
     tensorboard = open_tensorboard(cfg, out) if d.is_main else None
     if warm:
-        from dflashkit.runtime.compile import portable_cache
-
         with portable_cache(cfg.run.compile_cache, console, save=d.is_main):
-            warm_up_attention(run, autocast, model)
+            warm_up(run, autocast, model)
     order = epoch_order(len(run.train_rows), tc.seed, cursor["epoch"])
     losses: list[float] = []
     window: dict[str, Tensor] | None = None
     t0 = time.perf_counter()
     last_val: dict[str, Any] = {}
-    with TrainProgress(run.total_steps, step, console) as progress:
+    with frozen_compiles(), TrainProgress(run.total_steps, step, console) as progress:
         while step < run.total_steps:
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
