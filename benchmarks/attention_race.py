@@ -1,12 +1,12 @@
-"""The story's race, counted: threads over the available GPUs, one stepping a warm compiled flex_attention
+"""The threaded compile race, counted: threads over the available GPUs, one stepping a warm compiled flex_attention
 while the others bring new shapes, each repetition in a fresh subprocess with a fresh compile cache.
 
 Two modes, N repetitions each:
-- plain: what the story's trainer did. Each thread has its own `torch.compile(flex_attention)`; thread 0
+- plain: what a threaded trainer without our runtime does. Each thread has its own `torch.compile(flex_attention)`; thread 0
   compiles its shape, then steps it (building the mask with `create_block_mask` every step) while threads
   1..T-1 compile their new shapes concurrently.
 - ours: dflashkit's runtime. Each thread's length is padded into one of two buckets; every bucket is
-  warmed serially under the compile lock (one warmup() per device), then frozen; the same threads then
+  warmed serially under the compile lock (one warm_up() per device), then frozen; the same threads then
   step concurrently through `flex_attention_entry` with the tile-level `flex_block_mask`.
 
 It prints a table (runs, runs with an error, the error messages) and writes JSON to $OUT if set.
@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> dict:
             shape = bucket_shapes[i]
             q, k, v = example_inputs(shape, device_of[i], requires_grad=backward, seed=seed)
             out = flex_attention_entry(q, k, v, flex_block_mask(bucket_layout(layout, **buckets)))
-        else:  # plain: a fresh create_block_mask every step, as the story's trainer did
+        else:  # plain: a fresh create_block_mask every step, as such a trainer does
             shape = shapes[i]
             q, k, v = example_inputs(shape, device_of[i], requires_grad=backward, seed=seed)
             bm = create_block_mask(

