@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import inspect
 import json
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -59,7 +58,7 @@ def load_target_config(spec: str | Path) -> Any:
     from transformers import AutoConfig
 
     folder, _ = resolve_target(spec)
-    return AutoConfig.from_pretrained(folder)
+    return AutoConfig.from_pretrained(folder, local_files_only=True)
 
 
 def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
@@ -74,7 +73,7 @@ def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
 
     folder, _ = resolve_target(spec)
     try:
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the tokenizer of {folder} ({e}); pass --mask-token-id") from None
     if tok.mask_token_id is not None:
@@ -214,9 +213,8 @@ class TargetModel:
         from transformers import AutoModelForCausalLM
 
         folder, name = resolve_target(spec)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         device = torch.device(device)
-        kwargs: dict[str, Any] = {"dtype": dtype}
+        kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}  # a folder: never the hub
         if device.type != "cpu":
             kwargs["device_map"] = str(device)  # load straight onto the GPU
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
