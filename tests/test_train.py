@@ -1,6 +1,7 @@
 """Training end to end on the embedded target: exact resume, acceptance rises, environment drift,
 mismatched data, dry run, and a trained drafter that decodes losslessly."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -10,7 +11,7 @@ import torch
 
 from dflashkit.config import apply_overrides, load_config
 from dflashkit.data.rows import pack_rows
-from dflashkit.errors import ConfigError, EnvironmentDriftError
+from dflashkit.errors import ConfigError, EnvironmentDriftError, NonFiniteLossError
 from dflashkit.integrity import write_checksums
 from dflashkit.model.checkpoint import load_drafter
 from dflashkit.runtime.devices import use_compiled_regions
@@ -63,6 +64,35 @@ def test_resume_is_exact(tiny_dataset, tmp_path):
         tmp_path / "split" / "checkpoints" / "step-00000006" / "training_state.pt", weights_only=True
     )
     assert torch.equal(full_w["rng"]["generators"]["anchors"], split_w["rng"]["generators"]["anchors"])
+
+
+def test_a_non_finite_loss_stops_the_run_before_the_optimizer_applies_it(tiny_dataset, tmp_path, monkeypatch):
+    applied = []
+    real_step = torch.optim.AdamW.step
+
+    def counted(self, *args, **kwargs):
+        applied.append(1)
+        return real_step(self, *args, **kwargs)
+
+    real = trainer.block_step
+    steps = []
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if torch.is_grad_enabled():  # a training micro-batch (held-out rows run without grad)
+            steps.append(1)
+            if len(steps) == 3:
+                out.loss = dataclasses.replace(out.loss, loss=out.loss.loss * float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    monkeypatch.setattr(trainer, "block_step", poisoned)
+    cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.save_every": 1})
+    with pytest.raises(NonFiniteLossError, match="loss became nan at step 3; that step was not applied") as e:
+        trainer.train(cfg, console=quiet())
+    assert not isinstance(e.value, ConfigError)  # the data or the learning rate, not the config's form
+    assert len(applied) == 2  # steps 1 and 2; step 3's NaN gradient never reached the weights
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-00000002"
 
 
 def test_training_raises_acceptance_above_untrained(tiny_dataset, tmp_path):

@@ -10,7 +10,7 @@
 
 Each optimizer step takes train.grad_accum micro-batches of the stream (`data.stream`): their features
 (`sources`), anchors and blocks, the drafter and the chunked, position-weighted loss (`step.block_step`),
-backward. Held-out acceptance
+backward. A non-finite loss stops the run before the optimizer applies it. Held-out acceptance
 (`validation.validate`) picks best/ by the served-order acceptance length, what serving measures.
 Started by torchrun, each process trains its share of every global batch (`distributed`); a fan-out's
 drafter threads run `start` and `loop` themselves, fed by its target workers (`fanout`).
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from dflashkit.config import RunConfig, dump_config
 from dflashkit.data.stream import MicroBatch
-from dflashkit.errors import ConfigError
+from dflashkit.errors import NonFiniteLossError
 from dflashkit.model.acceptance import add_stats, finalize_stats, served_tau
 from dflashkit.model.checkpoint import load_drafter
 from dflashkit.runtime import fingerprint
@@ -200,12 +200,14 @@ def loop(
     with TrainProgress(run.total_steps, s.step, console) as progress:
         while s.step < run.total_steps:
             loss, stats = accumulate(run, s, source, batches)
+            if not math.isfinite(loss):  # before the optimizer applies it: weights stay as they were
+                raise NonFiniteLossError(
+                    f"the loss became {loss} at step {s.step + 1}; that step was not applied (the checkpoints "
+                    "are as they were): check the data, or train a new run with a lower train.lr (a resume "
+                    "keeps the run's optimizer settings)"
+                )
             grad_norm = optimizer_step(run, s)
             losses.append(loss)
-            if not math.isfinite(loss):
-                raise ConfigError(
-                    f"the loss became {loss} at step {s.step}; lower train.lr or check the data"
-                )
             window = add_stats(window, stats)
             record: dict[str, Any] | None = None
             if s.step % tc.log_every == 0 or s.step == run.total_steps:
