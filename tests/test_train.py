@@ -66,6 +66,28 @@ def test_resume_is_exact(tiny_dataset, tmp_path):
     assert torch.equal(full_w["rng"]["generators"]["anchors"], split_w["rng"]["generators"]["anchors"])
 
 
+def test_a_checkpoint_from_before_the_served_order_keeps_best_updating(tiny_dataset, tmp_path):
+    """A checkpoint written before evaluation measured the served order kept the mean over anchors as its
+    best, a higher figure than any served-order one: a resume must not compare the two (best/ would never
+    be written again), so it takes best/'s served-order figure, or, where there is none, none."""
+    cfg = tiny_config(tiny_dataset, tmp_path / "run")  # 6 steps, evaluated and saved at 3 and 6
+    trainer.train(cfg, console=quiet(), stop_after=3)
+    ckpt, best = tmp_path / "run" / "checkpoints" / "step-00000003", tmp_path / "run" / "best"
+    progress = json.loads((ckpt / "training_state.json").read_text())
+    del progress["extra"]["best_served_acceptance_length"]
+    progress["extra"]["best_acceptance_length"] = 99.0  # as an older dflashkit recorded it
+    (ckpt / "training_state.json").write_text(json.dumps(progress))
+    record = json.loads((best / "metrics.json").read_text())
+    del record["served_acceptance_length"]  # and measured best/: the mean over anchors only
+    record["acceptance_length"] = 99.0
+    (best / "metrics.json").write_text(json.dumps(record))
+    for folder in (ckpt, best):
+        write_checksums(folder)
+    result = trainer.train(cfg, resume=True, console=quiet())
+    record = json.loads((best / "metrics.json").read_text())
+    assert record["step"] == 6 and result.best_served_acceptance_length == record["served_acceptance_length"]
+
+
 def test_a_non_finite_loss_stops_the_run_before_the_optimizer_applies_it(tiny_dataset, tmp_path, monkeypatch):
     applied = []
     real_step = torch.optim.AdamW.step

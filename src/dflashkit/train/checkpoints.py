@@ -13,6 +13,7 @@ environment has not drifted (`check_env_drift`).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,10 @@ from dflashkit.train.setup import Run
 CHECKPOINTS = "checkpoints"
 BEST = "best"
 BEST_METRICS = "metrics.json"
-# The training state's record of the best held-out served-order acceptance length so far.
-BEST_KEY = "best_acceptance_length"
+# The training state's record of the best held-out served-order acceptance length so far. Checkpoints
+# written before evaluation measured the served order kept the mean over anchors under
+# "best_acceptance_length": never compared with a served-order figure (`best_so_far`).
+BEST_KEY = "best_served_acceptance_length"
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,20 @@ def load_weights(drafter: DFlashDrafter, weights: dict[str, Tensor], where: Path
             f"{where} holds a drafter of another shape than this config makes ({detail}); resume with the "
             "run's own drafter settings, or start a new run"
         ) from None
+
+
+def best_so_far(extra: dict[str, Any], out_dir: Path) -> float:
+    """The best held-out served-order acceptance length of a resumed run. A checkpoint written before it
+    was recorded holds another figure (the mean over anchors, higher than the served order), so the best
+    is then read from best/metrics.json where that holds a served-order figure; without one, none is
+    known (-inf) and the next evaluation writes best/ again."""
+    if BEST_KEY in extra:
+        return float(extra[BEST_KEY])
+    try:
+        served = json.loads((out_dir / BEST / BEST_METRICS).read_text()).get("served_acceptance_length")
+    except (OSError, ValueError, AttributeError):
+        served = None
+    return float(served) if isinstance(served, (int, float)) and math.isfinite(served) else float("-inf")
 
 
 def save_checkpoint(

@@ -48,6 +48,7 @@ from dflashkit.train import distributed, state
 from dflashkit.train.checkpoints import (
     BEST_KEY,
     ResumePoint,
+    best_so_far,
     load_weights,
     open_run_folder,
     save_best,
@@ -137,7 +138,7 @@ def start(run: Run, resume_from: ResumePoint | None, console: Any) -> Session:
         restored = state.apply_training_state(resume_from.saved, optimizer_io, scheduler)
         state.restore_rng(restored.rng, {"anchors": generator})
         step, cursor = restored.step, dict(restored.data_cursor)
-        best = float(restored.extra.get(BEST_KEY, best))
+        best = best_so_far(restored.extra, run.out_dir)
         console.print(f"resumed from {resume_from.checkpoint} at step {step}")
         note = distributed.resume_note(restored.extra, d, global_batch(run))
         if note:
