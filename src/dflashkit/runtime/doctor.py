@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflashkit.runtime import fingerprint
+from dflashkit.runtime.checks import known_issues, run_checks
 
 SECTIONS = ("python", "platform", "torch", "gpu", "packages", "package_set", "inductor_cache", "env")
 
@@ -85,8 +86,6 @@ def show_diff_changes(changes: list[fingerprint.Change], a_name: str, b_name: st
 
 def run_check(console: Console) -> int:
     """Self-tests and the known-issues table; 1 when a self-test fails."""
-    from dflashkit.runtime.checks import known_issues, run_checks
-
     results = run_checks()
     table = Table(title="dflashkit doctor --check")
     table.add_column("check", style="cyan")

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError, DflashkitError
+from dflashkit.target.embedded import MASK_TOKEN_ID, NAME, embedded_dir
 
 Labels = Literal["argmax", "logits", "none"]
 
@@ -41,8 +42,6 @@ _SAMPLE = 1 << 20  # bytes hashed at the start, middle and end of each weight fi
 def resolve_target(spec: str | Path) -> tuple[Path, str]:
     """(folder, display name) of a target given as "embedded" or as a path to an HF model folder."""
     if str(spec) == EMBEDDED:
-        from dflashkit.target.embedded import NAME, embedded_dir
-
         return embedded_dir(), f"{NAME} (embedded)"
     folder = Path(spec).expanduser()
     if not (folder / "config.json").is_file():
@@ -66,8 +65,6 @@ def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
     mask token, a ``<|MASK|>`` token, or the first embedding row past the tokenizer (a row the target
     never produces, as for Qwen3's 151669)."""
     if str(spec) == EMBEDDED:
-        from dflashkit.target.embedded import MASK_TOKEN_ID
-
         return MASK_TOKEN_ID
     from transformers import AutoTokenizer
 

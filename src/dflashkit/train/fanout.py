@@ -55,7 +55,10 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 from torch import Tensor
+from torch._dynamo.utils import counters
 
 from dflashkit.attention import flex
 from dflashkit.config import FanoutSection, RunConfig, apply_overrides, dump_config
@@ -433,8 +436,6 @@ def share_validation_features(fanout: Fanout) -> None:
 
 def compiled_graph_count() -> int:
     """Dynamo graphs compiled in this process so far (a compile after warm-up shows here)."""
-    from torch._dynamo.utils import counters
-
     return int(counters["stats"]["unique_graphs"])
 
 
@@ -572,8 +573,6 @@ def feed_drafters(fanout: Fanout, on_batch: Callable[[], None] | None = None) ->
 
 
 def _silent_console() -> Any:
-    from rich.console import Console
-
     return Console(file=io.StringIO(), quiet=True)  # no live display per thread: the fan-out shows one
 
 
@@ -863,8 +862,6 @@ def show_plan(fanout: Fanout, console: Any) -> None:
 
 
 def show_summary(result: FanoutResult, console: Any) -> None:
-    from rich.table import Table
-
     table = Table(title=f"fan-out: {len(result.drafters)} drafters from one target ({result.out_dir})")
     for col in SUMMARY_COLUMNS:
         table.add_column(col, overflow="fold")
@@ -903,8 +900,6 @@ class _Progress:
     """One live line per drafter (steps done of its total), updated by the target worker's thread."""
 
     def __init__(self, fanout: Fanout, console: Any):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         self.fanout = fanout
         self.console = console
         self.progress = Progress(
