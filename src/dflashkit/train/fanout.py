@@ -394,9 +394,11 @@ def setup_fanout(cfg: RunConfig, resume_from: dict[str, ResumePoint | None] | No
         if device not in seen:
             seen[device] = TargetView(first, device)
         runs.append(setup_run(vcfg, target=seen[device], rows=rows))
-    stream = runs[0].stream
+    # One stream, of the keys every variant shares (rows, train.batch_size, train.seed): what the target
+    # workers compute is what each drafter's loop trains on.
+    stream = MicroBatchStream(len(rows[0]), cfg.train.batch_size, cfg.train.seed)
     for run in runs:
-        run.stream = stream  # one stream: what the target workers compute is what each drafter trains on
+        run.stream = stream
     union = sorted(set().union(*(r.drafter.config.target_layer_ids for r in runs)))
     store = runs[0].store
     targets = [
