@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
+import multiprocessing
 import socket
 
 import pytest
@@ -125,7 +125,7 @@ def test_all_reduce_sums_over_two_ranks(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank_worker, args=(r, port, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()

@@ -25,7 +25,7 @@ dataset or packing.
 
 from __future__ import annotations
 
-import datetime as _dt
+import datetime
 import hashlib
 import json
 import os
@@ -414,7 +414,7 @@ def capture_features(
     manifest = {
         **identity,
         "target": {"name": ident["name"], **identity["target"]},
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dflashkit_version": __version__,
         "hidden_size": target.hidden_size,
         "feature_dim": target.hidden_size * len(layer_ids),

@@ -56,7 +56,7 @@ def run_checks() -> list[CheckResult]:
 @register_check("imports")
 def _check_imports() -> CheckResult:
     import importlib
-    import importlib.metadata as md
+    from importlib import metadata
 
     versions = []
     for mod, dist in (
@@ -69,7 +69,7 @@ def _check_imports() -> CheckResult:
         ("matplotlib", "matplotlib"),
     ):
         importlib.import_module(mod)
-        versions.append(f"{mod} {md.version(dist)}")
+        versions.append(f"{mod} {metadata.version(dist)}")
     return CheckResult("imports", True, ", ".join(versions))
 
 

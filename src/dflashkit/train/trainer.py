@@ -192,7 +192,7 @@ def loop(
 ) -> TrainResult:
     """Optimizer steps from the session's step to the run's last (or to ``stop_after``): log, validate and
     keep the best, checkpoint, as the config's cadence says."""
-    tc, s = run.cfg.train, session
+    every, s = run.cfg.train, session  # how often to log, validate and save
     batches = run.stream.from_cursor(s.cursor)
     losses: list[float] = []
     window: dict[str, Tensor] | None = None  # acceptance of the training blocks since the last record
@@ -211,10 +211,10 @@ def loop(
             losses.append(loss)
             window = add_stats(window, stats)
             record: dict[str, Any] | None = None
-            if s.step % tc.log_every == 0 or s.step == run.total_steps:
+            if s.step % every.log_every == 0 or s.step == run.total_steps:
                 record = training_record(run, s, loss, grad_norm, window, time.perf_counter() - t0)
                 window = None
-            if s.step % tc.eval_every == 0 or s.step == run.total_steps:
+            if s.step % every.eval_every == 0 or s.step == run.total_steps:
                 last_val = validate(run, source, on_row=progress.evaluating)  # the same on every rank
                 progress.evaluated()
                 record = (record or {"step": s.step}) | {"val": last_val}
@@ -224,7 +224,7 @@ def loop(
             if record is not None:
                 s.metrics.log(record)
             stopping = stop_after is not None and s.step >= stop_after
-            if s.step % tc.save_every == 0 or s.step == run.total_steps or stopping:
+            if s.step % every.save_every == 0 or s.step == run.total_steps or stopping:
                 extra = {
                     BEST_KEY: s.best,
                     "world_size": run.dist.world_size,
