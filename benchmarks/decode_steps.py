@@ -1,4 +1,4 @@
-"""Decode step costs of the static engine: what one autoregressive token and one speculative round cost, and so
+"""Decode step costs of the static and graphs engines: what one autoregressive token and one speculative round cost, and so
 the speculative speedup each acceptance length can give.
 
 The static engine's steps have fixed shapes, so a round costs the same whatever is accepted: speedup(tau) =
@@ -66,7 +66,7 @@ def copy_bandwidth(device) -> float | None:
     return 2 * x.numel() / (ms / 1e3)  # read + write
 
 
-def measure(target, drafter, args, device) -> dict:
+def measure(target, drafter, engine_name: str, args, device) -> dict:
     import torch
 
     from dflashkit.infer.engine import ready_engine
@@ -76,9 +76,13 @@ def measure(target, drafter, args, device) -> dict:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, target.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
     capacity = args.prompt_len + args.tokens + B
-    engine, warm = ready_engine("static", target, drafter, capacity=capacity, compile=args.compile)
+    t0 = time.perf_counter()
+    engine, warm = ready_engine(engine_name, target, drafter, capacity=capacity, compile=args.compile)
     layer_ids = drafter.config.target_layer_ids
     with torch.no_grad():
+        # the warm start: building the engine (compile or capture every step shape) to the first token
+        first = autoregressive_generate(target, prompt, 1, layer_ids=layer_ids, engine=engine)
+        start_seconds = time.perf_counter() - t0 - first.seconds + first.prefill_seconds
         # the loops, as decode_speed.py times them (prefill excluded); first a short warm-up of each
         autoregressive_generate(target, prompt, 8, layer_ids=layer_ids, engine=engine)
         speculative_generate(target, drafter, prompt, 8, engine=engine)
@@ -111,7 +115,9 @@ def measure(target, drafter, args, device) -> dict:
             f"draft [1, {B}]": timed(lambda: engine.draft(prompt[-1], P), args.calls, device),
         }
     return {
+        "engine": engine_name,
         "warmup_seconds": warm,
+        "start_seconds": start_seconds,
         "ms_per_ar_token": token_ms,
         "ms_per_spec_round": round_ms,
         "random_drafter_tau": sum(taus) / len(taus),
@@ -133,6 +139,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per loop")
     ap.add_argument("--repeats", type=int, default=3, help="loops of each kind (median)")
     ap.add_argument("--calls", type=int, default=200, help="timed engine calls of each kind (median)")
+    ap.add_argument("--engines", default="static,graphs", help="engines to measure, side by side")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
 
@@ -165,22 +172,23 @@ def main() -> None:
             torch.manual_seed(0)
             drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
             weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
-            row = {
-                "dtype": dtype_name,
-                "device": device.type,
-                "shape": args.shape,
-                "block_size": args.block,
-                "drafter_layers": args.layers,
-                "compiled": args.compile,
-                **measure(target, drafter, args, device),
-                "target_weight_bytes": weight_bytes,
-                "memory_floor_ms": weight_bytes / bandwidth * 1e3 if bandwidth else None,
-            }
-            rows.append(row)
-            print(
-                f"{dtype_name}: warm-up "
-                + ", ".join(f"{k} {v:.1f} s" for k, v in row["warmup_seconds"].items())
-            )
+            for engine_name in args.engines.split(","):
+                row = {
+                    "dtype": dtype_name,
+                    "device": device.type,
+                    "shape": args.shape,
+                    "block_size": args.block,
+                    "drafter_layers": args.layers,
+                    "compiled": args.compile,
+                    **measure(target, drafter, engine_name, args, device),
+                    "target_weight_bytes": weight_bytes,
+                    "memory_floor_ms": weight_bytes / bandwidth * 1e3 if bandwidth else None,
+                }
+                rows.append(row)
+                print(
+                    f"{dtype_name} {engine_name}: start {row['start_seconds']:.1f} s; warm-up "
+                    + ", ".join(f"{k} {v:.1f} s" for k, v in row["warmup_seconds"].items())
+                )
             del target, drafter
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -188,7 +196,7 @@ def main() -> None:
     B = args.block
     print()
     print(
-        f"{'dtype':9} {'AR ms/tok':>9} {'round ms':>8} {'t[1,1]':>7} {f't[1,{B}]':>7} {'draft':>7} "
+        f"{'dtype':9} {'engine':7} {'start s':>7} {'AR ms/tok':>9} {'round ms':>8} {'t[1,1]':>7} {f't[1,{B}]':>7} {'draft':>7} "
         f"{'glue':>6} {'break-even tau':>14} "
         + " ".join(f"{f'x@{t:g}':>6}" for t in (*TAUS, B))
         + f" {'floor ms':>8}"
@@ -196,7 +204,7 @@ def main() -> None:
     for r in rows:
         c = r["calls_ms"]
         print(
-            f"{r['dtype']:9} {r['ms_per_ar_token']:9.3f} {r['ms_per_spec_round']:8.3f} "
+            f"{r['dtype']:9} {r['engine']:7} {r['start_seconds']:7.1f} {r['ms_per_ar_token']:9.3f} {r['ms_per_spec_round']:8.3f} "
             f"{c['target [1, 1]']:7.3f} {c[f'target [1, {B}]']:7.3f} {c[f'draft [1, {B}]']:7.3f} "
             f"{r['host_and_glue_ms']:6.3f} {r['break_even_tau']:14.2f} "
             + " ".join(f"{v:5.2f}x" for v in r["speedup_at_tau"].values())

@@ -222,7 +222,12 @@ def test_tokenizer_pool_matches_in_process_work() -> None:
     with TokenizerPool(tok, workers=2, min_items=1) as pool:
         assert pool.map(round_prompt_ids, items) == [round_prompt_ids(tok, x) for x in items]
         (enc,) = pool.map(encode_record, [(chat, [True], [2], False)])
-    assert enc == encode_record(tok, (chat, [True], [2], False)) and sum(enc.loss_mask) > 0
+    here = encode_record(tok, (chat, [True], [2], False))
+    assert (
+        enc.input_ids.tolist() == here.input_ids.tolist()
+        and enc.loss_mask.tolist() == here.loss_mask.tolist()
+    )
+    assert enc.loss_mask.sum() > 0 and (enc.assistant_turns, enc.masked_turns) == (1, 1)
 
 
 def test_a_json_array_cut_off_mid_record_keeps_every_complete_record() -> None:

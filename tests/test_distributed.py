@@ -79,10 +79,17 @@ def weights(run_dir, step=STEPS):
     return load_file(str(Path(run_dir) / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
 
 
-def assert_same_weights(a, b, atol=5e-5):
+def assert_same_weights(a, b, atol=5e-5, outlier_atol=1e-3, max_outlier_fraction=1e-4):
+    """The same weights to rounding. Adam divides each gradient by its own running RMS, so an element whose
+    gradient is near zero turns rounding noise (all-reduce order, thread count) into an update of up to
+    about the learning rate (3e-3 here): a handful of elements may differ by more than `atol`, never by a
+    third of one step (`outlier_atol`), and never many of them (a wrong gradient moves every element)."""
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
+        diff = (a[k] - b[k]).abs()
+        assert float(diff.max()) <= outlier_atol, f"{k}: differs by {float(diff.max()):.2e}"
+        outliers = int((diff > atol).sum())
+        assert outliers <= max_outlier_fraction * diff.numel(), f"{k}: {outliers} elements beyond {atol}"
 
 
 def restart_at(run_dir, copy_to, step):

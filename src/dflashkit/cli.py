@@ -12,13 +12,13 @@ import textwrap
 from collections.abc import Callable
 
 from dflashkit import __version__
-from dflashkit.commands import data, doctor, fanout, infer, model, train
+from dflashkit.commands import bench, data, doctor, fanout, infer, model, train
 from dflashkit.config import PATHS_RULE
 from dflashkit.errors import DflashkitError
 
 Handler = Callable[[argparse.Namespace], int]
 # The subcommand groups (dflashkit.commands), in the order --help lists them.
-COMMANDS = (doctor, model, data, train, fanout, infer)
+COMMANDS = (doctor, model, data, train, fanout, infer, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

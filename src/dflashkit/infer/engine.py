@@ -43,10 +43,13 @@ import torch
 from torch import Tensor
 
 from dflashkit.errors import DflashkitError
+from dflashkit.infer.graph_engine import GraphEngine
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
+from dflashkit.target.slot_decoder import check_supported
 
-ENGINES: tuple[str, ...] = ("dynamic", "static")
+ENGINES: tuple[str, ...] = ("dynamic", "static", "graphs")
+ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINES)  # what --engine takes
 WARM_CALLS_GRAPHED = 3  # a CUDA-graph region warms, records, then replays: all three before freezing
 
 
@@ -354,7 +357,25 @@ def make_engine(
         return StaticEngine(
             target, drafter, capacity=capacity, layer_ids=layer_ids, compile=compile, backend=backend
         )
+    if name == "graphs":
+        if capacity is None:
+            raise ValueError("a graphs engine needs its capacity (prompt + max_new_tokens + block)")
+        return GraphEngine(target, drafter, capacity=capacity, layer_ids=layer_ids, graphs=compile)
     raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
+
+
+def resolve_engine(name: str, target: TargetModel) -> str:
+    """ "auto" is the fastest lossless engine for this target: "graphs" on a GPU for the decoder families
+    its fused forward reproduces exactly, else "dynamic" (the reference, any target)."""
+    if name != "auto":
+        return name
+    if target.device.type != "cuda":
+        return "dynamic"
+    try:
+        check_supported(target.config)
+    except DflashkitError:
+        return "dynamic"
+    return "graphs"
 
 
 def ready_engine(
@@ -368,11 +389,15 @@ def ready_engine(
     """What the commands and benchmarks decode with: "dynamic" (an engine per call), or one static engine
     of this capacity, compiled and warmed up (compiles then frozen) when ``compile`` is True, or None and
     the target is on a GPU. Returns it and the warm-up seconds per step shape."""
+    name = resolve_engine(name, target)
     if name not in ENGINES:
-        raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
+        raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
     if name == "dynamic":
         return name, {}
     if compile is None:
         compile = target.device.type == "cuda"
+    if name == "graphs":
+        graph_engine = GraphEngine(target, drafter, capacity=capacity, graphs=compile)
+        return graph_engine, graph_engine.warm_up()
     engine = StaticEngine(target, drafter, capacity=capacity, compile=compile)
     return engine, engine.warm_up()

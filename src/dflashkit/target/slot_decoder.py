@@ -27,6 +27,7 @@ Everything here is shape-static for given (rows, chunk, kv_len): a step can be c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +43,8 @@ Attention = Literal["sdpa", "flash"]
 def flash_varlen(*args: Any, **kwargs: Any) -> Any:
     """FlashAttention's variable-length forward (CUDA, bf16/fp16), as torch ships it."""
     return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -223,6 +226,30 @@ def forward(
     are returned). Row r's token c sits at position starts[r] + c and attends to its slot's positions
     0 .. starts[r] + c. ``kv_len`` bounds the positions read (>= the largest starts + C; the sdpa path's
     width). Returns float32 logits [R, vocab]."""
+    x, _ = decode(w, cache, tokens, slots, starts, kv_len=kv_len, attention=attention)
+    picked = x[torch.arange(x.shape[0], device=x.device), last]  # [R, hidden]
+    return logits(w, picked)
+
+
+def logits(w: DecoderWeights, x: Tensor) -> Tensor:
+    """The final norm and the vocabulary head over hidden states [..., hidden]: float32 logits."""
+    return F.linear(rms_norm(x, w.norm, w.eps), w.lm_head).float()
+
+
+def decode(
+    w: DecoderWeights,
+    cache: SlotCache,
+    tokens: Tensor,
+    slots: Tensor,
+    starts: Tensor,
+    *,
+    kv_len: int,
+    attention: Attention = "sdpa",
+    keep: tuple[int, ...] = (),
+) -> tuple[Tensor, list[Tensor]]:
+    """The decoder layers over rows of new tokens (as ``forward``), writing their keys and values into the
+    cache. Returns the last layer's hidden states [R, C, hidden] (before the final norm) and the outputs
+    of the layers listed in ``keep`` (in layer order; the drafter's context features)."""
     rows, chunk = tokens.shape
     positions = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
         max=cache.capacity - 1
@@ -230,82 +257,107 @@ def forward(
     rotary = w.rotary[positions]  # [R, C, head_dim/2]
     x = w.embed[tokens]  # [R, C, hidden]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
-    attend = _attend_flash if attention == "flash" else _attend_sdpa
+    plan = _flash_plan if attention == "flash" else _sdpa_plan
+    attend = plan(slots, positions, kv_len, nq, nk, cache.capacity, cache.slots + 1)  # once for all layers
+    rows_at = (slots[:, None] * cache.capacity + positions).reshape(-1)  # each new token's cache row
+    kept = []
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([nq * d, nk * d, nk * d], dim=-1)
-        q = q.view(rows, chunk, nq, d)
-        k = k.view(rows, chunk, nk, d)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, w.eps)
-        if layer.k_norm is not None:
-            k = rms_norm(k, layer.k_norm, w.eps)
-        q = apply_rotary(q, rotary)
-        cache.k[i][slots[:, None], positions] = apply_rotary(k, rotary)
-        cache.v[i][slots[:, None], positions] = v.view(rows, chunk, nk, d)
-        out = attend(q, cache.k[i], cache.v[i], slots, positions, kv_len)  # [R, C, nq * d]
-        x = x + F.linear(out, layer.o)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(rows, chunk, nq + 2 * nk, d)
+        qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk :]
+        if layer.q_norm is not None:  # Qwen3: each head normalised before the rotation
+            qk = torch.cat(
+                [rms_norm(qk[:, :, :nq], layer.q_norm, w.eps), rms_norm(qk[:, :, nq:], layer.k_norm, w.eps)],
+                dim=2,
+            )
+        qk = apply_rotary(qk, rotary)  # queries and keys turned in one pass
+        cache.k[i].view(-1, nk, d).index_copy_(0, rows_at, qk[:, :, nq:].reshape(-1, nk, d))
+        cache.v[i].view(-1, nk, d).index_copy_(0, rows_at, v.reshape(-1, nk, d))
+        out = attend(qk[:, :, :nq], cache.k[i], cache.v[i])  # [R, C, nq * d]
+        x = _add_linear(x, out, layer.o)
         h = rms_norm(x, layer.post_norm, w.eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, layer.down)
-    picked = x[torch.arange(rows, device=x.device), last]  # [R, hidden]
-    return F.linear(rms_norm(picked, w.norm, w.eps), w.lm_head).float()
+        x = _add_linear(x, F.silu(gate) * up, layer.down)
+        if i in keep:
+            kept.append(x)
+    return x, kept
 
 
-def _attend_sdpa(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, kv_len: int
-) -> Tensor:
+def _add_linear(x: Tensor, a: Tensor, weight: Tensor) -> Tensor:
+    """x + a @ weight.T as one matmul that accumulates onto x (the residual add rides in the GEMM)."""
+    shape = x.shape
+    return torch.addmm(x.reshape(-1, shape[-1]), a.reshape(-1, a.shape[-1]), weight.t()).view(shape)
+
+
+Attend = Callable[
+    [Tensor, Tensor, Tensor], Tensor
+]  # (queries [R, C, nq, d], k cache, v cache) -> [R, C, nq*d]
+
+
+def _sdpa_plan(
+    slots: Tensor, positions: Tensor, kv_len: int, nq: int, nk: int, capacity: int, slots_n: int
+) -> Attend:
     """Reference attention: each row reads its slot's first kv_len positions; query at position p sees
     positions <= p. The query heads that share a key head are stacked along the query axis, so keys and
-    values are read once per key head."""
-    rows, chunk, nq, d = q.shape
-    nk = k_cache.shape[2]
+    values are read once per key head. The mask is built once per step, for every layer."""
+    rows, chunk = positions.shape
     rep = nq // nk
-    k = k_cache[slots, :kv_len].transpose(1, 2)  # [R, nk, L, d]
-    v = v_cache[slots, :kv_len].transpose(1, 2)
-    qg = q.view(rows, chunk, nk, rep, d).permute(0, 2, 3, 1, 4).reshape(rows, nk, rep * chunk, d)
-    allowed = torch.arange(kv_len, device=q.device)[None, None, :] <= positions[:, :, None]  # [R, C, L]
+    allowed = (
+        torch.arange(kv_len, device=positions.device)[None, None, :] <= positions[:, :, None]
+    )  # [R, C, L]
     mask = allowed[:, None, None].expand(rows, 1, rep, chunk, kv_len).reshape(rows, 1, rep * chunk, kv_len)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=d**-0.5)
-    return out.view(rows, nk, rep, chunk, d).permute(0, 3, 1, 2, 4).reshape(rows, chunk, nq * d)
+
+    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        d = q.shape[-1]
+        k = k_cache[slots, :kv_len].transpose(1, 2)  # [R, nk, L, d]
+        v = v_cache[slots, :kv_len].transpose(1, 2)
+        qg = q.view(rows, chunk, nk, rep, d).permute(0, 2, 3, 1, 4).reshape(rows, nk, rep * chunk, d)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=d**-0.5)
+        return out.view(rows, nk, rep, chunk, d).permute(0, 3, 1, 2, 4).reshape(rows, chunk, nq * d)
+
+    return attend
 
 
-def _attend_flash(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, kv_len: int
-) -> Tensor:
+def _flash_plan(
+    slots: Tensor, positions: Tensor, kv_len: int, nq: int, nk: int, capacity: int, slots_n: int
+) -> Attend:
     """FlashAttention's variable-length kernel over the cache: row r's keys start at slot r's first
     position and it uses positions 0 .. (its last query's position); causal alignment is bottom-right, so
-    query c of a row of C sees positions <= its own.
+    query c of a row of C sees positions <= its own. The offsets are built once per step, for every layer.
 
     A decode step (C = 1) packs the query heads that share a key head as that head's query rows (all see
     every used position, so no causal mask is needed): the kernel then reads each slot's keys and values
     once per key head instead of once per query head."""
-    rows, chunk, nq, d = q.shape
-    slots_n, capacity, nk, _ = k_cache.shape
+    rows, chunk = positions.shape
     rep = nq // nk
     packed = chunk == 1 and rep > 1
     per_row = rep if packed else chunk
-    if packed:  # [R, 1, nk * rep, d] -> [R * rep, nk, d]: query "token" g of row r is head (j * rep + g)
-        q = q.view(rows, nk, rep, d).transpose(1, 2)
-    cu_q = torch.arange(0, (rows + 1) * per_row, per_row, device=q.device, dtype=torch.int32)
-    end = torch.full((1,), slots_n * capacity, device=q.device, dtype=torch.int32)
+    dev = positions.device
+    cu_q = torch.arange(0, (rows + 1) * per_row, per_row, device=dev, dtype=torch.int32)
+    end = torch.full((1,), slots_n * capacity, device=dev, dtype=torch.int32)
     cu_k = torch.cat([slots.to(torch.int32) * capacity, end])
     used = (positions[:, -1] + 1).to(torch.int32)
-    out = flash_varlen(
-        q.reshape(rows * per_row, nk if packed else nq, d),
-        k_cache.view(slots_n * capacity, nk, d),
-        v_cache.view(slots_n * capacity, nk, d),
-        cu_q,
-        cu_k,
-        per_row,
-        kv_len,
-        0.0,
-        not packed,
-        False,
-        scale=d**-0.5,
-        seqused_k=used,
-    )[0]
-    if packed:
-        return out.view(rows, rep, nk, d).transpose(1, 2).reshape(rows, 1, nq * d)
-    return out.view(rows, chunk, nq * d)
+
+    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        d = q.shape[-1]
+        if packed:  # [R, 1, nk * rep, d] -> [R * rep, nk, d]: query "token" g of row r is head (j * rep + g)
+            q = q.view(rows, nk, rep, d).transpose(1, 2)
+        out = flash_varlen(
+            q.reshape(rows * per_row, nk if packed else nq, d),
+            k_cache.view(slots_n * capacity, nk, d),
+            v_cache.view(slots_n * capacity, nk, d),
+            cu_q,
+            cu_k,
+            per_row,
+            kv_len,
+            0.0,
+            not packed,
+            False,
+            scale=d**-0.5,
+            seqused_k=used,
+        )[0]
+        if packed:
+            return out.view(rows, rep, nk, d).transpose(1, 2).reshape(rows, 1, nq * d)
+        return out.view(rows, chunk, nq * d)
+
+    return attend

@@ -58,6 +58,8 @@ RESUMABLE_KEYS = (
     "train.autocast",
     "drafter.init",  # the checkpoint holds the weights
     "data.features_dir",  # a capture is checked against the data and the target when it is used
+    "data.batch_size",  # how `prepare` generates (replies at once, backend), not what the data holds
+    "data.backend",
     "attention.",
     "run.",
     "distributed.",

