@@ -32,9 +32,11 @@ import torch  # noqa: E402
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from dflashkit.attention.block_mask import flex_block_mask
+from dflashkit.attention.dense_budget import DenseBudgetError, preflight_dense
+from dflashkit.attention.flex import flex_attention_entry
 from dflashkit.attention.masks import BlockLayout, dflash_mask_mod
 from dflashkit.attention.memory import peak_memory
-from dflashkit.runtime import compile as rc
+from dflashkit.attention.warm_up import AttentionShape, example_inputs
 from report import write_report  # noqa: E402
 
 GIB = 2**30
@@ -120,13 +122,13 @@ def main() -> int:
     q, k, v = (torch.randn(1, H, S, D, generator=g).to(device, dtype) for _ in range(3))
     bm = causal_block_mask(S, device)
     dense_est = H * S * S * 4 / GIB
-    peak, sec = measure(lambda: rc.flex_attention_entry(q, k, v, bm), device)
+    peak, sec = measure(lambda: flex_attention_entry(q, k, v, bm), device)
     row(section, "flex, compiled (dflashkit entry), forward", peak, sec)
     if on_gpu:
         qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
 
         def fwd_bwd():
-            rc.flex_attention_entry(qg, kg, vg, bm).sum().backward()
+            flex_attention_entry(qg, kg, vg, bm).sum().backward()
 
         peak, sec = measure(fwd_bwd, device)
         row(section, "flex, compiled (dflashkit entry), forward+backward", peak, sec)
@@ -145,9 +147,9 @@ def main() -> int:
         if on_gpu:
             torch.cuda.empty_cache()
     try:
-        rc.preflight_dense(1, H, S, S, what="sdpa attention")
+        preflight_dense(1, H, S, S, what="sdpa attention")
         note = f"allowed by pre-flight ({dense_est:.2f} GiB of scores)"
-    except rc.DenseBudgetError as e:
+    except DenseBudgetError as e:
         note = "refused by pre-flight: " + str(e).split(" score matrix ")[1].split(";")[0]
     row(section, "sdpa with a dense mask (dflashkit backend)", None, None, note)
     del q, k, v
@@ -198,9 +200,9 @@ def main() -> int:
 
     # 3. DFlash attention at the paper's shape.
     shape = (
-        rc.AttentionShape(1, 4, 2, 32, 512, 32, 16, dtype=dtype)
+        AttentionShape(1, 4, 2, 32, 512, 32, 16, dtype=dtype)
         if smoke
-        else rc.AttentionShape(1, 32, 8, 128, 3072, 512, 16, dtype=dtype)
+        else AttentionShape(1, 32, 8, 128, 3072, 512, 16, dtype=dtype)
     )
     section = (
         f"DFlash attention context {shape.context_len}, {shape.num_blocks} anchors, B={shape.block_size}, "
@@ -209,8 +211,8 @@ def main() -> int:
     print(section)
     layout = dflash_layout(shape.context_len, shape.num_blocks, shape.block_size, device)
     bm = flex_block_mask(layout)
-    q, k, v = rc.example_inputs(shape, device)
-    peak, sec = measure(lambda: rc.flex_attention_entry(q, k, v, bm), device)
+    q, k, v = example_inputs(shape, device)
+    peak, sec = measure(lambda: flex_attention_entry(q, k, v, bm), device)
     dense_est = shape.q_heads * shape.q_len * shape.kv_len * 4 / GIB
     row(
         section,
@@ -220,10 +222,10 @@ def main() -> int:
         f"dense scores would be {dense_est:.1f} GiB",
     )
     if on_gpu:
-        qg, kg, vg = rc.example_inputs(shape, device, requires_grad=True)
+        qg, kg, vg = example_inputs(shape, device, requires_grad=True)
 
         def dflash_fwd_bwd():
-            rc.flex_attention_entry(qg, kg, vg, bm).float().square().mean().backward()
+            flex_attention_entry(qg, kg, vg, bm).float().square().mean().backward()
 
         peak, sec = measure(dflash_fwd_bwd, device)
         row(section, "flex, compiled (dflashkit entry), forward+backward", peak, sec)

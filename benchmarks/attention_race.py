@@ -1,12 +1,12 @@
-"""The story's race, counted: threads over the available GPUs, one stepping a warm compiled flex_attention
+"""The threaded compile race, counted: threads over the available GPUs, one stepping a warm compiled flex_attention
 while the others bring new shapes, each repetition in a fresh subprocess with a fresh compile cache.
 
 Two modes, N repetitions each:
-- plain: what the story's trainer did. Each thread has its own `torch.compile(flex_attention)`; thread 0
+- plain: what a threaded trainer without our runtime does. Each thread has its own `torch.compile(flex_attention)`; thread 0
   compiles its shape, then steps it (building the mask with `create_block_mask` every step) while threads
   1..T-1 compile their new shapes concurrently.
 - ours: dflashkit's runtime. Each thread's length is padded into one of two buckets; every bucket is
-  warmed serially under the compile lock (one warmup() per device), then frozen; the same threads then
+  warmed serially under the compile lock (one warm_up() per device), then frozen; the same threads then
   step concurrently through `flex_attention_entry` with the tile-level `flex_block_mask`.
 
 It prints a table (runs, runs with an error, the error messages) and writes JSON to $OUT if set.
@@ -18,6 +18,7 @@ It prints a table (runs, runs with an error, the error messages) and writes JSON
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -45,8 +46,11 @@ def child(args: argparse.Namespace) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from dflashkit.attention.block_mask import flex_block_mask
+    from dflashkit.attention.buckets import bucket_layout, pick_bucket
+    from dflashkit.attention.flex import flex_attention_entry
     from dflashkit.attention.masks import dflash_mask_mod
-    from dflashkit.runtime import compile as rc
+    from dflashkit.attention.warm_up import AttentionShape, example_inputs, example_layout, warm_up
+    from dflashkit.runtime.compile import frozen_compiles
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(args.parallel, 1) // max(args.threads, 1)))
     if args.smoke:
@@ -58,7 +62,7 @@ def child(args: argparse.Namespace) -> dict:
     # Thread i's own (new) context length. Ours pads it into one of two buckets, so the run needs
     # fewer compiles than threads.
     shapes = [
-        rc.AttentionShape(
+        AttentionShape(
             batch=1,
             q_heads=args.heads,
             kv_heads=args.kv_heads,
@@ -73,7 +77,7 @@ def child(args: argparse.Namespace) -> dict:
     context_buckets = (args.context, args.context + 128 * max(args.threads - 1, 1))
     buckets = {"context_buckets": context_buckets, "anchor_buckets": (args.anchors,)}
     bucket_shapes = [
-        dataclasses.replace(s, context_len=rc.pick_bucket(s.context_len, context_buckets)) for s in shapes
+        dataclasses.replace(s, context_len=pick_bucket(s.context_len, context_buckets)) for s in shapes
     ]
     device_of = [devices[i % len(devices)] for i in range(args.threads)]
 
@@ -83,14 +87,14 @@ def child(args: argparse.Namespace) -> dict:
     done = threading.Event()
 
     def run_step(i: int, fn, seed: int) -> None:
-        layout = rc.example_layout(shapes[i], device_of[i], seed=seed)
+        layout = example_layout(shapes[i], device_of[i], seed=seed)
         if fn is None:  # ours: pad to the warmed bucket, tile-level block mask
             shape = bucket_shapes[i]
-            q, k, v = rc.example_inputs(shape, device_of[i], requires_grad=backward, seed=seed)
-            out = rc.flex_attention_entry(q, k, v, flex_block_mask(rc.bucket_layout(layout, **buckets)))
-        else:  # plain: a fresh create_block_mask every step, as the story's trainer did
+            q, k, v = example_inputs(shape, device_of[i], requires_grad=backward, seed=seed)
+            out = flex_attention_entry(q, k, v, flex_block_mask(bucket_layout(layout, **buckets)))
+        else:  # plain: a fresh create_block_mask every step, as such a trainer does
             shape = shapes[i]
-            q, k, v = rc.example_inputs(shape, device_of[i], requires_grad=backward, seed=seed)
+            q, k, v = example_inputs(shape, device_of[i], requires_grad=backward, seed=seed)
             bm = create_block_mask(
                 dflash_mask_mod(layout), 1, None, shape.q_len, shape.kv_len, device=device_of[i]
             )
@@ -120,6 +124,7 @@ def child(args: argparse.Namespace) -> dict:
                 done.set()
 
     t_start = time.perf_counter()
+    frozen = contextlib.ExitStack()  # ours: compiles frozen for the concurrent phase
     if args.child == "plain":
         # On the CPU, torch 2.13's flex C++ template fails to build the dynamic-shape graph that
         # automatic dynamic recompiles produce for a second shape, so the smoke run pins shapes.
@@ -130,8 +135,8 @@ def child(args: argparse.Namespace) -> dict:
         fns = [None] * args.threads
         for dev in devices:  # each device's buckets, serially under the compile lock
             mine = sorted({s for s, d in zip(bucket_shapes, device_of, strict=True) if d == dev}, key=str)
-            rc.warmup(mine, [dev], backward=backward, freeze=False)
-        rc.freeze()
+            warm_up(mine, [dev], backward=backward)
+        frozen.enter_context(frozen_compiles())
     warm_s = time.perf_counter() - t_start
     graphs_at_start = counters["stats"]["unique_graphs"]
 
@@ -139,10 +144,11 @@ def child(args: argparse.Namespace) -> dict:
     threads = [threading.Thread(target=worker, args=(i, fns[i], barrier)) for i in range(args.threads)]
     if args.threads == 1:
         done.set()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with frozen:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     errors = {k: v for k, v in results.items() if v != "ok"}
     return {
         "mode": args.child,

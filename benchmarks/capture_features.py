@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from dflashkit.config import load_config  # noqa: E402
-from dflashkit.data import features as fx  # noqa: E402
+from dflashkit.data import features  # noqa: E402
 from report import write_report  # noqa: E402
 
 GB = 1e9
@@ -85,8 +85,8 @@ def end_to_end(work: Path, smoke: bool, steps: int, data: Path | None) -> dict:
         )
 
     t0 = time.perf_counter()
-    m = fx.capture_features(
-        cfg("unused"), fx.CaptureSettings(out=work / "features", dtype="bfloat16"), progress=False
+    m = features.capture_features(
+        cfg("unused"), features.CaptureSettings(out=work / "features", dtype="bfloat16"), progress=False
     )
     capture_wall = time.perf_counter() - t0
     quiet = Console(quiet=True)
@@ -136,22 +136,22 @@ def synthetic_capture(
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     shards = []
-    for index, (start, stop) in enumerate(fx.shard_ranges(rows, per_shard)):
+    for index, (start, stop) in enumerate(features.shard_ranges(rows, per_shard)):
         feats = torch.randn(stop - start, T, layers * hidden, generator=g, dtype=torch.float32)
         tensors = {
-            **fx.encode_features(feats, dtype, layers),
+            **features.encode_features(feats, dtype, layers),
             "labels": torch.zeros(stop - start, T, dtype=torch.int32),
         }
-        name = fx.shard_name("train", index)
-        fx.write_shard(folder / name, tensors, {"split": "train", "start": start, "stop": stop})
+        name = features.shard_name("train", index)
+        features.write_shard(folder / name, tensors, {"split": "train", "start": start, "stop": stop})
         shards.append({"file": name, "start": start, "stop": stop})
     manifest = {
-        "kind": fx.KIND,
-        "schema": fx.SCHEMA,
+        "kind": features.KIND,
+        "schema": features.SCHEMA,
         "dtype": dtype,
         "splits": {"train": {"rows": rows, "shards": shards}},
     }
-    (folder / fx.MANIFEST_FILE).write_text(json.dumps(manifest))
+    (folder / features.MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def reader(work: Path, smoke: bool) -> list[dict]:
@@ -162,7 +162,7 @@ def reader(work: Path, smoke: bool) -> list[dict]:
     for dtype in ("bfloat16", "float8_e4m3fn"):
         folder = work / f"reader-{dtype}"
         synthetic_capture(folder, rows, T, hidden, layers, dtype, per_shard=batch)
-        store = fx.FeatureStore(folder)
+        store = features.FeatureStore(folder)
         order = torch.randperm(rows, generator=torch.Generator().manual_seed(1)).tolist()
         store.read("train", order[:batch], device, torch.bfloat16)  # page cache and allocator warm
         if device.type == "cuda":
@@ -174,7 +174,7 @@ def reader(work: Path, smoke: bool) -> list[dict]:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        stored = batch * T * fx.bytes_per_token(hidden, layers, dtype)["total"]
+        stored = batch * T * features.bytes_per_token(hidden, layers, dtype)["total"]
         best = min(times)
         results.append(
             {
@@ -220,9 +220,9 @@ def main() -> None:
             out["end_to_end"] = end_to_end(work, args.smoke, steps, Path(args.data) if args.data else None)
         out["reader"] = reader(work, args.smoke)
     out["bytes_per_token"] = {
-        "embedded 3 x 576 bf16": fx.bytes_per_token(576, 3, "bfloat16"),
-        "qwen3-8b 5 x 4096 bf16": fx.bytes_per_token(4096, 5, "bfloat16"),
-        "qwen3-8b 5 x 4096 fp8": fx.bytes_per_token(4096, 5, "float8_e4m3fn"),
+        "embedded 3 x 576 bf16": features.bytes_per_token(576, 3, "bfloat16"),
+        "qwen3-8b 5 x 4096 bf16": features.bytes_per_token(4096, 5, "bfloat16"),
+        "qwen3-8b 5 x 4096 fp8": features.bytes_per_token(4096, 5, "float8_e4m3fn"),
     }
     write_report("capture_features.json", out)
 

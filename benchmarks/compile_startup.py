@@ -27,7 +27,7 @@ What is measured (wall clock, time.time() of the driver and the child):
   step (a global optimizer step post-hook, after a device synchronize): interpreter start and imports,
   (portable: the artifact load), setup (target, data, drafter), attention warm-up and the first step.
   For the fan-out, the first step of the *last* drafter to take one (all drafters have stepped).
-- warm-up s: the attention warm-up alone (`trainer.warm_up_attention`, or the fan-out's `warm_up` over
+- warm-up s: the attention warm-up alone (`trainer.warm_up`, or the fan-out's `warm_up` over
   every drafter): the compiles, or the cache loads that replace them.
 - compiles after warm-up: Dynamo graphs compiled after warm-up ended, until training ended; must be 0.
 - fx hit/miss: Inductor FX-graph cache hits and misses in the child (shows which cache answered).
@@ -108,20 +108,20 @@ def cpu_probe(run) -> None:
     trainer compiles nothing, and this gives the cache plumbing a compile to save and load."""
     import torch
 
-    from dflashkit.runtime import compile as rc
+    from dflashkit.attention.warm_up import AttentionShape, warm_up
 
-    dc = run.drafter.config
-    shape = rc.AttentionShape(
+    config = run.drafter.config
+    shape = AttentionShape(
         batch=1,
-        q_heads=dc.num_attention_heads,
-        kv_heads=dc.num_key_value_heads,
-        head_dim=dc.head_dim,
+        q_heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
         context_len=run.cfg.train.max_len,
         num_blocks=run.cfg.train.num_anchors,
-        block_size=dc.block_size,
+        block_size=config.block_size,
         dtype=torch.float32,
     )
-    rc.warmup([shape], ["cpu"], backward=False, freeze=False)
+    warm_up([shape], ["cpu"], backward=False)
 
 
 def cache_counters() -> dict:
@@ -145,7 +145,7 @@ def child(args: argparse.Namespace) -> dict:
     import torch
     from rich.console import Console
 
-    from dflashkit.runtime import compile as rc
+    from dflashkit.runtime.compile_cache import CompileCacheError, load_compile_cache, save_compile_cache
     from dflashkit.train import fanout, trainer
 
     marks["imported"] = time.time()
@@ -158,7 +158,7 @@ def child(args: argparse.Namespace) -> dict:
     artifact = Path(args.artifact)
     if mode == "portable":
         if artifact.is_file():
-            info = rc.load_compile_cache(artifact)
+            info = load_compile_cache(artifact)
             report["artifact_loaded"] = {k: len(v) for k, v in info.artifacts.items()}
         else:
             report["artifact_loaded"] = None  # the cold run saved none (it says why)
@@ -183,7 +183,7 @@ def child(args: argparse.Namespace) -> dict:
     if placement == "fanout":
         fanout.warm_up = timed(fanout.warm_up, lambda fo, *_: [fo.workers[0].run])
     else:
-        trainer.warm_up_attention = timed(trainer.warm_up_attention, lambda run, *_: [run])
+        trainer.warm_up = timed(trainer.warm_up, lambda run, *_: [run])
 
     # The end of each optimizer's first step.
     first: dict[int, float] = {}
@@ -221,9 +221,9 @@ def child(args: argparse.Namespace) -> dict:
     if mode == "cold":  # the portable artifact, outside the timed part
         t = time.time()
         try:
-            path = rc.save_compile_cache(artifact)
+            path = save_compile_cache(artifact)
             report["artifact_saved"] = {"bytes": path.stat().st_size, "seconds": round(time.time() - t, 2)}
-        except rc.CompileCacheError as e:
+        except CompileCacheError as e:
             report["artifact_saved"] = None
             report["artifact_note"] = str(e)
 

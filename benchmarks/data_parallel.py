@@ -9,11 +9,13 @@ rows of 3072 random tokens with 512 anchors, the target's features computed onli
 warmed and frozen in each rank. The compile cache is shared across the cases (speed only: each process still
 compiles, warm-up then freeze, and the first case pays the cold compile).
 
-    python benchmarks/data_parallel.py                 # a host with >= 2 GPUs (estimated 6-9 min: each case
+    python benchmarks/data_parallel.py --out results/  # 1 or 2 GPUs (estimated 6-9 min on 2: each case
                                                        # also writes, then deletes, a ~13 GB final checkpoint)
     python benchmarks/data_parallel.py --smoke         # CPU, gloo, a tiny random target (about 1 min)
 
-It prints a table and writes JSON to $OUT (or --json) if set. A case runs as
+With one GPU only the one-rank cases run (batch b and 2b: step time, rows/s, peak memory); the two-rank
+cases and the figures that need them are reported as not run. It prints a table and writes
+data_parallel.json to --out (default $OUT), if given. A case runs as
 `python -m torch.distributed.run --standalone --nproc-per-node N benchmarks/data_parallel.py --worker DIR
 overrides...`, which is `dflashkit train` plus a per-rank record of peak memory.
 """
@@ -35,6 +37,7 @@ sys.path.insert(0, str(HERE.parent / "src"))  # run from a checkout without inst
 sys.path.insert(0, str(HERE))
 
 from fanout import TARGET_SHAPES, make_dataset, make_target  # noqa: E402  (the random target and rows)
+from report import write_report  # noqa: E402
 
 # The paper's width at 8 layers (Qwen3-8B has 36): a real-sized frozen head and features, made in seconds.
 TARGET_SHAPES.setdefault(
@@ -149,7 +152,10 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny random target")
     ap.add_argument("--steps", type=int, default=None, help="steps per case (default 20; smoke 6)")
     ap.add_argument("--batch", type=int, default=1, help="rows per rank per step (b)")
-    ap.add_argument("--json", default=None, help="write the results here (default $OUT/data_parallel.json)")
+    ap.add_argument(
+        "--ranks", type=int, choices=(1, 2), default=None, help="1: the one-rank cases only (default: 2 with 2+ GPUs or --smoke)"
+    )
+    ap.add_argument("--out", default=None, help="folder for data_parallel.json (default: $OUT)")
     ap.add_argument(
         "--work", default=None, help="working folder (default: a new temporary one); reused if set"
     )
@@ -160,8 +166,12 @@ def main() -> int:
 
     import torch
 
-    if not args.smoke and torch.cuda.device_count() < 2:
-        raise SystemExit("needs a host with at least 2 GPUs (or --smoke on the CPU)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not args.smoke and gpus < 1:
+        raise SystemExit("needs a GPU (or --smoke on the CPU)")
+    ranks = args.ranks or (2 if args.smoke or gpus >= 2 else 1)  # the CPU (gloo) runs two ranks as well
+    if ranks == 2 and not args.smoke and gpus < 2:
+        raise SystemExit(f"--ranks 2 needs 2 GPUs; this host has {gpus}")
     p = SMOKE if args.smoke else GPU
     steps = args.steps or (6 if args.smoke else 20)
     b = args.batch
@@ -170,7 +180,7 @@ def main() -> int:
     t0 = time.perf_counter()
     target, data = work / "target", work / "data"
     if not (target / "config.json").is_file():
-        make_target(p["shape"], target, p["dtype"])
+        make_target(p["shape"], target, p["dtype"], "cpu" if args.smoke else "cuda")  # GPU: seconds, not minutes
     if not (data / "manifest.json").is_file():
         make_dataset(data, str(target), steps * 2 * b + 8, 4, p["length"])
     print(f"target and data made in {time.perf_counter() - t0:.0f} s under {work}", flush=True)
@@ -181,6 +191,9 @@ def main() -> int:
         ("2 ranks DDP, batch b", 2, b, "ddp"),
         ("2 ranks FSDP2, batch b", 2, b, "fsdp"),
     ]
+    if ranks < 2:
+        print("one rank: the two-rank cases are not run", flush=True)
+        cases = cases[:2]
     results = []
     for i, (name, nproc, batch, strategy) in enumerate(cases):
         words = overrides(p, data, target, work / f"case{i}", steps, batch, args.smoke)
@@ -195,17 +208,22 @@ def main() -> int:
             flush=True,
         )
 
-    one_b, one_2b, ddp, fsdp = results
+    one_b, one_2b, *two = results
 
     def gap(a: dict, c: dict) -> float:
         return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a["losses"], c["losses"], strict=True))
 
-    summary = {
-        "ddp_scaling_efficiency": ddp["rows_per_s"] / (2 * one_b["rows_per_s"]),
-        "ddp_vs_one_rank_2b_max_rel_loss_gap": gap(one_2b, ddp),
-        "fsdp_vs_one_rank_2b_max_rel_loss_gap": gap(one_2b, fsdp),
-        "fsdp_peak_vs_ddp_peak": fsdp["peak_gib"] / ddp["peak_gib"] if ddp["peak_gib"] else None,
-    }
+    summary: dict[str, float | str | None] = {"batch_2b_vs_b_rows_per_s": one_2b["rows_per_s"] / one_b["rows_per_s"]}
+    if two:
+        ddp, fsdp = two
+        summary |= {
+            "ddp_scaling_efficiency": ddp["rows_per_s"] / (2 * one_b["rows_per_s"]),
+            "ddp_vs_one_rank_2b_max_rel_loss_gap": gap(one_2b, ddp),
+            "fsdp_vs_one_rank_2b_max_rel_loss_gap": gap(one_2b, fsdp),
+            "fsdp_peak_vs_ddp_peak": fsdp["peak_gib"] / ddp["peak_gib"] if ddp["peak_gib"] else None,
+        }
+    else:
+        summary["two_rank_cases"] = "not run (one GPU, or --ranks 1)"
     device = "cpu (gloo)" if args.smoke else torch.cuda.get_device_name(0)
     print(f"\ndevice: {device}, torch {torch.__version__}, {steps} steps per case, b={b}")
     print("| case | global batch | ms/step | rows/s | peak GiB per rank |")
@@ -217,13 +235,9 @@ def main() -> int:
         )
     for k, v in summary.items():
         print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
-    report = {"device": device, "torch": torch.__version__, "shape": p, "steps": steps, "b": b}
+    report = {"device": device, "gpus": gpus, "torch": torch.__version__, "shape": p, "steps": steps, "b": b}
     report |= {"cases": results, "summary": summary}
-    dest = args.json or (
-        os.path.join(os.environ["OUT"], "data_parallel.json") if os.environ.get("OUT") else None
-    )
-    if dest:
-        Path(dest).write_text(json.dumps(report, indent=2))
+    write_report("data_parallel.json", report, args.out)
     return 0
 
 

@@ -12,9 +12,10 @@ from typing import Any
 RESULT_PREFIX = "RESULT "
 
 
-def write_report(name: str, report: Any) -> Path | None:
-    """Write `report` as JSON to $OUT/name when OUT is set; return the path (None without OUT)."""
-    out_dir = os.environ.get("OUT")
+def write_report(name: str, report: Any, out_dir: str | Path | None = None) -> Path | None:
+    """Write `report` as JSON to out_dir/name (a script's --out), else to $OUT/name when OUT is set; return
+    the path (None when neither is given)."""
+    out_dir = out_dir or os.environ.get("OUT")
     if not out_dir:
         return None
     path = Path(out_dir) / name

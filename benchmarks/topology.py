@@ -1,4 +1,4 @@
-"""The story's topology, counted: target workers on GPUs 0-4 (one copy each of a Qwen3-8B-shaped target),
+"""The 8-GPU fan-out topology, counted: target workers on GPUs 0-4 (one copy each of a Qwen3-8B-shaped target),
 three drafter variants on GPUs 5, 6 and 7, all threads of one process; compiled flex attention; each run a
 fresh subprocess with a fresh (cold) compile cache.
 

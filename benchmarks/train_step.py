@@ -162,18 +162,20 @@ def run_case(
     import torch
 
     from dflashkit.config import load_config
+    from dflashkit.data.rows import Rows
     from dflashkit.model.config import make_config
     from dflashkit.model.drafter import DFlashDrafter
-    from dflashkit.train import trainer
+    from dflashkit.runtime.devices import autocast_context, use_compiled_regions
+    from dflashkit.train.step import block_step
 
     torch.manual_seed(0)
-    dc = make_config(
+    config = make_config(
         hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
         num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], intermediate_size=s["inter"],
         vocab_size=s["vocab"], block_size=s["block"], target_layer_ids=list(range(s["n_target"])),
         num_target_layers=max(36, s["n_target"]), mask_token_id=s["vocab"] - 1, rope_theta=1e6,
     )  # fmt: skip
-    drafter = DFlashDrafter(dc).to(device)
+    drafter = DFlashDrafter(config).to(device)
     attn = "flex" if backend.startswith("flex") else backend
     cfg = load_config(
         None,
@@ -181,7 +183,7 @@ def run_case(
          "train.autocast=" + ("bf16" if device != "cpu" else "off"),
          "train.compile=" + ("off" if backend == "flex-eager" else "auto")],
     )  # fmt: skip
-    drafter.compiled_regions = trainer.use_compiled_regions(cfg, attn)
+    drafter.compiled_regions = use_compiled_regions(cfg, attn)
 
     class FrozenTarget:  # the two frozen pieces a step needs from the target
         def __init__(self):
@@ -197,7 +199,7 @@ def run_case(
     target = FrozenTarget()
     T = context
     g = torch.Generator(device="cpu").manual_seed(0)
-    rows = trainer.Rows(
+    rows = Rows(
         input_ids=torch.randint(0, s["vocab"] - 1, (1, T), generator=g).to(device),
         loss_mask=torch.ones(1, T, dtype=torch.bool, device=device),
         doc_ids=torch.zeros(1, T, dtype=torch.long, device=device),
@@ -207,11 +209,11 @@ def run_case(
     argmax = torch.randint(0, s["vocab"], (1, T), generator=g).to(device)
     params = [p for p in drafter.parameters()]
     opt = torch.optim.AdamW(params, lr=6e-4, fused=device != "cpu")
-    ac = trainer.autocast_context(cfg, torch.device(device))
+    autocast = autocast_context(cfg, torch.device(device))
 
     def step():
         opt.zero_grad(set_to_none=True)
-        out = trainer.block_step(drafter, target, rows, feats, argmax, cfg, attn, g, ac)
+        out = block_step(drafter, target, rows, feats, argmax, cfg, attn, g, autocast)
         out.loss.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

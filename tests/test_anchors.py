@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from dflashkit.attention.masks import BlockLayout, dense_mask
+from dflashkit.data.rows import pack_sequences
 from dflashkit.train.anchors import (
     block_inputs,
     block_labels,
     block_positions,
     covering_layouts,
-    pack_sequences,
     sample_anchors,
     valid_anchor_positions,
 )

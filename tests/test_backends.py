@@ -6,8 +6,10 @@ import torch
 
 from dflashkit.attention.backends import attention, build_mask
 from dflashkit.attention.checks import DOCTOR_SHAPE
+from dflashkit.attention.dense_budget import DENSE_BUDGET_ENV, DenseBudgetError
 from dflashkit.attention.masks import BlockLayout
-from dflashkit.runtime import compile as rc
+from dflashkit.attention.warm_up import AttentionShape, example_inputs, example_layout
+from dflashkit.errors import DflashkitError
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,10 +100,10 @@ def test_preflight_refuses_large_dense_paths(monkeypatch):
     g = torch.Generator().manual_seed(4)
     layout = layout_with_padding(g)
     q, k, v = qkv(g, layout)
-    monkeypatch.setenv(rc.DENSE_BUDGET_ENV, "0.00001")  # about 10 KiB
-    with pytest.raises(rc.DenseBudgetError, match="score matrix .* GiB > budget"):
+    monkeypatch.setenv(DENSE_BUDGET_ENV, "0.00001")  # about 10 KiB
+    with pytest.raises(DenseBudgetError, match="score matrix .* GiB > budget"):
         build_mask(layout, "sdpa")
-    with pytest.raises(rc.DenseBudgetError, match="eager attention"):
+    with pytest.raises(DenseBudgetError, match="eager attention"):
         attention(q, k, v, None, backend="eager")
 
 
@@ -122,18 +124,16 @@ def test_mask_and_backend_must_match():
 
 @pytest.fixture(scope="module")
 def flex_cpu():
-    rc.reset_runtime()
-    yield DOCTOR_SHAPE
-    rc.reset_runtime()
+    return DOCTOR_SHAPE
 
 
 def test_flex_forward_matches_eager_on_cpu(flex_cpu):
     shape = flex_cpu
-    layout = rc.example_layout(shape, seed=3)
+    layout = example_layout(shape, seed=3)
     layout.block_valid[0, 5:9] = False  # padding blocks inside the compiled shape
     layout.doc_ids[0, 1500:] = 1
     layout.doc_ids[0, 3000:] = -1
-    q, k, v = rc.example_inputs(shape, seed=3)
+    q, k, v = example_inputs(shape, seed=3)
     out = attention(q, k, v, build_mask(layout, "flex"), backend="flex")
     ref = attention(q, k, v, build_mask(layout, "eager"), backend="eager")
     assert rel_err(out, ref) < 1e-5
@@ -142,9 +142,9 @@ def test_flex_forward_matches_eager_on_cpu(flex_cpu):
 
 
 def test_flex_backward_on_cpu_is_refused_clearly(flex_cpu):
-    q, k, v = rc.example_inputs(flex_cpu, requires_grad=True)
-    mask = build_mask(rc.example_layout(flex_cpu), "flex")
-    with pytest.raises(rc.DflashkitError, match="no backward on cpu .* 'sdpa'"):
+    q, k, v = example_inputs(flex_cpu, requires_grad=True)
+    mask = build_mask(example_layout(flex_cpu), "flex")
+    with pytest.raises(DflashkitError, match="no backward on cpu .* 'sdpa'"):
         attention(q, k, v, mask, backend="flex")
 
 
@@ -155,23 +155,19 @@ def test_flex_backward_on_cpu_is_refused_clearly(flex_cpu):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("window,causal", [(None, False), (256, True)])
 def test_flex_matches_eager_forward_and_backward_on_gpu(dtype, tol, window, causal):
-    shape = rc.AttentionShape(2, 8, 2, 64, 1024, 64, 16, window=window, causal_in_block=causal, dtype=dtype)
-    layout = rc.example_layout(shape, "cuda", seed=7)
+    shape = AttentionShape(2, 8, 2, 64, 1024, 64, 16, window=window, causal_in_block=causal, dtype=dtype)
+    layout = example_layout(shape, "cuda", seed=7)
     layout.block_valid[1, :4] = False
     layout.doc_ids[0, 600:] = 1
-    rc.reset_runtime()
-    try:
-        outs, grads = {}, {}
-        for backend in ("flex", "eager"):
-            q, k, v = rc.example_inputs(shape, "cuda", requires_grad=True, seed=7)
-            mask = build_mask(layout, backend, window=window, causal_in_block=causal)
-            out = attention(q, k, v, mask, backend=backend)
-            out.float().square().sum().backward()
-            outs[backend], grads[backend] = out.detach(), (q.grad, k.grad, v.grad)
-        assert rel_err(outs["flex"], outs["eager"]) < tol
-        for a, b in zip(grads["flex"], grads["eager"], strict=True):
-            assert torch.isfinite(a).all() and rel_err(a, b) < tol
-        assert torch.all(outs["flex"][1, :, : 4 * 16] == 0)
-        assert torch.all(grads["flex"][0][1, :, : 4 * 16] == 0)
-    finally:
-        rc.reset_runtime()
+    outs, grads = {}, {}
+    for backend in ("flex", "eager"):
+        q, k, v = example_inputs(shape, "cuda", requires_grad=True, seed=7)
+        mask = build_mask(layout, backend, window=window, causal_in_block=causal)
+        out = attention(q, k, v, mask, backend=backend)
+        out.float().square().sum().backward()
+        outs[backend], grads[backend] = out.detach(), (q.grad, k.grad, v.grad)
+    assert rel_err(outs["flex"], outs["eager"]) < tol
+    for a, b in zip(grads["flex"], grads["eager"], strict=True):
+        assert torch.isfinite(a).all() and rel_err(a, b) < tol
+    assert torch.all(outs["flex"][1, :, : 4 * 16] == 0)
+    assert torch.all(grads["flex"][0][1, :, : 4 * 16] == 0)

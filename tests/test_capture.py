@@ -19,7 +19,9 @@ from dflashkit.data.features import (
     verify_features,
 )
 from dflashkit.errors import ConfigError, DataError
+from dflashkit.target.packed import target_pass
 from dflashkit.train import trainer
+from dflashkit.train.sources import feature_source
 
 # Two target layers of 576 at T=96: 2321 B per token in bf16, 4625 B in fp32 (one row per shard at
 # this size in fp32, two in bf16).
@@ -243,7 +245,6 @@ def test_verify_finds_a_corrupted_shard(fp32_capture, tmp_path):
 
 @pytest.mark.gpu
 def test_bf16_capture_on_gpu_is_what_the_target_computes(tiny_dataset, tmp_path):
-    from dflashkit.runtime import compile as rc
 
     gpu = {
         "run.device": "cuda",
@@ -261,16 +262,11 @@ def test_bf16_capture_on_gpu_is_what_the_target_computes(tiny_dataset, tmp_path)
     )
     idx = [0, 1]
     rows = run.train_rows.take(idx, run.device)
-    stored, stored_labels = trainer.features_for(run, "train", idx, rows)
-    online, online_labels = trainer.target_pass(run.target, rows, run.drafter.config.target_layer_ids)
+    stored, stored_labels = feature_source(run).features("train", idx, rows)
+    online, online_labels = target_pass(run.target, rows, run.drafter.config.target_layer_ids)
     assert stored.dtype == torch.bfloat16 and torch.equal(stored, online)
     assert torch.equal(stored_labels, online_labels)
-    rc.reset_runtime()
-    try:
-        a = trainer.train(tiny_config(tiny_dataset, tmp_path / "online", **gpu), console=quiet())
-        rc.reset_runtime()
-        offline = {"data.features_dir": str(tmp_path / "features")}
-        b = trainer.train(tiny_config(tiny_dataset, tmp_path / "offline", **gpu, **offline), console=quiet())
-        assert b.losses == pytest.approx(a.losses, rel=1e-2)
-    finally:
-        rc.reset_runtime()
+    a = trainer.train(tiny_config(tiny_dataset, tmp_path / "online", **gpu), console=quiet())
+    offline = {"data.features_dir": str(tmp_path / "features")}  # a second run in this process
+    b = trainer.train(tiny_config(tiny_dataset, tmp_path / "offline", **gpu, **offline), console=quiet())
+    assert b.losses == pytest.approx(a.losses, rel=1e-2)

@@ -15,9 +15,11 @@ from safetensors.torch import load_file
 
 from dflashkit.cli import build_parser, main
 from dflashkit.config import load_config
+from dflashkit.data.rows import Rows
+from dflashkit.data.stream import MicroBatchStream, anchor_seed
 from dflashkit.errors import ConfigError
-from dflashkit.train import distributed as dd
-from dflashkit.train import trainer
+from dflashkit.train import distributed, trainer
+from dflashkit.train.step import draw_anchors
 
 STEPS = 4
 
@@ -56,7 +58,7 @@ def quiet():
 def torchrun_train(words, timeout=300):
     """`dflashkit train --nproc 2 ...` in a subprocess (the relaunch itself is part of what is tested)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for v in dd.TORCHRUN_VARS:
+    for v in distributed.TORCHRUN_VARS:
         env.pop(v, None)
     proc = subprocess.run(
         [sys.executable, "-m", "dflashkit", "train", "--nproc", "2", *words],
@@ -203,20 +205,25 @@ def test_one_process_checkpoint_resumes_on_two_fsdp_ranks(runs):
 def test_ranks_split_every_global_micro_batch():
     for world in (1, 2, 3, 4):
         for b in (1, 3):
-            got = [
-                list(dd.rank_positions(10, b, dd.Dist(torch.device("cpu"), r, world))) for r in range(world)
+            streams = [MicroBatchStream(40, b, 0, world_size=world, rank=r) for r in range(world)]
+            got = [next(s.from_cursor({"epoch": 0, "index": 10})) for s in streams]
+            assert sum((mb.rows for mb in got), []) == streams[0].order(0)[10 : 10 + world * b]
+            assert sum((mb.seeds for mb in got), []) == [
+                anchor_seed(0, 0, p) for p in range(10, 10 + world * b)
             ]
-            assert sum(got, []) == list(range(10, 10 + world * b))
+            assert {tuple(mb.cursor_after.items()) for mb in got} == {
+                (("epoch", 0), ("index", 10 + world * b))
+            }
 
 
 def test_validation_rows_are_dealt_in_lockstep():
     for n in (1, 5, 8):
         for world in (1, 2, 3):
-            shares = [dd.lockstep_rows(n, dd.Dist(torch.device("cpu"), r, world)) for r in range(world)]
+            shares = [distributed.lockstep_rows(n, distributed.Dist(torch.device("cpu"), r, world)) for r in range(world)]
             assert len({len(s) for s in shares}) == 1  # every rank runs as many forwards
             counted = sorted(i for s in shares for i, c in s if c)
             assert counted == list(range(n))  # every row counted exactly once
-    assert dd.lockstep_rows(0, dd.Dist(torch.device("cpu"), 1, 2)) == []
+    assert distributed.lockstep_rows(0, distributed.Dist(torch.device("cpu"), 1, 2)) == []
 
 
 def test_anchor_draw_of_a_row_does_not_depend_on_its_batch():
@@ -225,45 +232,43 @@ def test_anchor_draw_of_a_row_does_not_depend_on_its_batch():
     loss_mask = torch.rand(3, T, generator=g.manual_seed(1)) > 0.3
     doc_ids = torch.zeros(3, T, dtype=torch.long)
     z = torch.zeros(3, T, dtype=torch.long)
-    rows = trainer.Rows(z, loss_mask, doc_ids, z)
-    seeds = [trainer.anchor_seed(0, 0, p) for p in (4, 5, 6)]
-    together = trainer.draw_anchors(rows, 8, 4, torch.Generator(), seeds)
+    rows = Rows(z, loss_mask, doc_ids, z)
+    seeds = [anchor_seed(0, 0, p) for p in (4, 5, 6)]
+    together = draw_anchors(rows, 8, 4, torch.Generator(), seeds)
     for i in range(3):
-        alone = trainer.draw_anchors(
+        alone = draw_anchors(
             rows.take([i], torch.device("cpu")), 8, 4, torch.Generator(), seeds[i : i + 1]
         )
         assert torch.equal(alone.anchors[0], together.anchors[i])
         assert torch.equal(alone.block_valid[0], together.block_valid[i])
-    other = trainer.draw_anchors(
-        rows, 8, 4, torch.Generator(), [trainer.anchor_seed(0, 1, p) for p in (4, 5, 6)]
-    )
+    other = draw_anchors(rows, 8, 4, torch.Generator(), [anchor_seed(0, 1, p) for p in (4, 5, 6)])
     assert not torch.equal(other.anchors, together.anchors)  # another epoch, other anchors
-    assert len({trainer.anchor_seed(s, e, p) for s in (0, 1) for e in (0, 1) for p in range(100)}) == 400
-    assert all(0 <= trainer.anchor_seed(2**40, 7, p) < 2**63 for p in range(10))
+    assert len({anchor_seed(s, e, p) for s in (0, 1) for e in (0, 1) for p in range(100)}) == 400
+    assert all(0 <= anchor_seed(2**40, 7, p) < 2**63 for p in range(10))
 
 
 def test_one_process_keeps_its_own_loss():
-    one = dd.single_process(torch.device("cpu"))
+    one = distributed.single_process(torch.device("cpu"))
     loss = torch.tensor(2.5, requires_grad=True)
-    out, share = dd.global_loss(loss * 4, torch.tensor(4.0), loss, one)
+    out, share = distributed.global_loss(loss * 4, torch.tensor(4.0), loss, one)
     assert out is loss and share == 2.5
-    assert dd.sum_over_ranks([1.0, 2.0], one) == [1.0, 2.0]
+    assert distributed.sum_over_ranks([1.0, 2.0], one) == [1.0, 2.0]
     assert not one.parallel and one.is_main
 
 
 def test_resume_note_names_the_change():
-    two = dd.Dist(torch.device("cpu"), 0, 2)
-    assert dd.resume_note({"world_size": 2, "global_batch": 4}, two, 4) is None
-    assert "written by 1 rank(s), this run has 2" in dd.resume_note({"global_batch": 4}, two, 4)
-    assert "global batch changed from 2 to 4" in dd.resume_note({"world_size": 2, "global_batch": 2}, two, 4)
+    two = distributed.Dist(torch.device("cpu"), 0, 2)
+    assert distributed.resume_note({"world_size": 2, "global_batch": 4}, two, 4) is None
+    assert "written by 1 rank(s), this run has 2" in distributed.resume_note({"global_batch": 4}, two, 4)
+    assert "global batch changed from 2 to 4" in distributed.resume_note({"world_size": 2, "global_batch": 2}, two, 4)
 
 
 def test_launch_command_for_one_and_several_hosts():
     args = build_parser().parse_args(["train", "-c", "configs/embedded.yaml", "--resume", "--nproc", "8"])
     args.overrides = ["train.lr=1e-4"]
-    words = dd.train_argv(args)
+    words = distributed.train_argv(args)
     assert words == ["train", "--config", "configs/embedded.yaml", "--resume", "train.lr=1e-4"]
-    one = dd.launch_command(words, 8)
+    one = distributed.launch_command(words, 8)
     assert one[1:] == [
         "-m",
         "torch.distributed.run",
@@ -273,12 +278,12 @@ def test_launch_command_for_one_and_several_hosts():
         "dflashkit",
         *words,
     ]
-    many = dd.launch_command(words, 8, nnodes=2, rdzv_endpoint="node0:29500")
+    many = distributed.launch_command(words, 8, nnodes=2, rdzv_endpoint="node0:29500")
     assert "--nnodes=2" in many and "--rdzv-endpoint=node0:29500" in many and "--standalone" not in many
     with pytest.raises(ConfigError, match="--rdzv-endpoint"):
-        dd.launch_command(words, 8, nnodes=2)
+        distributed.launch_command(words, 8, nnodes=2)
     with pytest.raises(ConfigError, match="at least 1"):
-        dd.launch_command(words, 0)
+        distributed.launch_command(words, 0)
 
 
 def test_nproc_dry_run_prints_the_launch(tiny_dataset, tmp_path, capsys):
@@ -290,7 +295,7 @@ def test_nproc_dry_run_prints_the_launch(tiny_dataset, tmp_path, capsys):
 
 
 def test_nproc_inside_torchrun_is_refused(monkeypatch, capsys):
-    for v, x in zip(dd.TORCHRUN_VARS, ("0", "2", "0"), strict=True):
+    for v, x in zip(distributed.TORCHRUN_VARS, ("0", "2", "0"), strict=True):
         monkeypatch.setenv(v, x)
     assert main(["train", "--nproc", "2", "--dry-run"]) == 2
     assert "started by torchrun already" in capsys.readouterr().err
@@ -303,16 +308,16 @@ def test_too_few_rows_for_the_ranks_is_one_clear_error(tiny_dataset, tmp_path):
 
     cfg = load_config(None, tiny_overrides(tiny_dataset, tmp_path / "run"))
     with pytest.raises(DataError, match="64 ranks x train.batch_size=1"):
-        trainer.setup_run(cfg, dist=dd.Dist(torch.device("cpu"), 0, 64))
+        trainer.setup_run(cfg, dist=distributed.Dist(torch.device("cpu"), 0, 64))
 
 
 def test_torchrun_with_a_named_gpu_is_refused(monkeypatch, tmp_path):
-    for v, x in zip(dd.TORCHRUN_VARS, ("0", "2", "0"), strict=True):
+    for v, x in zip(distributed.TORCHRUN_VARS, ("0", "2", "0"), strict=True):
         monkeypatch.setenv(v, x)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.device=cuda:1"])
     with pytest.raises(ConfigError, match="cuda:LOCAL_RANK"):
-        dd.init_distributed(cfg)
+        distributed.init_distributed(cfg)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -329,18 +334,13 @@ GPU_FLEX = {"run.device": "cuda", "attention.backend": "flex", "train.autocast":
 @pytest.mark.gpu
 @two_gpus()
 def test_two_gpu_ranks_train_as_one_gpu_with_the_global_batch(tiny_dataset, tmp_path):
-    from dflashkit.runtime import compile as rc
 
-    rc.reset_runtime()  # this process warms and freezes flex for the one-GPU run: undo it afterwards
-    try:
-        one = trainer.train(
-            load_config(
-                None, tiny_overrides(tiny_dataset, tmp_path / "one", **GPU_FLEX, **{"train.batch_size": 2})
-            ),
-            console=quiet(),
-        )
-    finally:
-        rc.reset_runtime()
+    one = trainer.train(
+        load_config(
+            None, tiny_overrides(tiny_dataset, tmp_path / "one", **GPU_FLEX, **{"train.batch_size": 2})
+        ),
+        console=quiet(),
+    )
     log = torchrun_train(
         tiny_overrides(tiny_dataset, tmp_path / "ddp", **GPU_FLEX, **{"train.batch_size": 1})
     )

@@ -6,13 +6,13 @@ import sys
 import pytest
 
 from dflashkit.cli import main
-from dflashkit.runtime import fingerprint as fpmod
+from dflashkit.runtime import fingerprint
 from dflashkit.runtime.checks import known_issues, run_checks
 
 
 @pytest.fixture(scope="module")
 def fp():
-    return fpmod.collect()
+    return fingerprint.collect()
 
 
 def test_fingerprint_has_the_exact_torch_build(fp):
@@ -34,7 +34,7 @@ def test_env_vars_are_recorded(monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6,7")
     monkeypatch.setenv("UNRELATED_VARIABLE", "x")
-    env = fpmod.collect()["env"]
+    env = fingerprint.collect()["env"]
     assert env["TORCHINDUCTOR_FOO"] == "1"
     assert env["NCCL_DEBUG"] == "INFO"
     assert env["CUDA_VISIBLE_DEVICES"] == "5,6,7"
@@ -43,29 +43,29 @@ def test_env_vars_are_recorded(monkeypatch):
 
 def test_inductor_cache_counts_entries(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert fpmod.collect()["inductor_cache"]["state"] == "cold"
+    assert fingerprint.collect()["inductor_cache"]["state"] == "cold"
     (tmp_path / "fxgraph").mkdir()
     (tmp_path / "fxgraph" / "entry").write_bytes(b"x" * 2048)
-    info = fpmod.collect()["inductor_cache"]
+    info = fingerprint.collect()["inductor_cache"]
     assert info["state"] == "warm" and info["entries"] == 1 and info["path"] == str(tmp_path)
 
 
 def test_json_round_trip(fp, tmp_path):
-    path = fpmod.save(fp, tmp_path / "a.json")
-    assert fpmod.load(path) == json.loads(json.dumps(fp))
+    path = fingerprint.save(fp, tmp_path / "a.json")
+    assert fingerprint.load(path) == json.loads(json.dumps(fp))
     # A folder holding a fingerprint (run or checkpoint folder) is accepted too.
-    fpmod.save(fp, tmp_path)
-    assert fpmod.load(tmp_path)["torch"] == fp["torch"]
+    fingerprint.save(fp, tmp_path)
+    assert fingerprint.load(tmp_path)["torch"] == fp["torch"]
 
 
 def test_diff_semantics(fp):
     b = copy.deepcopy(fp)
-    assert fpmod.diff(fp, b) == []
+    assert fingerprint.diff(fp, b) == []
     b["created"] = "another time"
-    assert fpmod.diff(fp, b) == []  # timestamps are not a change
+    assert fingerprint.diff(fp, b) == []  # timestamps are not a change
     b["packages"]["numpy"] = "0.0.1"
-    changes = fpmod.diff(fp, b)
-    assert [c.key for c in changes] == ["packages.numpy"] and not fpmod.has_critical(changes)
+    changes = fingerprint.diff(fp, b)
+    assert [c.key for c in changes] == ["packages.numpy"] and not fingerprint.has_critical(changes)
     for key, value in [
         (("torch", "git_version"), "0" * 40),
         (("torch", "version"), "2.11.0+cu130"),
@@ -74,12 +74,12 @@ def test_diff_semantics(fp):
     ]:
         c = copy.deepcopy(fp)
         c[key[0]][key[1]] = value
-        ch = fpmod.diff(fp, c)
-        assert fpmod.has_critical(ch), key
+        ch = fingerprint.diff(fp, c)
+        assert fingerprint.has_critical(ch), key
         assert ch[0].key == ".".join(key) and ch[0].critical
     c = copy.deepcopy(fp)
     c["packages"]["triton"] = "9.9.9"
-    assert fpmod.has_critical(fpmod.diff(fp, c))
+    assert fingerprint.has_critical(fingerprint.diff(fp, c))
 
 
 def _run_cli(*args):
@@ -98,11 +98,11 @@ def test_cli_json_stdout_shows_git_hash():
 
 
 def test_cli_diff_exit_codes(fp, tmp_path, capsys):
-    a = fpmod.save(fp, tmp_path / "a.json")
-    same = fpmod.save(copy.deepcopy(fp), tmp_path / "same.json")
+    a = fingerprint.save(fp, tmp_path / "a.json")
+    same = fingerprint.save(copy.deepcopy(fp), tmp_path / "same.json")
     other = copy.deepcopy(fp)
     other["torch"]["git_version"] = "70d99e998b4955e0049d13a98d77ae1b14db1f45"
-    b = fpmod.save(other, tmp_path / "b.json")
+    b = fingerprint.save(other, tmp_path / "b.json")
     assert main(["doctor", "--diff", str(a), str(same)]) == 0
     capsys.readouterr()
     assert main(["doctor", "--diff", str(a), str(b)]) == 1
@@ -110,7 +110,7 @@ def test_cli_diff_exit_codes(fp, tmp_path, capsys):
     assert "torch.git_version" in out and "CRITICAL" in out and "70d99e998b49" in out
     minor = copy.deepcopy(fp)
     minor["env"]["NCCL_DEBUG"] = "WARN"
-    m = fpmod.save(minor, tmp_path / "m.json")
+    m = fingerprint.save(minor, tmp_path / "m.json")
     assert main(["doctor", "--diff", str(a), str(m)]) == 0
 
 
@@ -129,8 +129,8 @@ def test_cli_diff_bad_input_is_one_clear_line(tmp_path, capsys):
 def test_diff_of_a_folder_without_a_fingerprint_never_uses_a_subfolders(fp, tmp_path, capsys):
     run = tmp_path / "run"
     (run / "best").mkdir(parents=True)
-    fpmod.save(fp, run / "best" / fpmod.FINGERPRINT_FILE)
-    a = fpmod.save(fp, tmp_path / "a.json")
+    fingerprint.save(fp, run / "best" / fingerprint.FINGERPRINT_FILE)
+    a = fingerprint.save(fp, tmp_path / "a.json")
     assert main(["doctor", "--diff", str(run / "best"), str(a)]) == 0  # a folder that holds one
     capsys.readouterr()
     assert main(["doctor", "--diff", str(run), str(a)]) == 2
@@ -154,11 +154,11 @@ def test_check_cli_output():
 
 def test_known_issues_inspect_torch(monkeypatch):
     import torch
-    import torch.fx._symbolic_trace as st
+    import torch.fx._symbolic_trace as symbolic_trace
 
     issues = {k.name: k for k in known_issues()}
     fx = issues["FX-tracing flag is process-global"]
-    assert fx.present is isinstance(getattr(st, "_is_fx_tracing_flag", None), bool)
+    assert fx.present is isinstance(getattr(symbolic_trace, "_is_fx_tracing_flag", None), bool)
     assert issues["silent fall-back settings"].present is False
     # The table reads the live objects: a dangerous setting shows up.
     with torch._dynamo.config.patch(suppress_errors=True):

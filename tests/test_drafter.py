@@ -389,9 +389,6 @@ def test_target_mismatches_name_both_values():
 @pytest.mark.slow
 def test_flex_backend_matches_sdpa_on_cpu():
     """The drafter through the compiled flex path (one compile, forward only on the CPU)."""
-    from dflashkit.runtime.compile import unfreeze
-
-    unfreeze()  # another test may have frozen the compiled shapes
     config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     d = random_drafter(config)
     feats, embeds, ctx_pos, blk_pos = training_inputs(config, ANCHORS, DOCS)
@@ -404,9 +401,6 @@ def test_flex_backend_matches_sdpa_on_cpu():
 
 @pytest.mark.gpu
 def test_flex_forward_and_backward_match_sdpa_on_gpu():
-    from dflashkit.runtime.compile import unfreeze
-
-    unfreeze()
     config = tiny_config(
         hidden_size=128, head_dim=32, layer_types=["sliding_attention", "full_attention"], sliding_window=3
     )
@@ -431,10 +425,9 @@ def test_flex_forward_and_backward_match_sdpa_on_gpu():
 def test_compiled_layers_match_eager_and_new_anchors_do_not_recompile():
     """train.compile runs each layer as one compiled region (one graph for all layers); a new step's
     anchors (a new block mask of the same shape) reuse it after the freeze, and the output matches."""
-    from dflashkit.model import drafter as drafter_mod
-    from dflashkit.runtime.compile import freeze, unfreeze
+    from dflashkit.model import drafter as drafter_module
+    from dflashkit.runtime.compile import frozen_compiles
 
-    unfreeze()
     config = tiny_config()
     d = random_drafter(config)
     feats, embeds, ctx_pos, blk_pos = training_inputs(config, ANCHORS, DOCS)
@@ -447,23 +440,18 @@ def test_compiled_layers_match_eager_and_new_anchors_do_not_recompile():
 
     try:
         torch.testing.assert_close(run(ANCHORS, True), run(ANCHORS, False), rtol=1e-4, atol=1e-4)
-        assert drafter_mod.LAYER_REGION.graphs() == 1  # both layers, one graph
-        freeze()
+        assert drafter_module.LAYER_REGION.graphs() == 1  # both layers, one graph
         other = torch.tensor([[1, 6, 8], [2, 3, 10]])
-        got = run(other, True)  # would raise CompileAfterWarmupError if the new mask recompiled
-        unfreeze()
+        with frozen_compiles():
+            got = run(other, True)  # would raise CompileAfterWarmupError if the new mask recompiled
         torch.testing.assert_close(got, run(other, False), rtol=1e-4, atol=1e-4)
-        assert drafter_mod.LAYER_REGION.graphs() == 1
+        assert drafter_module.LAYER_REGION.graphs() == 1
     finally:
-        unfreeze()
         d.compiled_regions = False
 
 
 @pytest.mark.gpu
 def test_compiled_layers_forward_and_backward_match_eager_on_gpu():
-    from dflashkit.runtime.compile import unfreeze
-
-    unfreeze()
     config = tiny_config(hidden_size=128, head_dim=32)
     layout = BlockLayout(
         ANCHORS.cuda(), torch.ones_like(ANCHORS, dtype=torch.bool).cuda(), DOCS.cuda(), config.block_size

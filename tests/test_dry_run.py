@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
+from dflashkit.attention.dense_budget import DenseBudgetError, preflight_dense
 from dflashkit.cli import main
-from dflashkit.runtime import compile as rc
 
 SETTINGS = {
     "target.dtype": "float32",
@@ -78,8 +78,8 @@ def test_a_dry_run_over_an_earlier_run_says_what_training_would(tiny_dataset, tm
 
 
 def test_dense_hints_fit_the_device():
-    with pytest.raises(rc.DenseBudgetError, match="does not train on the CPU") as cpu:
-        rc.preflight_dense(1, 16, 16384, 16384, what="x", device="cpu")
+    with pytest.raises(DenseBudgetError, match="does not train on the CPU") as cpu:
+        preflight_dense(1, 16, 16384, 16384, what="x", device="cpu")
     assert "use the flex backend" not in str(cpu.value)
-    with pytest.raises(rc.DenseBudgetError, match="use the flex backend"):
-        rc.preflight_dense(1, 16, 16384, 16384, what="x", device="cuda:0")
+    with pytest.raises(DenseBudgetError, match="use the flex backend"):
+        preflight_dense(1, 16, 16384, 16384, what="x", device="cuda:0")

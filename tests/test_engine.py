@@ -178,7 +178,7 @@ def test_a_step_that_does_not_compile_ends_in_one_line(target, drafter, monkeypa
         r"\(--engine dynamic\)",
     ):
         static.warm_up()
-    assert not is_frozen()
+    assert not is_frozen() and not static._warm
 
 
 def test_static_engine_refuses_targets_it_cannot_walk(tmp_path):
@@ -229,38 +229,34 @@ def assert_decodes_as_dynamic(target, drafter, static, prompt, n):
 def test_compiled_static_engine_decodes_as_the_dynamic_engine(target, drafter):
     """torch.compile of each step shape (the default mode on the CPU), warmed up then frozen: the same
     tokens and acceptance lengths, and nothing compiles after warm-up (it would raise)."""
-    from dflashkit.runtime.compile import is_frozen, unfreeze
+    from dflashkit.runtime.compile import is_frozen
 
     static = StaticEngine(target, drafter, capacity=48, compile=True)
-    try:
-        warmed = static.warm_up()
-        assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]"] and is_frozen()
-        warm = graphs(static)
-        assert_decodes_as_dynamic(target, drafter, static, prompts(9)[0], 16)
-        assert graphs(static) == warm, "compiled after warm-up"
-    finally:
-        unfreeze()
+    warmed = static.warm_up()
+    assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]"] and not is_frozen()
+    warm = graphs(static)
+    assert_decodes_as_dynamic(target, drafter, static, prompts(9)[0], 16)  # each step frozen while it runs
+    assert graphs(static) == warm, "compiled after warm-up"
+    assert not is_frozen()
 
 
 @pytest.mark.slow
 def test_compiled_static_engine_verifies_trees(target, drafter):
     """The tree step compiles once for its node budget during warm-up, then tree rounds (branches off the
     first nodes, rows moved) decode as autoregressive decoding with nothing compiled after warm-up."""
-    from dflashkit.runtime.compile import unfreeze
+    from dflashkit.runtime.compile import is_frozen
 
     static = StaticEngine(target, drafter, capacity=48, compile=True, tree_budget=6)
-    try:
-        assert "target tree [1, 7]" in static.warm_up()
-        warm = (*graphs(static), static._tree_step.graphs())
-        prompt = prompts(9)[0]
-        ar = autoregressive_generate(target, prompt, 16, layer_ids=LAYERS)
-        script = ScriptedTree(static, prompt + ar.tokens)
-        g = speculative_generate(target, drafter, prompt, 16, engine=script, tree_budget=6)
-        assert g.tokens == ar.tokens and max(g.accept_lengths) >= 2
-        assert any(p != list(range(len(p))) for p in script.paths)
-        assert (*graphs(static), static._tree_step.graphs()) == warm, "compiled after warm-up"
-    finally:
-        unfreeze()
+    assert "target tree [1, 7]" in static.warm_up()
+    warm = (*graphs(static), static._tree_step.graphs())
+    prompt = prompts(9)[0]
+    ar = autoregressive_generate(target, prompt, 16, layer_ids=LAYERS)
+    script = ScriptedTree(static, prompt + ar.tokens)
+    g = speculative_generate(target, drafter, prompt, 16, engine=script, tree_budget=6)
+    assert g.tokens == ar.tokens and max(g.accept_lengths) >= 2
+    assert any(p != list(range(len(p))) for p in script.paths)
+    assert (*graphs(static), static._tree_step.graphs()) == warm, "compiled after warm-up"
+    assert not is_frozen()
 
 
 @pytest.mark.gpu
@@ -270,8 +266,6 @@ def test_static_engine_replays_cuda_graphs_on_gpu():
     over prompts of several lengths and every acceptance length."""
     from torch._dynamo.utils import counters
 
-    from dflashkit.runtime.compile import unfreeze
-
     gpu = TargetModel.load("embedded", device="cuda")
     cfg = config_for_target(
         gpu.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
@@ -280,15 +274,12 @@ def test_static_engine_replays_cuda_graphs_on_gpu():
     d = DFlashDrafter(cfg).cuda().eval()
     static = StaticEngine(gpu, d, capacity=128, compile=True)
     assert static.mode == "reduce-overhead"
-    try:
-        static.warm_up()
-        warm, skips = graphs(static), counters["inductor"]["cudagraph_skips"]
-        for prompt in prompts(5, 13, 40):
-            assert_decodes_as_dynamic(gpu, d, static, prompt, 48)
-        assert graphs(static) == warm, "compiled after warm-up"
-        assert counters["inductor"]["cudagraph_skips"] == skips == 0, "a step ran without its CUDA graph"
-    finally:
-        unfreeze()
+    static.warm_up()
+    warm, skips = graphs(static), counters["inductor"]["cudagraph_skips"]
+    for prompt in prompts(5, 13, 40):
+        assert_decodes_as_dynamic(gpu, d, static, prompt, 48)
+    assert graphs(static) == warm, "compiled after warm-up"
+    assert counters["inductor"]["cudagraph_skips"] == skips == 0, "a step ran without its CUDA graph"
 
 
 @pytest.mark.parametrize("budget", [3, 10])

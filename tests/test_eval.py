@@ -47,16 +47,16 @@ def test_eval_writes_table_json_and_plot(untrained_drafter, tiny_dataset, tmp_pa
 def test_check_lossless_names_prompt_and_position(
     untrained_drafter, tiny_dataset, tmp_path, capsys, monkeypatch
 ):
-    import dflashkit.infer.evaluate as ev
+    import dflashkit.infer.evaluate as evaluate_module
 
-    real = ev.speculative_generate
+    real = evaluate_module.speculative_generate
 
     def corrupted(*args, **kwargs):
         g = real(*args, **kwargs)
         g.tokens[3] += 1  # a lossy decoder: the 4th new token differs
         return g
 
-    monkeypatch.setattr(ev, "speculative_generate", corrupted)
+    monkeypatch.setattr(evaluate_module, "speculative_generate", corrupted)
     assert main(_eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless")) == 2
     err = capsys.readouterr().err
     assert "prompt 0" in err and "new token 3" in err and "Traceback" not in err

@@ -9,12 +9,14 @@ import threading
 import pytest
 import torch
 
+from dflashkit.attention.flex import entry_state
 from dflashkit.config import apply_overrides, load_config
 from dflashkit.errors import ConfigError, DeviceError, DflashkitError
 from dflashkit.model.checkpoint import load_drafter
-from dflashkit.runtime import compile as rc
-from dflashkit.train import fanout, trainer
-from dflashkit.train import state as st
+from dflashkit.runtime.compile import COMPILE_LOCK, frozen_compiles, is_frozen
+from dflashkit.target import packed
+from dflashkit.train import fanout, state, trainer
+from dflashkit.train.validation import validate
 
 STEPS = 6
 # a: the base (block 4, 1 layer, 2 target layers); b: block 8 and another lr; c: 2 layers reading 3
@@ -60,14 +62,14 @@ def quiet():
 @contextlib.contextmanager
 def counting_target_passes():
     calls = []
-    real = trainer.target_pass
+    real = packed.target_pass
 
     def counted(target, rows, layer_ids):
         calls.append(len(rows))
         return real(target, rows, layer_ids)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "target_pass", counted)
+        mp.setattr(packed, "target_pass", counted)
         yield calls
 
 
@@ -95,13 +97,13 @@ def test_each_drafter_trains_exactly_as_its_own_run(sweep):
         assert mine.steps == STEPS and len(mine.losses) == STEPS
         assert mine.losses == single.losses, name  # bit for bit: same batches, anchors and features
         assert mine.final_val == single.final_val, name
-        assert mine.best_acceptance_length == single.best_acceptance_length
+        assert mine.best_served_acceptance_length == single.best_served_acceptance_length
     assert len(set(tuple(r.losses) for r in result.results.values())) == 3  # the variants do differ
     for d in result.drafters:
         folder = result.out_dir / d.name
         log = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in log] == list(range(1, STEPS + 1))
-        assert st.read_latest(folder / "checkpoints").name == st.step_dir_name(STEPS)
+        assert state.read_latest(folder / "checkpoints").name == state.step_dir_name(STEPS)
         assert (folder / "best" / "model.safetensors").is_file()
         assert d.status == "done" and d.steps == STEPS and d.final_loss == result.results[d.name].losses[-1]
     summary = json.loads((result.out_dir / fanout.SUMMARY_FILE).read_text())
@@ -143,11 +145,11 @@ def test_a_failing_drafter_stops_alone_and_resumes(sweep, tiny_dataset, tmp_path
     assert not result.ok
     folder = tmp_path / "fan" / "b"
     assert "injected failure" in (folder / fanout.ERROR_FILE).read_text()
-    latest = st.read_latest(folder / "checkpoints")
-    assert latest.name == st.step_dir_name(4)  # the last good checkpoint, intact
-    assert json.loads((latest / st.STATE_JSON).read_text())["step"] == 4
+    latest = state.read_latest(folder / "checkpoints")
+    assert latest.name == state.step_dir_name(4)  # the last good checkpoint, intact
+    assert json.loads((latest / state.STATE_JSON).read_text())["step"] == 4
     load_drafter(latest)
-    assert st.read_latest(tmp_path / "fan" / "a" / "checkpoints").name == st.step_dir_name(STEPS)
+    assert state.read_latest(tmp_path / "fan" / "a" / "checkpoints").name == state.step_dir_name(STEPS)
     table = json.loads((tmp_path / "fan" / fanout.SUMMARY_FILE).read_text())
     assert [d["status"] for d in table["drafters"]] == ["done", "failed"]
 
@@ -163,11 +165,7 @@ def test_a_drafter_whose_warm_up_fails_does_not_start(tiny_dataset, tmp_path):
     cfg = fanout_config(tiny_dataset, tmp_path / "fan", variants=f"[{A}, {B}]", **{"train.max_steps": 2})
     fan = fanout.setup_fanout(cfg)
     fan.workers[0].run.backend = "flex"
-    rc.reset_runtime()
-    try:
-        result = fanout.train_all(fan, console=quiet())
-    finally:
-        rc.reset_runtime()
+    result = fanout.train_all(fan, console=quiet())
     a, b = result.drafters
     assert a.status == "failed" and "no backward on cpu" in a.error and a.steps == 0 and a.micro_batches == 0
     assert (tmp_path / "fan" / "a" / fanout.ERROR_FILE).is_file()
@@ -177,7 +175,7 @@ def test_a_drafter_whose_warm_up_fails_does_not_start(tiny_dataset, tmp_path):
 def test_a_failing_target_stops_every_drafter_with_its_checkpoints(tiny_dataset, tmp_path):
     cfg = fanout_config(tiny_dataset, tmp_path / "fan", variants=f"[{A}, {B}]")
     val_rows = len(trainer.setup_run(fanout.variant_configs(cfg)[0][1]).val_rows)
-    real = trainer.target_pass
+    real = packed.target_pass
     calls = []
 
     def failing(*args, **kw):
@@ -187,14 +185,14 @@ def test_a_failing_target_stops_every_drafter_with_its_checkpoints(tiny_dataset,
         return real(*args, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "target_pass", failing)
+        mp.setattr(packed, "target_pass", failing)
         with pytest.raises(DflashkitError, match="the target worker failed .*injected target failure"):
             fanout.train_fanout(cfg, console=quiet())
     table = json.loads((tmp_path / "fan" / fanout.SUMMARY_FILE).read_text())
     assert [d["status"] for d in table["drafters"]] == ["stopped", "stopped"]
     assert table["target_batches"] == 3 and all(d["steps"] <= 3 for d in table["drafters"])
     for d in table["drafters"]:
-        latest = st.read_latest(tmp_path / "fan" / d["name"] / "checkpoints")
+        latest = state.read_latest(tmp_path / "fan" / d["name"] / "checkpoints")
         if latest is not None:  # whatever was saved before the stop is whole
             load_drafter(latest)
 
@@ -207,26 +205,25 @@ def test_compiled_flex_forward_in_drafter_threads_while_the_target_runs(tiny_dat
         "[{name: a}, {name: b, overrides: {drafter.layers: 2}}, {name: c, overrides: {train.lr: 1.0e-3}}]"
     )
     fan = fanout.setup_fanout(fanout_config(tiny_dataset, tmp_path / "fan", variants=variants))
-    rc.reset_runtime()
-    try:
+    for w in fan.workers:
+        w.run.backend = "flex"
+    fanout.share_validation_features(fan)
+    with COMPILE_LOCK:  # what warm_up does, forward only
         for w in fan.workers:
-            w.run.backend = "flex"
-        fanout.share_validation_features(fan)
-        with rc.COMPILE_LOCK:  # what warm_up does, forward only
-            for w in fan.workers:
-                trainer.evaluate(w.run, max_rows=1)
-        rc.freeze()
-        graphs, compiled = fanout.compiled_graph_count(), rc.runtime_state()["compiled_shapes"]
+            validate(w.run, w.source, max_rows=1)
+    with frozen_compiles():
+        graphs, compiled = fanout.compiled_graph_count(), entry_state()["compiled_shapes"]
         errors, steps = [], [0] * len(fan.workers)
 
         def drafter(i, w):
             g = torch.Generator().manual_seed(i)
             try:
                 with torch.no_grad():
-                    while w.feed.taken < w.feed.end:
-                        batch = w.feed.next()
-                        rows = w.run.train_rows.take(batch.idx, w.run.device)
-                        feats, argmax = w.feed.features(batch, w.run.device)
+                    for mb in w.run.stream.from_cursor(None):
+                        if w.feed.taken == w.feed.end:
+                            break
+                        rows = w.run.train_rows.take(mb.rows, w.run.device)
+                        feats, argmax = w.source.batch(mb, rows)  # from the feed, in stream order
                         out = trainer.block_step(
                             w.run.drafter,
                             w.run.target,
@@ -255,9 +252,8 @@ def test_compiled_flex_forward_in_drafter_threads_while_the_target_runs(tiny_dat
         assert errors == []
         assert steps == [STEPS] * 3 and stats["batches"] == STEPS and len(calls) == STEPS
         assert fanout.compiled_graph_count() == graphs
-        assert rc.runtime_state()["compiled_shapes"] == compiled and rc.is_frozen()
-    finally:
-        rc.reset_runtime()
+        assert entry_state()["compiled_shapes"] == compiled and is_frozen()
+    assert not is_frozen()
 
 
 def test_variants_may_not_change_what_the_drafters_share(tiny_dataset, tmp_path):
@@ -298,7 +294,6 @@ def test_ready_config_and_dry_run(tiny_dataset, tmp_path, capsys):
 def test_flex_fanout_on_gpu_warms_every_drafter_then_freezes(tiny_dataset, tmp_path):
     """On the GPU(s): compiled flex forward and backward for two block sizes (target on cuda:0, the
     drafters on cuda:1 when there are two GPUs), warmed serially, then frozen: no compile afterwards."""
-    rc.reset_runtime()
     cfg = fanout_config(
         tiny_dataset,
         tmp_path / "fan",
@@ -310,15 +305,12 @@ def test_flex_fanout_on_gpu_warms_every_drafter_then_freezes(tiny_dataset, tmp_p
             "train.autocast": "bf16",
         },
     )
-    try:
-        result = fanout.train_fanout(cfg, console=quiet())
-        assert result.ok and result.compiles_after_warmup == 0 and rc.is_frozen()
-        assert result.target_batches == STEPS and result.warmup_seconds > 0
-        want = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-        assert [d.device for d in result.drafters] == [want, want]
-        assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())
-    finally:
-        rc.reset_runtime()
+    result = fanout.train_fanout(cfg, console=quiet())
+    assert result.ok and result.compiles_after_warmup == 0 and not is_frozen()
+    assert result.target_batches == STEPS and result.warmup_seconds > 0
+    want = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    assert [d.device for d in result.drafters] == [want, want]
+    assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())
 
 
 @pytest.mark.gpu
@@ -329,7 +321,6 @@ def test_two_target_workers_on_the_gpus(tiny_dataset, tmp_path):
     count = torch.cuda.device_count()
     if count < 2:
         pytest.skip("needs 2 GPUs")
-    rc.reset_runtime()
     cfg = fanout_config(
         tiny_dataset,
         tmp_path / "fan",
@@ -342,12 +333,9 @@ def test_two_target_workers_on_the_gpus(tiny_dataset, tmp_path):
             "fanout.target_devices": "[cuda:0, cuda:1]",
         },
     )
-    try:
-        result = fanout.train_fanout(cfg, console=quiet())
-        assert result.ok and result.compiles_after_warmup == 0 and rc.is_frozen()
-        assert [(t.device, t.batches) for t in result.target_workers] == [("cuda:0", 3), ("cuda:1", 3)]
-        pool = [f"cuda:{i}" for i in range(2, count)] or ["cuda:1"]
-        assert [d.device for d in result.drafters] == [pool[0], pool[1 % len(pool)]]
-        assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())
-    finally:
-        rc.reset_runtime()
+    result = fanout.train_fanout(cfg, console=quiet())
+    assert result.ok and result.compiles_after_warmup == 0 and not is_frozen()
+    assert [(t.device, t.batches) for t in result.target_workers] == [("cuda:0", 3), ("cuda:1", 3)]
+    pool = [f"cuda:{i}" for i in range(2, count)] or ["cuda:1"]
+    assert [d.device for d in result.drafters] == [pool[0], pool[1 % len(pool)]]
+    assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in result.results.values())

@@ -13,8 +13,8 @@ import torch
 from dflashkit.config import load_config
 from dflashkit.errors import ConfigError, DeviceError, DflashkitError
 from dflashkit.model.checkpoint import load_drafter
-from dflashkit.train import fanout, trainer
-from dflashkit.train import state as st
+from dflashkit.target import packed
+from dflashkit.train import fanout, state
 
 STEPS = 8
 VOCAB = 64
@@ -108,7 +108,7 @@ def quiet():
 def uneven_workers(mp, seconds=0.02):
     """Make target worker 0 slow, so that the others finish later micro-batches first and must wait for
     their turn; record (thread, rows) of every target pass."""
-    real = trainer.target_pass
+    real = packed.target_pass
     calls = []
 
     def slow(target, rows, layer_ids):
@@ -118,7 +118,7 @@ def uneven_workers(mp, seconds=0.02):
         calls.append(name)
         return real(target, rows, layer_ids)
 
-    mp.setattr(trainer, "target_pass", slow)
+    mp.setattr(packed, "target_pass", slow)
     return calls
 
 
@@ -193,7 +193,7 @@ def test_a_failing_target_worker_stops_the_fanout_cleanly(tiny, tmp_path):
     turn or computing: every drafter stops with its checkpoints whole, one DflashkitError names the worker,
     and no thread is left behind."""
     cfg = workers_config(tiny, tmp_path / "fan", ["cpu", "cpu"])
-    real = trainer.target_pass
+    real = packed.target_pass
     mine = []
 
     def failing(target, rows, layer_ids):
@@ -204,7 +204,7 @@ def test_a_failing_target_worker_stops_the_fanout_cleanly(tiny, tmp_path):
         return real(target, rows, layer_ids)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "target_pass", failing)
+        mp.setattr(packed, "target_pass", failing)
         with pytest.raises(
             DflashkitError, match=r"target worker 1 \(on cpu\) failed \(RuntimeError: injected"
         ):
@@ -217,9 +217,9 @@ def test_a_failing_target_worker_stops_the_fanout_cleanly(tiny, tmp_path):
     # worker 0 may have computed 0, 2, 4 and 6, but nothing past 5 went into a feed
     assert table["target_batches"] <= 6 and all(d["micro_batches"] <= 5 for d in table["drafters"])
     for d in table["drafters"]:
-        latest = st.read_latest(tmp_path / "fan" / d["name"] / "checkpoints")
+        latest = state.read_latest(tmp_path / "fan" / d["name"] / "checkpoints")
         if latest is not None:  # whatever was saved before the stop is whole
-            assert json.loads((latest / st.STATE_JSON).read_text())["step"] <= d["steps"]
+            assert json.loads((latest / state.STATE_JSON).read_text())["step"] <= d["steps"]
             load_drafter(latest)
 
 

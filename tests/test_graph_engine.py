@@ -119,7 +119,7 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu():
 def test_auto_engine_is_the_fastest_lossless_one(target):
     """--engine auto: the graphs engine on a GPU, the dynamic engine on the CPU; --help spells the same
     choices as the engine module (without importing torch)."""
-    from dflashkit.infer.commands import ENGINE_CHOICES
+    from dflashkit.commands.infer import ENGINE_CHOICES
     from dflashkit.infer.engine import ENGINE_CHOICES as choices
     from dflashkit.infer.engine import resolve_engine
 

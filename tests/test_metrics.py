@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
+import multiprocessing
 import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from dflashkit.train.metrics import acceptance_stats, add_stats, all_reduce_stats, finalize_stats
+from dflashkit.model.acceptance import acceptance_stats, add_stats, finalize_stats
+from dflashkit.train.distributed import all_reduce_stats
 
 
 def _batch(hits_rows, mask_rows, block_valid):
@@ -124,7 +125,7 @@ def test_all_reduce_sums_over_two_ranks(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank_worker, args=(r, port, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
@@ -141,7 +142,7 @@ def test_all_reduce_sums_over_two_ranks(tmp_path):
 def test_served_order_walk_replays_serving():
     """Serving drafts from the first response token, then from anchor + tau: the walk takes exactly those
     blocks, per run of consecutive anchors (one response each), and skips the anchors it jumps over."""
-    from dflashkit.train.metrics import served_order_walk
+    from dflashkit.model.acceptance import served_order_walk
 
     anchors = torch.tensor([*range(10, 20), *range(30, 34), 40])
     lengths = torch.tensor([3, 9, 9, 2, 9, 1, 1, 4, 9, 9, 1, 2, 9, 1, 5])
@@ -158,7 +159,7 @@ def test_served_order_walk_replays_serving():
 
 
 def test_served_tau_prefers_the_served_order_and_reads_older_results():
-    from dflashkit.train.metrics import served_tau
+    from dflashkit.model.acceptance import served_tau
 
     assert served_tau({"acceptance_length": 2.0, "served_acceptance_length": 1.7}) == 1.7
     assert served_tau({"acceptance_length": 2.0}) == 2.0

@@ -9,8 +9,8 @@ import pytest
 
 from dflashkit.cli import main
 from dflashkit.errors import CheckpointError
-from dflashkit.train import state as st
-from dflashkit.train import trainer
+from dflashkit.target.hf import TargetModel
+from dflashkit.train import checkpoints, metrics, state, trainer
 from dflashkit.train.rundir import RunExistsError, config_changes, is_resumable_key
 
 SETTINGS = {
@@ -79,7 +79,7 @@ def test_training_over_a_finished_run_refuses_and_names_the_choices(tiny_dataset
     assert "Traceback" not in err
     assert (run_copy / "metrics.jsonl").read_text() == before  # nothing touched
     assert (run_copy / "best" / "model.safetensors").read_bytes() == best
-    assert st.read_latest(run_copy / "checkpoints").name == "step-00000004"
+    assert state.read_latest(run_copy / "checkpoints").name == "step-00000004"
 
 
 def test_move_aside_keeps_the_earlier_run_and_what_is_not_the_runs(tiny_dataset, run_copy, capsys):
@@ -91,11 +91,11 @@ def test_move_aside_keeps_the_earlier_run_and_what_is_not_the_runs(tiny_dataset,
     assert code == 0, capsys.readouterr().err
     (aside,) = list(run_copy.parent.glob("run.old-*"))
     assert (aside / "metrics.jsonl").read_text() == before
-    assert st.read_latest(aside / "checkpoints").name == "step-00000004"
+    assert state.read_latest(aside / "checkpoints").name == "step-00000004"
     assert (aside / "best" / "model.safetensors").is_file()
     assert (run_copy / "data").is_dir()
     assert metrics_steps(run_copy) == [1]
-    assert st.read_latest(run_copy / "checkpoints").name == "step-00000001"
+    assert state.read_latest(run_copy / "checkpoints").name == "step-00000001"
 
 
 def test_a_fan_out_over_an_earlier_one_refuses_before_the_target_loads(tmp_path, monkeypatch):
@@ -123,17 +123,17 @@ def test_a_fan_out_over_an_earlier_one_refuses_before_the_target_loads(tmp_path,
 
 def test_move_aside_reaches_every_rank_of_a_data_parallel_launch():
     from dflashkit.cli import build_parser
-    from dflashkit.train import distributed as dd
+    from dflashkit.train import distributed
 
     args = build_parser().parse_args(["train", "-c", "configs/embedded.yaml", "--move-aside", "--nproc", "2"])
-    assert "--move-aside" in dd.train_argv(args)
+    assert "--move-aside" in distributed.train_argv(args)
 
 
 def test_the_refusal_comes_before_the_target_loads(tiny_dataset, run_copy, monkeypatch):
     def no_target(*a, **k):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr(trainer.TargetModel, "load", no_target)
+    monkeypatch.setattr(TargetModel, "load", no_target)
     with pytest.raises(RunExistsError):
         trainer.train(config(tiny_dataset, run_copy), console=quiet())
 
@@ -208,7 +208,7 @@ def test_every_data_key_is_compared_but_the_named_harmless_ones(tiny_dataset, tm
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint(tiny_dataset, run_copy):
-    newest = run_copy / "checkpoints" / "step-00000004" / st.STATE_TENSORS
+    newest = run_copy / "checkpoints" / "step-00000004" / state.STATE_TENSORS
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated
     from rich.console import Console
 
@@ -237,7 +237,7 @@ def test_resume_without_any_intact_checkpoint_is_one_clear_error(tiny_dataset, r
 def test_resume_logs_each_step_once_and_the_plot_goes_forward(tiny_dataset, tmp_path):
     cfg = config(tiny_dataset, tmp_path / "run", **{"train.save_every": 3})
     trainer.train(cfg, console=quiet(), stop_after=4)  # checkpoint at 3 and at the stop (4)
-    st.write_latest(tmp_path / "run" / "checkpoints", "step-00000003")  # as if killed before step 4's save
+    state.write_latest(tmp_path / "run" / "checkpoints", "step-00000003")  # as if killed before step 4's save
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000004")
     assert metrics_steps(tmp_path / "run") == [1, 2, 3, 4]
     trainer.train(cfg, resume=True, console=quiet())
@@ -247,7 +247,7 @@ def test_resume_logs_each_step_once_and_the_plot_goes_forward(tiny_dataset, tmp_
 def test_trim_metrics_drops_replayed_steps_and_a_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
-    assert trainer.trim_metrics(path, 2) == 2
+    assert metrics.trim_metrics(path, 2) == 2
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
 
 
@@ -257,9 +257,9 @@ def test_the_plot_reads_each_step_once_in_order(tmp_path):
     path.write_text(
         "".join(json.dumps({"step": s, "loss": x, "acceptance_length": 1.0}) + "\n" for s, x in steps)
     )
-    records = trainer.read_metrics(path)
+    records = metrics.read_metrics(path)
     assert [(r["step"], r["loss"]) for r in records] == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 2.9)]
-    assert trainer.plot_training(path, tmp_path / "training.png").stat().st_size > 1000
+    assert metrics.plot_training(path, tmp_path / "training.png").stat().st_size > 1000
 
 
 def test_a_checkpoint_of_another_shape_is_one_clear_error():
@@ -285,4 +285,4 @@ def test_a_checkpoint_of_another_shape_is_one_clear_error():
         )
 
     with pytest.raises(CheckpointError, match="another shape"):
-        trainer.load_weights(drafter(1), drafter(2).state_dict(), "ckpt")
+        checkpoints.load_weights(drafter(1), drafter(2).state_dict(), "ckpt")

@@ -30,8 +30,15 @@ def reference(target, tokens):
         return target.model(tokens, output_hidden_states=True)
 
 
+def test_loading_changes_nothing_process_wide(monkeypatch):
+    """Loading reads local folders only (never the hub), without setting HF_HUB_OFFLINE for the process."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    before = dict(os.environ)
+    TargetModel.load("embedded")
+    assert dict(os.environ) == before
+
+
 def test_embedded_target_loads_offline_with_its_shape(target):
-    assert os.environ.get("HF_HUB_OFFLINE") == "1"
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
     assert target.dtype == torch.float32 and target.device.type == "cpu"
     assert not any(p.requires_grad for p in target.model.parameters())

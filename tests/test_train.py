@@ -1,6 +1,7 @@
 """Training end to end on the embedded target: exact resume, acceptance rises, environment drift,
 mismatched data, dry run, and a trained drafter that decodes losslessly."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -8,11 +9,15 @@ import math
 import pytest
 import torch
 
-from dflashkit.config import load_config
-from dflashkit.errors import ConfigError, EnvironmentDriftError
+from dflashkit.config import apply_overrides, load_config
+from dflashkit.data.rows import pack_rows
+from dflashkit.errors import ConfigError, EnvironmentDriftError, NonFiniteLossError
 from dflashkit.integrity import write_checksums
 from dflashkit.model.checkpoint import load_drafter
+from dflashkit.runtime.devices import use_compiled_regions
+from dflashkit.target.packed import target_pass
 from dflashkit.train import trainer
+from dflashkit.train.validation import blocks_at_every_anchor, served_rounds, validate
 
 
 def tiny_config(data_dir, out_dir, **over):
@@ -61,14 +66,65 @@ def test_resume_is_exact(tiny_dataset, tmp_path):
     assert torch.equal(full_w["rng"]["generators"]["anchors"], split_w["rng"]["generators"]["anchors"])
 
 
+def test_a_checkpoint_from_before_the_served_order_keeps_best_updating(tiny_dataset, tmp_path):
+    """A checkpoint written before evaluation measured the served order kept the mean over anchors as its
+    best, a higher figure than any served-order one: a resume must not compare the two (best/ would never
+    be written again), so it takes best/'s served-order figure, or, where there is none, none."""
+    cfg = tiny_config(tiny_dataset, tmp_path / "run")  # 6 steps, evaluated and saved at 3 and 6
+    trainer.train(cfg, console=quiet(), stop_after=3)
+    ckpt, best = tmp_path / "run" / "checkpoints" / "step-00000003", tmp_path / "run" / "best"
+    progress = json.loads((ckpt / "training_state.json").read_text())
+    del progress["extra"]["best_served_acceptance_length"]
+    progress["extra"]["best_acceptance_length"] = 99.0  # as an older dflashkit recorded it
+    (ckpt / "training_state.json").write_text(json.dumps(progress))
+    record = json.loads((best / "metrics.json").read_text())
+    del record["served_acceptance_length"]  # and measured best/: the mean over anchors only
+    record["acceptance_length"] = 99.0
+    (best / "metrics.json").write_text(json.dumps(record))
+    for folder in (ckpt, best):
+        write_checksums(folder)
+    result = trainer.train(cfg, resume=True, console=quiet())
+    record = json.loads((best / "metrics.json").read_text())
+    assert record["step"] == 6 and result.best_served_acceptance_length == record["served_acceptance_length"]
+
+
+def test_a_non_finite_loss_stops_the_run_before_the_optimizer_applies_it(tiny_dataset, tmp_path, monkeypatch):
+    applied = []
+    real_step = torch.optim.AdamW.step
+
+    def counted(self, *args, **kwargs):
+        applied.append(1)
+        return real_step(self, *args, **kwargs)
+
+    real = trainer.block_step
+    steps = []
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if torch.is_grad_enabled():  # a training micro-batch (held-out rows run without grad)
+            steps.append(1)
+            if len(steps) == 3:
+                out.loss = dataclasses.replace(out.loss, loss=out.loss.loss * float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    monkeypatch.setattr(trainer, "block_step", poisoned)
+    cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.save_every": 1})
+    with pytest.raises(NonFiniteLossError, match="loss became nan at step 3; that step was not applied") as e:
+        trainer.train(cfg, console=quiet())
+    assert not isinstance(e.value, ConfigError)  # the data or the learning rate, not the config's form
+    assert len(applied) == 2  # steps 1 and 2; step 3's NaN gradient never reached the weights
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+
+
 def test_training_raises_acceptance_above_untrained(tiny_dataset, tmp_path):
     cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.max_steps": 40, "train.eval_every": 40})
     run = trainer.setup_run(cfg)
     run.val_rows = run.train_rows  # measure on the rows it trains on: the drafter must learn them
-    before = trainer.evaluate(run)["acceptance_length"]
+    before = validate(run)["acceptance_length"]
     result = trainer.train(cfg, console=quiet())
     run.drafter.load_state_dict(load_drafter(result.out_dir / "checkpoints" / "step-00000040").state_dict())
-    after = trainer.evaluate(run)["acceptance_length"]
+    after = validate(run)["acceptance_length"]
     assert after > before + 0.05, (before, after)
     log = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 40 and "val" in log[-1]
@@ -193,9 +249,8 @@ def test_training_curves_and_tensorboard_option(tiny_dataset, tmp_path):
 
 @pytest.mark.gpu
 def test_flex_training_on_gpu_warms_then_freezes(tiny_dataset, tmp_path):
-    from dflashkit.runtime import compile as rc
+    from dflashkit.runtime.compile import is_frozen
 
-    rc.reset_runtime()
     cfg = tiny_config(
         tiny_dataset,
         tmp_path / "run",
@@ -208,32 +263,33 @@ def test_flex_training_on_gpu_warms_then_freezes(tiny_dataset, tmp_path):
             "train.eval_every": 4,
         },
     )
-    try:
-        result = trainer.train(cfg, console=quiet())
-        assert result.steps == 8 and rc.is_frozen()
-        assert all(math.isfinite(x) for x in result.losses)
-        from dflashkit.model import drafter as drafter_mod
-        from dflashkit.train import loss as loss_mod
+    result = trainer.train(cfg, console=quiet())
+    assert result.steps == 8 and not is_frozen()  # frozen while the loop ran, not after
+    assert all(math.isfinite(x) for x in result.losses)
+    from dflashkit.model import drafter as drafter_module
+    from dflashkit.train import loss as loss_module
 
-        # train.compile=auto: the layers and the loss chunks ran as compiled regions, warmed before step 1
-        assert drafter_mod.LAYER_REGION.graphs() >= 2  # training and evaluation shapes
-        assert loss_mod.CHUNK_REGION.graphs() >= 1
-    finally:
-        rc.reset_runtime()
+    # train.compile=auto: the layers and the loss chunks ran as compiled regions, warmed before step 1
+    assert drafter_module.LAYER_REGION.graphs() >= 2  # training and evaluation shapes
+    assert loss_module.CHUNK_REGION.graphs() >= 1
+    # A second run in this process with new shapes warms them up and trains (the freeze of the first run
+    # ended with it; a process-wide freeze made this warm-up fail).
+    longer = apply_overrides(cfg, {"run.out_dir": str(tmp_path / "longer"), "train.max_len": 128}, "test")
+    assert trainer.train(longer, console=quiet()).steps == 8
 
 
 def test_compiled_regions_follow_the_backend_and_strategy(tmp_path):
     cfg = tiny_config(tmp_path, tmp_path / "run")
-    assert trainer.use_compiled_regions(cfg, "flex")
-    assert not trainer.use_compiled_regions(cfg, "sdpa")  # auto: the CPU default stays eager
-    assert not trainer.use_compiled_regions(cfg, "flex", "fsdp")
+    assert use_compiled_regions(cfg, "flex")
+    assert not use_compiled_regions(cfg, "sdpa")  # auto: the CPU default stays eager
+    assert not use_compiled_regions(cfg, "flex", "fsdp")
     off = tiny_config(tmp_path, tmp_path / "run", **{"train.compile": "off"})
-    assert not trainer.use_compiled_regions(off, "flex")
+    assert not use_compiled_regions(off, "flex")
     on = tiny_config(tmp_path, tmp_path / "run", **{"train.compile": "on"})
     with pytest.raises(ConfigError, match="needs the flex attention backend"):
-        trainer.use_compiled_regions(on, "sdpa")
+        use_compiled_regions(on, "sdpa")
     with pytest.raises(ConfigError, match="FSDP"):
-        trainer.use_compiled_regions(on, "flex", "fsdp")
+        use_compiled_regions(on, "flex", "fsdp")
 
 
 def test_served_order_walk_equals_real_speculative_decoding(tiny_dataset, tmp_path):
@@ -262,9 +318,9 @@ def test_served_order_walk_equals_real_speculative_decoding(tiny_dataset, tmp_pa
             reply = rec.input_ids[rec.loss_mask].tolist()  # the supervised tokens: the target's reply
             if autoregressive_generate(run.target, prompt, len(reply), layer_ids=layer_ids).tokens != reply:
                 continue  # batched generation at prepare rounded differently: not this record's claim
-            rows = trainer.pack_rows([rec], cfg.train.max_len, 0)
-            feats, argmax = trainer.target_pass(run.target, rows, layer_ids)
-            walk = trainer.served_rounds(trainer.blocks_at_every_anchor(run, rows, feats, argmax))
+            rows = pack_rows([rec], cfg.train.max_len, 0)
+            feats, argmax = target_pass(run.target, rows, layer_ids)
+            walk = served_rounds(blocks_at_every_anchor(run, rows, feats, argmax))
             served = speculative_generate(run.target, run.drafter, prompt, len(reply)).accept_lengths
             assert walk[:-1] == served[: len(walk) - 1], (walk, served)
             compared += 1

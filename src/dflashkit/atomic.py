@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflashkit.integrity import write_checksums
+
 
 def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -44,8 +46,6 @@ def atomic_dir(final_path: str | Path, *, checksums: bool = False) -> Iterator[P
     try:
         yield tmp
         if checksums:
-            from dflashkit.integrity import write_checksums
-
             write_checksums(tmp)
         _fsync_tree(tmp)
     except BaseException:

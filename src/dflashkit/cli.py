@@ -1,43 +1,27 @@
-"""The one `dflashkit` command. Each subcommand's handler imports what it needs lazily, so that
-`dflashkit doctor` starts fast and a missing optional piece only affects the command that uses it."""
+"""The one `dflashkit` command: the parser of every subcommand group (`dflashkit.commands`), dotted
+overrides anywhere among a command's options, and one clear line for a user's error. Each handler imports
+what it needs when it runs, so that `dflashkit doctor` starts fast and a missing optional piece only
+affects the command that uses it."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 
 from dflashkit import __version__
+from dflashkit.commands import bench, data, doctor, fanout, infer, model, train
+from dflashkit.config import PATHS_RULE
 from dflashkit.errors import DflashkitError
 
 Handler = Callable[[argparse.Namespace], int]
-
-
-def _doctor(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from dflashkit.runtime import doctor
-    from dflashkit.runtime import fingerprint as fpmod
-
-    console = Console()
-    if args.diff:
-        return doctor.show_diff(args.diff[0], args.diff[1], console)
-    fp = fpmod.collect()
-    if args.json:
-        doctor.write_json(fp, args.json)
-    elif args.check:
-        doctor.show_brief(fp, console)
-    else:
-        doctor.show(fp, console)
-    if args.check:
-        return doctor.run_check(Console(stderr=args.json == "-"))
-    return 0
+# The subcommand groups (dflashkit.commands), in the order --help lists them.
+COMMANDS = (doctor, model, data, train, fanout, infer, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dflashkit.config import PATHS_RULE
-
     p = argparse.ArgumentParser(
         prog="dflashkit",
         description="Train, check and run DFlash block-diffusion drafters for speculative decoding.",
@@ -46,20 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"dflashkit {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    d = sub.add_parser("doctor", help="environment fingerprint, diff and self-checks")
-    d.add_argument("--json", metavar="PATH", help="write the fingerprint as JSON to PATH ('-' for stdout)")
-    d.add_argument(
-        "--diff",
-        nargs=2,
-        metavar=("A", "B"),
-        help="compare two fingerprints (files or run/checkpoint folders); exit 1 on a critical change",
-    )
-    d.add_argument("--check", action="store_true", help="run live self-tests and show known issues")
-    d.set_defaults(handler=_doctor)
-
-    for register in _extra_commands():
-        register(sub)
+    for group in COMMANDS:
+        group.register(sub)
     return p
 
 
@@ -77,8 +49,6 @@ examples (the embedded default, end to end on a CPU; `make demo` runs these):
 
 
 def wrap(text: str, width: int = 100) -> str:
-    import textwrap
-
     return textwrap.fill(text, width)
 
 
@@ -99,34 +69,6 @@ def unknown_words_error(command: str, extra: list[str], takes_overrides: bool) -
     if options:
         parts.append(f"unknown option {' '.join(options)}")
     return f"dflashkit {command}: error: {'; '.join(parts)}; see dflashkit {command} --help"
-
-
-# Modules that define further subcommands beside the code they drive. Each has
-# `register(subparsers)`, which adds its parsers with `set_defaults(handler=...)` and imports heavy
-# dependencies only inside the handlers.
-COMMAND_MODULES = (
-    "dflashkit.model.commands",  # init, convert
-    "dflashkit.data.commands",  # prepare, capture
-    "dflashkit.train.commands",  # train
-    "dflashkit.train.fanout_commands",  # fanout
-    "dflashkit.infer.commands",  # eval, generate
-    "dflashkit.infer.bench_commands",  # bench
-)
-
-
-def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
-    import importlib
-
-    found = []
-    for name in COMMAND_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name is not None and name.startswith(e.name):
-                continue  # that part of the toolkit is not there yet
-            raise
-        found.append(mod.register)
-    return found
 
 
 def main(argv: list[str] | None = None) -> int:

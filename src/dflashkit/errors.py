@@ -26,3 +26,7 @@ class EnvironmentDriftError(DflashkitError):
 
 class DeviceError(DflashkitError):
     """A device that the run needs is missing."""
+
+
+class NonFiniteLossError(DflashkitError):
+    """The training loss became NaN or infinite; the optimizer step it would have taken was not applied."""

@@ -3,7 +3,7 @@
 - ``eager``: explicit softmax, the reference (fp32 math).
 - ``sdpa``: ``scaled_dot_product_attention`` with the dense boolean mask (the CPU default for small shapes).
 - ``flex``: compiled flex_attention with a BlockMask (the GPU default), only ever through
-  ``dflashkit.runtime.compile`` (one compiled entry, never a silent dense path). The BlockMask is built
+  ``dflashkit.attention.flex`` (one compiled entry, never a silent dense path). The BlockMask is built
   from the anchors at tile level (``dflashkit.attention.block_mask``), never from a dense mask.
 
 Shapes: q [batch, Hq, Q, D]; k, v [batch, Hkv, KV, D] with Hq a multiple of Hkv.
@@ -22,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflashkit.attention.block_mask import flex_block_mask
+from dflashkit.attention.dense_budget import preflight_dense
+from dflashkit.attention.flex import flex_attention_entry
 from dflashkit.attention.masks import BlockLayout, dense_mask
 
 Backend = Literal["flex", "sdpa", "eager"]
@@ -44,13 +47,9 @@ def build_mask(
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "flex":
-        from dflashkit.attention.block_mask import flex_block_mask
-
         return AttentionMask(
             "flex", block=flex_block_mask(layout, window=window, causal_in_block=causal_in_block)
         )
-    from dflashkit.runtime.compile import preflight_dense
-
     preflight_dense(
         layout.batch,
         1,
@@ -103,12 +102,8 @@ def attention(
     if backend == "flex":
         if mask is None:
             return sdpa_attention(q, k, v, None, scale)
-        from dflashkit.runtime.compile import flex_attention_entry
-
         return flex_attention_entry(q, k, v, mask.block, scale=scale)
     if backend == "eager" or mask is not None:
-        from dflashkit.runtime.compile import preflight_dense
-
         batch, heads, q_len = q.shape[:3]
         preflight_dense(batch, heads, q_len, k.shape[2], what=f"{backend} attention", device=q.device)
     if backend == "eager":

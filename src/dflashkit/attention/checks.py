@@ -1,4 +1,4 @@
-"""`dflashkit doctor --check` self-tests for attention (registered when dflashkit.runtime.checks loads us).
+"""`dflashkit doctor --check` self-tests for attention (`register()` adds them; the doctor command calls it).
 
 - dflash block mask: the tile-level BlockMask built from the anchors equals create_block_mask's, and the
   mask_mod equals the dense reference, on a packed layout with padding, close anchors and a window.
@@ -20,14 +20,22 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from dflashkit.attention.backends import attention, build_mask
 from dflashkit.attention.block_mask import flex_block_mask
+from dflashkit.attention.flex import backward_supported, flex_attention_entry, reset_recompile_limit
 from dflashkit.attention.masks import BlockLayout, dense_mask, dflash_mask_mod
 from dflashkit.attention.memory import peak_memory
-from dflashkit.runtime import compile as rc
+from dflashkit.attention.warm_up import (
+    AttentionShape,
+    default_devices,
+    example_inputs,
+    example_layout,
+    warm_up,
+)
 from dflashkit.runtime.checks import CheckResult, register_check
+from dflashkit.runtime.compile import CompileAfterWarmupError, frozen_compiles
 
 # Large enough that a dense score matrix (4 x 1024 x 4096 fp32 = 64 MiB) stands out, small enough to
 # run in milliseconds once compiled.
-DOCTOR_SHAPE = rc.AttentionShape(
+DOCTOR_SHAPE = AttentionShape(
     batch=1,
     q_heads=4,
     kv_heads=2,
@@ -54,7 +62,6 @@ def packed_layout(seed: int = 0) -> BlockLayout:
     return BlockLayout(anchors, valid, docs, B)
 
 
-@register_check("dflash block mask")
 def check_block_mask() -> CheckResult:
     layout = packed_layout()
     names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
@@ -83,16 +90,15 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-@register_check("flex attention (compiled)")
 def check_flex_compiled() -> CheckResult:
     shape = DOCTOR_SHAPE
-    device = rc.default_devices()[0]
-    rc.warmup([shape], [device], freeze=False)
+    device = default_devices()[0]
+    warm_up([shape], [device])
     try:
-        layout = rc.example_layout(shape, device, seed=1)
-        q, k, v = rc.example_inputs(shape, device, seed=1)
+        layout = example_layout(shape, device, seed=1)
+        q, k, v = example_inputs(shape, device, seed=1)
         bm = flex_block_mask(layout)
-        out, peak = peak_memory(lambda: rc.flex_attention_entry(q, k, v, bm), device)  # sentinel: compiled
+        out, peak = peak_memory(lambda: flex_attention_entry(q, k, v, bm), device)  # sentinel: compiled
         ref = attention(q, k, v, build_mask(layout, "eager"), backend="eager")
         err = _relative_error(out, ref)
         dense = shape.batch * shape.q_heads * shape.q_len * shape.kv_len * 4
@@ -103,9 +109,9 @@ def check_flex_compiled() -> CheckResult:
         else:
             parts.append(f"peak {peak / 2**20:.1f} MiB vs dense scores {dense / 2**20:.0f} MiB")
             ok = ok and peak < dense / 8
-        if rc.backward_supported(device):
+        if backward_supported(device):
             qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
-            rc.flex_attention_entry(qg, kg, vg, bm).square().mean().backward()
+            flex_attention_entry(qg, kg, vg, bm).square().mean().backward()
             qe, ke, ve = (x.detach().requires_grad_(True) for x in (q, k, v))
             attention(qe, ke, ve, build_mask(layout, "eager"), backend="eager").square().mean().backward()
             gerr = max(_relative_error(a.grad, b.grad) for a, b in ((qg, qe), (kg, ke), (vg, ve)))
@@ -115,16 +121,15 @@ def check_flex_compiled() -> CheckResult:
             parts.append("no flex backward on this device (trains with sdpa)")
         return CheckResult("flex attention (compiled)", ok, "; ".join(parts))
     finally:
-        rc.reset_runtime()
+        reset_recompile_limit()
 
 
-@register_check("compile runtime (threads)")
 def check_runtime_threads(threads: int = 3, steps: int = 4) -> CheckResult:
     from torch._dynamo.utils import counters
 
     shape = DOCTOR_SHAPE
-    device = rc.default_devices()[0]
-    rc.warmup([shape], [device], backward=False)  # already compiled by the previous check: no compile
+    device = default_devices()[0]
+    warm_up([shape], [device], backward=False)  # already compiled by the previous check: no compile
     graphs_before = counters["stats"]["unique_graphs"]
     errors: list[str] = []
     refused: list[str] = []
@@ -132,36 +137,35 @@ def check_runtime_threads(threads: int = 3, steps: int = 4) -> CheckResult:
     def step(i: int) -> None:
         try:
             for s in range(steps):
-                layout = rc.example_layout(shape, device, seed=100 * i + s)
-                q, k, v = rc.example_inputs(shape, device, seed=s)
-                out = rc.flex_attention_entry(q, k, v, flex_block_mask(layout))
+                layout = example_layout(shape, device, seed=100 * i + s)
+                q, k, v = example_inputs(shape, device, seed=s)
+                out = flex_attention_entry(q, k, v, flex_block_mask(layout))
                 if not torch.isfinite(out).all():
                     errors.append(f"thread {i}: non-finite output")
         except Exception as e:  # collected and reported below
             errors.append(f"thread {i}: {type(e).__name__}: {e}")
 
     def new_shape() -> None:
-        q, k, v = rc.example_inputs(shape, device)
+        q, k, v = example_inputs(shape, device)
         try:
-            rc.flex_attention_entry(
-                q[:, :2], k[:, :1], v[:, :1], flex_block_mask(rc.example_layout(shape, device))
-            )
+            flex_attention_entry(q[:, :2], k[:, :1], v[:, :1], flex_block_mask(example_layout(shape, device)))
             errors.append("an unwarmed shape ran after warm-up")
-        except rc.CompileAfterWarmupError as e:
+        except CompileAfterWarmupError as e:
             refused.append(str(e))
         except Exception as e:
             errors.append(f"new shape: {type(e).__name__}: {e}")
 
     try:
-        workers = [threading.Thread(target=step, args=(i,)) for i in range(threads)]
-        workers.append(threading.Thread(target=new_shape))
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join()
+        with frozen_compiles():
+            workers = [threading.Thread(target=step, args=(i,)) for i in range(threads)]
+            workers.append(threading.Thread(target=new_shape))
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join()
         compiled = counters["stats"]["unique_graphs"] - graphs_before
     finally:
-        rc.reset_runtime()
+        reset_recompile_limit()
     ok = not errors and compiled == 0 and len(refused) == 1
     detail = (
         f"{threads} threads x {steps} warm steps: {len(errors)} errors, {compiled} compiles after warm-up; "
@@ -170,3 +174,10 @@ def check_runtime_threads(threads: int = 3, steps: int = 4) -> CheckResult:
     if errors:
         detail += f"; first error: {errors[0][:200]}"
     return CheckResult("compile runtime (threads)", ok, detail)
+
+
+def register() -> None:
+    """Add these self-tests to `dflashkit doctor --check` (the doctor command calls this)."""
+    register_check("dflash block mask")(check_block_mask)
+    register_check("flex attention (compiled)")(check_flex_compiled)
+    register_check("compile runtime (threads)")(check_runtime_threads)

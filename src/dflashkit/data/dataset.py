@@ -17,7 +17,7 @@ The folder (`out`):
 
 from __future__ import annotations
 
-import datetime as _dt
+import datetime
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -27,8 +27,19 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflashkit import __version__
 from dflashkit.config import SourceSpec
+from dflashkit.data.chat import encode_chat, template_identity
 from dflashkit.data.parallel import TokenizerPool
+from dflashkit.data.regenerate import (
+    GenerationSettings,
+    Job,
+    eos_token_ids,
+    load_target,
+    read_cache,
+    record_id,
+    regenerate,
+)
 from dflashkit.data.sources import (
     benchmark_questions,
     check_benchmark_overlap,
@@ -37,10 +48,10 @@ from dflashkit.data.sources import (
     split_prompts,
 )
 from dflashkit.errors import ConfigError, DataError, DflashkitError
+from dflashkit.runtime import fingerprint
 
 if TYPE_CHECKING:
     from dflashkit.data.generation import Backend
-    from dflashkit.data.regenerate import Job
 
 MANIFEST_FILE = "manifest.json"
 CACHE_FILE = "generations.jsonl"
@@ -195,8 +206,6 @@ def plan_records(settings: PrepareSettings) -> list[SourcePlan]:
     sampled records per training prompt, one greedy record per held-out prompt (held-out replies are what
     serving at temperature 0 produces, which is what the held-out acceptance length predicts). A selected
     prompt that holds a question of an installed benchmark set (MT-Bench, GSM8K, HumanEval) is refused."""
-    from dflashkit.data.regenerate import Job, record_id
-
     plans: list[SourcePlan] = []
     seen: set[str] = set()
     questions = benchmark_questions()
@@ -286,17 +295,7 @@ def prepare_dataset(
     """Build (or resume building) the dataset folder `settings.out`; returns its manifest.
     `on_flush(done, total)` is called each time generated records reach the disk (at least every
     `flush_records` records and every few seconds)."""
-    from dflashkit import __version__
-    from dflashkit.data.chat import template_identity
-    from dflashkit.data.regenerate import (
-        GenerationSettings,
-        eos_token_ids,
-        load_target,
-        read_cache,
-        regenerate,
-    )
-    from dflashkit.runtime import fingerprint
-    from dflashkit.target.hf import identity_of_folder
+    from dflashkit.target.hf import identity_of_folder  # torch: only when a dataset is built
 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -359,7 +358,7 @@ def prepare_dataset(
     manifest = {
         "kind": KIND,
         "schema": SCHEMA,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dflashkit_version": __version__,
         "target": target,
         "template": template,
@@ -394,8 +393,6 @@ def encode_record(tokenizer: Any, item: tuple[list[dict[str, str]], list[bool], 
     """One record's tokens and loss mask (messages, finished, eos ids, enable_thinking); a
     `TokenizerPool` function."""
     import numpy as np
-
-    from dflashkit.data.chat import encode_chat
 
     messages, finished, eos_ids, enable_thinking = item
     enc = encode_chat(

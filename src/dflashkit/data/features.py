@@ -2,7 +2,7 @@
 its context features and argmax labels to sharded safetensors; training reads them back
 (`data.features_dir`) instead of running the target every step.
 
-The rows are exactly the trainer's (`trainer.load_rows`, `trainer.target_pass`), so a capture stored
+The rows are exactly the trainer's (`data.rows.pack_dataset`, `target.packed.target_pass`), so a capture stored
 in float32 trains to the same losses as the online path, and one stored in the target's own dtype
 (bf16 on a GPU) gives that path's features bit for bit.
 
@@ -25,7 +25,7 @@ dataset or packing.
 
 from __future__ import annotations
 
-import datetime as _dt
+import datetime
 import hashlib
 import json
 import os
@@ -39,7 +39,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from dflashkit import __version__
+from dflashkit.atomic import fsync_path
+from dflashkit.data.chat import check_template_identity
+from dflashkit.data.dataset import read_manifest
+from dflashkit.data.rows import check_data_matches_target, pack_dataset
 from dflashkit.errors import ConfigError, DataError
+from dflashkit.model.config import target_layer_ids_of
+from dflashkit.runtime import fingerprint
+from dflashkit.runtime.devices import resolve_device, target_dtype
+from dflashkit.target.hf import TargetModel
+from dflashkit.target.packed import target_pass
 
 KIND = "dflashkit-features"
 SCHEMA = 1
@@ -186,8 +196,6 @@ def write_shard(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]) ->
     """Write a shard atomically (temp file, fsync, rename); ``meta`` gets the tensors' digest."""
     from safetensors.torch import save_file
 
-    from dflashkit.atomic import fsync_path
-
     record = {**meta, "digest": tensor_digest(tensors)}
     tmp = path.with_name(path.name + ".tmp")
     save_file(
@@ -332,25 +340,18 @@ def capture_features(
     """Run the target over the config's packed training and validation rows and write the feature
     folder ``settings.out`` (or finish one: finished shards are kept); returns its manifest.
     ``on_shard(split, index)`` is called after each shard is safely on disk (written or kept)."""
-    from dflashkit import __version__
-    from dflashkit.data.dataset import read_manifest
-    from dflashkit.runtime import fingerprint
-    from dflashkit.target.hf import TargetModel
-    from dflashkit.train import trainer
-
     out = Path(settings.out)
     data_dir = Path(cfg.data.dir)
     if out.resolve() == data_dir.resolve():
         raise ConfigError(f"--out {out} is the dataset folder; capture into a folder of its own")
-    device = trainer.resolve_device(cfg)
-    dtype = trainer.target_dtype(cfg, device)
+    device = resolve_device(cfg)
+    dtype = target_dtype(cfg, device)
     data_manifest = read_manifest(data_dir)
     target = TargetModel.load(cfg.target.path, dtype=dtype, device=device)
     ident = target.identity()
-    dc = trainer.drafter_config(cfg, target.config, ident)
-    trainer.check_data_matches_target(data_manifest, ident, dc, str(data_dir))
-    layer_ids = list(dc.target_layer_ids)
-    train_rows, val_rows = trainer.load_rows(cfg, target)
+    check_data_matches_target(data_manifest, ident, str(data_dir))
+    layer_ids = target_layer_ids_of(cfg.drafter, target.num_layers)
+    train_rows, val_rows = pack_dataset(cfg, target.config)
     rows = {"train": train_rows, "validation": val_rows}
 
     T = cfg.train.max_len
@@ -413,7 +414,7 @@ def capture_features(
     manifest = {
         **identity,
         "target": {"name": ident["name"], **identity["target"]},
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dflashkit_version": __version__,
         "hidden_size": target.hidden_size,
         "feature_dim": target.hidden_size * len(layer_ids),
@@ -439,8 +440,6 @@ def _capture_shard(
 ) -> dict[str, Tensor]:
     """The stored tensors of rows [start, stop): features encoded in ``dtype`` (on the target's device,
     ``batch_rows`` rows per target pass), labels and row data, on the CPU."""
-    from dflashkit.train.trainer import target_pass
-
     parts: dict[str, list[Tensor]] = {}
     for s in range(start, stop, batch_rows):
         idx = list(range(s, min(stop, s + batch_rows)))
@@ -569,8 +568,6 @@ def check_capture_matches(
 ) -> None:
     """A capture belongs to this run (target, layer ids, max_len, dataset, template, packed rows), or
     one clear ConfigError saying what differs and what to do."""
-    from dflashkit.data.chat import check_template_identity
-
     again = "capture again with this config (dflashkit capture -c CONFIG)"
     t = manifest["target"]
     for key in ("hidden_size", "num_layers", "vocab_size"):

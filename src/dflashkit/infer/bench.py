@@ -31,7 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashkit.errors import DflashkitError
+from dflashkit.data.chat import generation_prompt_ids
+from dflashkit.data.dataset import load_dataset
+from dflashkit.data.sources import load_prompts, read_benchmark, select_prompts
+from dflashkit.errors import ConfigError, DflashkitError
+from dflashkit.integrity import CHECKSUMS_FILE
 
 SETS: tuple[str, ...] = ("mtbench", "gsm8k", "humaneval", "heldout")
 SET_TITLES = {"mtbench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval", "heldout": "held-out"}
@@ -101,8 +105,6 @@ def _conversations(prompts: Sequence[Any], max_turns: int | None) -> list[Conver
 
 def _limited(prompts: list[Any], limit: int | None, seed: int) -> list[Any]:
     """All prompts in source order, or ``limit`` of them chosen by a seeded shuffle."""
-    from dflashkit.data.sources import select_prompts
-
     return prompts if limit is None or limit >= len(prompts) else select_prompts(prompts, limit, seed)
 
 
@@ -117,9 +119,6 @@ def load_set(
 ) -> BenchSet:
     """A prompt set by name ("mtbench", "gsm8k", "humaneval", "heldout") or a prompts file. A missing package
     raises DataError with the command that installs it; "heldout" needs ``data_dir``."""
-    from dflashkit.data.sources import load_prompts, read_benchmark
-    from dflashkit.errors import ConfigError
-
     if spec == "heldout":
         if not data_dir:
             raise ConfigError("the heldout set is a dataset's held-out split: give --data DIR (or --config)")
@@ -147,8 +146,6 @@ def heldout_set(data_dir: str, limit: int | None, max_turns: int | None) -> Benc
     """The held-out split of a dataset folder: each record is decoded from the start of each of its replies
     (its prompt and the target's own earlier replies, as stored). ``limit`` records, evenly spread over the
     split (a mixture's sources are held out one after another)."""
-    from dflashkit.data.dataset import load_dataset
-
     records = load_dataset(data_dir, "validation")
     n = len(records)
     picked = records if limit is None or limit >= n else [records[i * n // limit] for i in range(limit)]
@@ -204,8 +201,6 @@ class Decoder:
     _engine: Any = field(default=None, repr=False)
 
     def prompt_ids(self, conv: Conversation, turn: int, replies: Sequence[str]) -> list[int]:
-        from dflashkit.data.chat import generation_prompt_ids
-
         if conv.prefixes:
             return list(conv.prefixes[turn])
         return generation_prompt_ids(
@@ -416,7 +411,6 @@ def temperature_key(t: float) -> str:
 
 def drafter_identity(folder: Path) -> str:
     """A digest of a drafter checkpoint's weights: its recorded checksums when it has them, else the bytes."""
-    from dflashkit.integrity import CHECKSUMS_FILE
     from dflashkit.model.checkpoint import weight_files
 
     h = hashlib.sha256()

@@ -29,8 +29,8 @@ Engines:
   fixed-shape steps: the target at [1, 1] (a token), [1, B] (a block) and [1, N] (a tree of N nodes, when
   built with ``tree_budget``), the drafter at [1, B] (up to B new context rows, then the draft block).
   With ``compile=True`` each step compiles once per shape through ``CompiledRegion`` (CUDA graphs on a
-  GPU: one launch per step) during ``warm_up()``, and compiles are frozen after it. The prefill (any
-  prompt length) runs eagerly.
+  GPU: one launch per step) during ``warm_up()``, and runs with compiles frozen after it. The prefill
+  (any prompt length) runs eagerly.
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on both engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
@@ -41,6 +41,7 @@ starts afresh), not from two threads.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -202,7 +203,7 @@ class StaticEngine:
         backend: str = "sdpa",
         tree_budget: int | None = None,
     ):
-        from dflashkit.runtime.compile import graph_mode
+        from dflashkit.runtime.compiled_region import graph_mode
 
         if backend not in ("sdpa", "eager"):
             raise DflashkitError(f"the static engine drafts on the sdpa or eager backend, not {backend!r}")
@@ -218,6 +219,7 @@ class StaticEngine:
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
         self.compiled = compile
+        self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
         self.mode = graph_mode(dev) if compile else None
         self._target_step: Callable[..., tuple[Tensor, Tensor]] = self._target_block
         self._tree_step: Callable[..., tuple[Tensor, Tensor]] = self._target_tree
@@ -228,7 +230,7 @@ class StaticEngine:
             self._draft_step = self._region(self._draft_block, "the static engine's draft step")
 
     def _region(self, step: Callable[..., Any], name: str) -> Callable[..., Any]:
-        from dflashkit.runtime.compile import CompiledRegion
+        from dflashkit.runtime.compiled_region import CompiledRegion
 
         return CompiledRegion(
             step, name, mode=self.mode, warm_with="StaticEngine.warm_up()", off_switch="--engine dynamic"
@@ -303,16 +305,18 @@ class StaticEngine:
             )
         rows = F.pad(rows, (0, 0, 0, B - rows.shape[1]))  # padding rows sit at the anchor and beyond: masked
         self._block[0, 0] = anchor
-        return self._draft_step(
-            rows, self._positions(context.start, B), self._block, self._positions(context.end, B)
-        )
+        with self._frozen():
+            return self._draft_step(
+                rows, self._positions(context.start, B), self._block, self._positions(context.end, B)
+            )
 
     def verify(self, ids: Tensor) -> Verified:
         t = ids.shape[1]
         if t not in (1, self.block_size):
             raise ValueError(f"the static engine's target steps take 1 or {self.block_size} tokens, got {t}")
         self._check_room(t)
-        logits, feats = self._target_step(ids, self._positions(self._length, t))
+        with self._frozen():
+            logits, feats = self._target_step(ids, self._positions(self._length, t))
         self._open = Verified(logits, feats, self._length)
         self._length += t
         return self._open
@@ -324,9 +328,10 @@ class StaticEngine:
         visible = torch.arange(self.capacity, device=dev)[None, :] < start  # the cache ...
         visible = visible.expand(n, -1).clone()
         visible[:, start : start + n] = tree.ancestor_mask(dev)  # ... and each node's ancestors
-        logits, feats = self._tree_step(
-            tree.ids(dev), tree.positions(start, dev), self.target.tree_mask(visible)
-        )
+        with self._frozen():
+            logits, feats = self._tree_step(
+                tree.ids(dev), tree.positions(start, dev), self.target.tree_mask(visible)
+            )
         self._open = Verified(logits, feats, start)
         self._length += n
         return self._open
@@ -346,12 +351,12 @@ class StaticEngine:
 
     # --- warm-up --------------------------------------------------------------------------------
 
-    def warm_up(self, freeze: bool = True) -> dict[str, float]:
+    def warm_up(self) -> dict[str, float]:
         """Compile every step shape now, serially under COMPILE_LOCK (a CUDA-graph step is also recorded
-        and replayed once), then freeze compiles (``freeze=False``: leave that to the caller, e.g.
-        after warming several engines). Returns seconds per step shape. Without compile: a no-op."""
-        from dflashkit.runtime.compile import COMPILE_LOCK, unfreeze
-        from dflashkit.runtime.compile import freeze as freeze_compiles
+        and replayed once). Afterwards each compiled step runs inside `frozen_compiles()`: a shape that
+        was not warmed is an error, never a compile. Returns seconds per step shape. Without compile:
+        a no-op."""
+        from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen
 
         if not self.compiled:
             return {}
@@ -368,7 +373,7 @@ class StaticEngine:
         seconds: dict[str, float] = {}
         # under no_grad, as the decode loops run: grad mode is part of every graph's guards
         with COMPILE_LOCK, torch.no_grad():
-            unfreeze()
+            check_not_frozen("the static engine's warm-up")
             for name, step in steps.items():
                 t0 = time.perf_counter()
                 for _ in range(calls):
@@ -376,9 +381,14 @@ class StaticEngine:
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 seconds[name] = time.perf_counter() - t0
-            if freeze:
-                freeze_compiles()
+        self._warm = True
         return seconds
+
+    def _frozen(self) -> contextlib.AbstractContextManager[Any]:
+        """Compiles frozen around a warmed engine's compiled step."""
+        from dflashkit.runtime.compile import frozen_compiles
+
+        return frozen_compiles() if self._warm else contextlib.nullcontext()
 
     def _warm_target(self, t: int) -> None:
         ids = torch.zeros(1, t, dtype=torch.long, device=self.target.device)

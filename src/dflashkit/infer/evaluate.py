@@ -26,6 +26,7 @@ from dflashkit.infer.speculative import (
     autoregressive_generate,
     speculative_generate,
 )
+from dflashkit.model.acceptance import served_tau
 
 
 class LosslessError(DflashkitError):
@@ -209,8 +210,6 @@ class TrainingReference:
 def training_reference(drafter_dir: Path, prompts: str, data_dir: str | None) -> TrainingReference | None:
     """The training metric of a drafter folder, compared only where it compares: ``prompts`` is
     "validation" of the very dataset it was measured on. None when the folder has no metrics.json."""
-    from dflashkit.train.metrics import served_tau
-
     metrics = drafter_dir / "metrics.json"
     if not metrics.is_file():
         return None

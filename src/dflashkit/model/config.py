@@ -165,6 +165,15 @@ class DrafterConfig(BaseModel):
         return out
 
 
+
+def target_layer_ids_of(drafter: Any, num_target_layers: int) -> list[int]:
+    """The target layers a run's drafter reads (``drafter``: the run config's drafter section): its
+    target_layer_ids, else `default_target_layer_ids` of its num_target_layers."""
+    return list(
+        drafter.target_layer_ids or default_target_layer_ids(num_target_layers, drafter.num_target_layers)
+    )
+
+
 def make_config(**fields: Any) -> DrafterConfig:
     """Build a DrafterConfig, turning a validation failure into one clear ConfigError line."""
     try:

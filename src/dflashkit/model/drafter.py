@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from dflashkit.attention.backends import AttentionMask, attention, build_mask
 from dflashkit.attention.masks import BlockLayout
 from dflashkit.model.config import DrafterConfig
-from dflashkit.runtime.compile import CompiledRegion
+from dflashkit.runtime.compiled_region import CompiledRegion
 
 # One mask for every layer, or one per layer type ("full_attention", "sliding_attention").
 Masks = AttentionMask | Mapping[str, AttentionMask] | None
@@ -313,7 +313,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.rotary = Rotary(config)
         # Training: run each layer (and, in the loss, each frozen-head chunk) as one compiled region
-        # (dflashkit.runtime.compile) that fuses the norms, RoPE and SwiGLU around the matmuls. The trainer
+        # (dflashkit.runtime.compiled_region) that fuses the norms, RoPE and SwiGLU around the matmuls. The trainer
         # turns it on for flex on a GPU (train.compile).
         self.compiled_regions = False
         self.reset_parameters()

@@ -1,7 +1,8 @@
 """`dflashkit doctor --check`: live self-tests, and the known-issues table read off the installed torch.
 
-A self-test is a function returning a `CheckResult`; `register_check` adds one (later modules add the
-compiled flex_attention and thread-safety checks). The known issues are read by *inspecting* torch
+A self-test is a function returning a `CheckResult`; `register_check` adds one. Modules of higher
+layers register theirs when imported (`dflashkit.attention.checks`: the compiled flex_attention and
+thread-safety checks; the doctor command imports it), so this module depends on none of them. The known issues are read by *inspecting* torch
 (the objects that decide the behaviour), not by trusting its version string.
 """
 
@@ -28,7 +29,10 @@ _CHECKS: list[tuple[str, CheckFn]] = []
 
 
 def register_check(name: str) -> Callable[[CheckFn], CheckFn]:
+    """Add a self-test under ``name`` (registering a name again replaces it)."""
+
     def deco(fn: CheckFn) -> CheckFn:
+        _CHECKS[:] = [(n, f) for n, f in _CHECKS if n != name]
         _CHECKS.append((name, fn))
         return fn
 
@@ -37,7 +41,6 @@ def register_check(name: str) -> Callable[[CheckFn], CheckFn]:
 
 def run_checks() -> list[CheckResult]:
     """Run every registered self-test; a crashing test is a failed line, never a traceback."""
-    _load_builtin_check_modules()
     results = []
     for name, fn in _CHECKS:
         t0 = time.perf_counter()
@@ -50,22 +53,10 @@ def run_checks() -> list[CheckResult]:
     return results
 
 
-def _load_builtin_check_modules() -> None:
-    """Modules that register further checks when imported (added as the toolkit grows)."""
-    import importlib
-
-    for mod in ("dflashkit.attention.checks",):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name is None or not mod.startswith(e.name):
-                raise
-
-
 @register_check("imports")
 def _check_imports() -> CheckResult:
     import importlib
-    import importlib.metadata as md
+    from importlib import metadata
 
     versions = []
     for mod, dist in (
@@ -78,7 +69,7 @@ def _check_imports() -> CheckResult:
         ("matplotlib", "matplotlib"),
     ):
         importlib.import_module(mod)
-        versions.append(f"{mod} {md.version(dist)}")
+        versions.append(f"{mod} {metadata.version(dist)}")
     return CheckResult("imports", True, ", ".join(versions))
 
 
@@ -129,9 +120,9 @@ def known_issues() -> list[KnownIssue]:
 
     # 1. The threaded compile race: the FX-tracing flag is a process-global module variable.
     try:
-        import torch.fx._symbolic_trace as st
+        import torch.fx._symbolic_trace as symbolic_trace
 
-        flag = getattr(st, "_is_fx_tracing_flag", None)
+        flag = getattr(symbolic_trace, "_is_fx_tracing_flag", None)
         if isinstance(flag, bool):
             session = hasattr(torch.compiler, "_compile_session_context")
             out.append(

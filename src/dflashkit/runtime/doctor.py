@@ -9,7 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dflashkit.runtime import fingerprint as fpmod
+from dflashkit.runtime import fingerprint
+from dflashkit.runtime.checks import known_issues, run_checks
 
 SECTIONS = ("python", "platform", "torch", "gpu", "packages", "package_set", "inductor_cache", "env")
 
@@ -31,7 +32,7 @@ def show(fp: dict[str, Any], console: Console) -> None:
             table.add_row(section, "-", "(none set)" if section == "env" else "-")
             continue
         for i, (k, v) in enumerate(values.items()):
-            style = "bold" if fpmod.flatten({section: {k: v}}).keys() & set(fpmod.CRITICAL_KEYS) else ""
+            style = "bold" if fingerprint.flatten({section: {k: v}}).keys() & set(fingerprint.CRITICAL_KEYS) else ""
             table.add_row(section if i == 0 else "", k, f"[{style}]{_fmt(v)}[/]" if style else _fmt(v))
     console.print(table)
 
@@ -49,21 +50,21 @@ def write_json(fp: dict[str, Any], dest: str) -> None:
     if dest == "-":
         sys.stdout.write(json.dumps(fp, indent=2, sort_keys=True) + "\n")
     else:
-        path = fpmod.save(fp, dest)
+        path = fingerprint.save(fp, dest)
         Console(stderr=True).print(f"fingerprint written to {path}")
 
 
 def show_diff(a_path: str, b_path: str, console: Console) -> int:
     """Print what changed from A to B; 1 when a critical entry differs, else 0."""
-    a, b = fpmod.load(a_path), fpmod.load(b_path)
-    changes = fpmod.diff(a, b)
+    a, b = fingerprint.load(a_path), fingerprint.load(b_path)
+    changes = fingerprint.diff(a, b)
     if not changes:
         console.print(f"[green]identical environments[/] ({a_path} vs {b_path})")
         return 0
     return show_diff_changes(changes, a_path, b_path, console)
 
 
-def show_diff_changes(changes: list[fpmod.Change], a_name: str, b_name: str, console: Console) -> int:
+def show_diff_changes(changes: list[fingerprint.Change], a_name: str, b_name: str, console: Console) -> int:
     table = Table(title=f"environment diff: {a_name} -> {b_name}")
     table.add_column("", width=8)
     table.add_column("entry", style="cyan")
@@ -85,8 +86,6 @@ def show_diff_changes(changes: list[fpmod.Change], a_name: str, b_name: str, con
 
 def run_check(console: Console) -> int:
     """Self-tests and the known-issues table; 1 when a self-test fails."""
-    from dflashkit.runtime.checks import known_issues, run_checks
-
     results = run_checks()
     table = Table(title="dflashkit doctor --check")
     table.add_column("check", style="cyan")

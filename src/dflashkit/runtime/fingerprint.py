@@ -9,9 +9,8 @@ Every run folder and checkpoint holds one as `fingerprint.json` (see `FINGERPRIN
 
 from __future__ import annotations
 
-import datetime as _dt
+import datetime
 import hashlib
-import importlib.metadata as md
 import json
 import os
 import platform
@@ -19,6 +18,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ CRITICAL_KEYS = (
 def _package_versions() -> tuple[dict[str, str], str, int]:
     """Versions of the key packages, a hash of the whole installed set, and its size."""
     everything: dict[str, str] = {}
-    for dist in md.distributions():
+    for dist in metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
         if name:
             everything[name] = dist.version
@@ -177,7 +177,7 @@ def collect() -> dict[str, Any]:
     packages, digest, count = _package_versions()
     return {
         "schema": SCHEMA,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "python": {
             "version": platform.python_version(),

@@ -61,12 +61,13 @@ def embedded_dir() -> Path:
     if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
         return dest
     src = gguf_path()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        src.parent, gguf_file=src.name, dtype=torch.float32, local_files_only=True
+    )
     # A GGUF-loaded model refuses save_pretrained until its quantizer is dropped (weights are fp32 now).
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

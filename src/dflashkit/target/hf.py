@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import inspect
 import json
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError, DflashkitError
+from dflashkit.target.embedded import MASK_TOKEN_ID, NAME, embedded_dir
 
 Labels = Literal["argmax", "logits", "none"]
 
@@ -42,8 +42,6 @@ _SAMPLE = 1 << 20  # bytes hashed at the start, middle and end of each weight fi
 def resolve_target(spec: str | Path) -> tuple[Path, str]:
     """(folder, display name) of a target given as "embedded" or as a path to an HF model folder."""
     if str(spec) == EMBEDDED:
-        from dflashkit.target.embedded import NAME, embedded_dir
-
         return embedded_dir(), f"{NAME} (embedded)"
     folder = Path(spec).expanduser()
     if not (folder / "config.json").is_file():
@@ -59,7 +57,7 @@ def load_target_config(spec: str | Path) -> Any:
     from transformers import AutoConfig
 
     folder, _ = resolve_target(spec)
-    return AutoConfig.from_pretrained(folder)
+    return AutoConfig.from_pretrained(folder, local_files_only=True)
 
 
 def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
@@ -67,14 +65,12 @@ def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
     mask token, a ``<|MASK|>`` token, or the first embedding row past the tokenizer (a row the target
     never produces, as for Qwen3's 151669)."""
     if str(spec) == EMBEDDED:
-        from dflashkit.target.embedded import MASK_TOKEN_ID
-
         return MASK_TOKEN_ID
     from transformers import AutoTokenizer
 
     folder, _ = resolve_target(spec)
     try:
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the tokenizer of {folder} ({e}); pass --mask-token-id") from None
     if tok.mask_token_id is not None:
@@ -259,9 +255,8 @@ class TargetModel:
         from transformers import AutoModelForCausalLM
 
         folder, name = resolve_target(spec)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         device = torch.device(device)
-        kwargs: dict[str, Any] = {"dtype": dtype}
+        kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}  # a folder: never the hub
         if device.type != "cpu":
             kwargs["device_map"] = str(device)  # load straight onto the GPU
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)

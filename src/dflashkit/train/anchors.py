@@ -17,8 +17,6 @@ where serving drafts them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import torch
 from torch import Tensor
 
@@ -168,45 +166,3 @@ def block_labels(
     else:
         labels = torch.gather(target_argmax, 1, (pos - 1).clamp(0, T - 1))
     return torch.where(mask, labels, torch.zeros_like(labels)), mask
-
-
-def pack_sequences(
-    records: Sequence[Mapping[str, Sequence[int] | Tensor]], max_len: int, pad_token_id: int = 0
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Pack tokenized conversations into rows of `max_len` tokens (first fit, in record order).
-
-    Each record has "input_ids" and "loss_mask" (equal lengths). A record goes into the first row that still
-    has room for all of it, else a new row; a record longer than max_len is truncated to max_len.
-    Returns input_ids [rows, max_len] long, loss_mask [rows, max_len] bool, doc_ids [rows, max_len] long
-    (the record's index in `records`; -1 on padding) and position_ids [rows, max_len] long (0.. per
-    document; 0 on padding). Padding tokens are `pad_token_id` and never supervised.
-    """
-    rows: list[list[int]] = []  # record indices per row
-    free: list[int] = []
-    for i, rec in enumerate(records):
-        if len(rec["input_ids"]) != len(rec["loss_mask"]):
-            raise ValueError(f"record {i}: input_ids and loss_mask lengths differ")
-        n = min(len(rec["input_ids"]), max_len)
-        row = next((r for r, room in enumerate(free) if room >= n), None)
-        if row is None:
-            rows.append([])
-            free.append(max_len)
-            row = len(rows) - 1
-        rows[row].append(i)
-        free[row] -= n
-
-    input_ids = torch.full((len(rows), max_len), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), max_len), dtype=torch.bool)
-    doc_ids = torch.full((len(rows), max_len), -1, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), max_len), dtype=torch.long)
-    for r, members in enumerate(rows):
-        start = 0
-        for i in members:
-            ids = torch.as_tensor(records[i]["input_ids"], dtype=torch.long)[:max_len]
-            n = ids.numel()
-            input_ids[r, start : start + n] = ids
-            loss_mask[r, start : start + n] = torch.as_tensor(records[i]["loss_mask"], dtype=torch.bool)[:n]
-            doc_ids[r, start : start + n] = i
-            position_ids[r, start : start + n] = torch.arange(n)
-            start += n
-    return input_ids, loss_mask, doc_ids, position_ids

@@ -4,15 +4,16 @@
 
 How a run is split over W processes (ranks), each with micro-batch b and accumulation a:
 
-- Every rank packs the same rows and walks the same seeded epoch order. One *global micro-batch* is W*b
-  consecutive rows of that order; rank r trains on rows [r*b, (r+1)*b) of it. An optimizer step takes a
-  global micro-batches, so the global batch is W x b x a rows. The data cursor counts global rows.
+- Every rank packs the same rows and walks the same micro-batch stream (`dflashkit.data.stream`). One
+  *global micro-batch* is W*b consecutive rows of the seeded epoch order; rank r trains on rows
+  [r*b, (r+1)*b) of it. An optimizer step takes a global micro-batches, so the global batch is W x b x a
+  rows. The data cursor counts global rows.
 - A row's anchors come from a generator seeded with (seed, epoch, the row's place in the epoch order)
-  (`trainer.anchor_seed`), so they do not depend on W, on b, or on which rank reads the row.
+  (`data.stream.anchor_seed`), so they do not depend on W, on b, or on which rank reads the row.
 - Each micro-batch's loss is normalised by the weight sum of the whole global micro-batch (one scalar
   all-reduce), so the averaged gradient is the gradient one process would get from the W*b rows.
   Together: W ranks x b rows train as 1 process x W*b rows does, up to float reduction order.
-- Training metrics are sums (`train.metrics.all_reduce_stats`). Validation rows are dealt round-robin
+- Training metrics are sums (`all_reduce_stats`). Validation rows are dealt round-robin
   and every rank runs the same number of forwards (FSDP's all-gathers need lockstep); sums are reduced.
 - Rank 0 logs and writes the checkpoints and best/. Under FSDP every rank first takes part in
   gathering the full weights and optimizer state. A checkpoint holds the full (unsharded) state in the
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 
 from dflashkit.config import RunConfig
 from dflashkit.errors import ConfigError, DeviceError
-from dflashkit.train.metrics import all_reduce_stats
+from dflashkit.runtime.devices import resolve_device
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -80,8 +81,6 @@ def init_distributed(cfg: RunConfig) -> Dist:
     """The process group of a torchrun launch (nccl on CUDA, each rank on cuda:LOCAL_RANK; gloo on the
     CPU), or a one-process Dist when torchrun did not start this process. An existing process group is
     joined as it is (and left alone by `shutdown`)."""
-    from dflashkit.train.trainer import resolve_device
-
     device = resolve_device(cfg)
     if not (launched_by_torchrun() or dist.is_initialized()):
         return single_process(device)
@@ -130,14 +129,7 @@ def barrier(d: Dist) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Which rows each rank reads
-
-
-def rank_positions(start: int, batch_size: int, d: Dist) -> range:
-    """Positions in the epoch order of this rank's rows, in the global micro-batch that starts at `start`
-    (that global micro-batch is world_size x batch_size rows)."""
-    first = start + d.rank * batch_size
-    return range(first, first + batch_size)
+# Which held-out rows each rank measures (training rows: `dflashkit.data.stream`)
 
 
 def lockstep_rows(n: int, d: Dist) -> list[tuple[int, bool]]:
@@ -224,6 +216,14 @@ def sum_over_ranks(values: Sequence[float], d: Dist) -> list[float]:
     t = torch.tensor(list(values), dtype=torch.float64, device=d.device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_reduce_stats(stats: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Sum stats over all ranks in place (a no-op without an initialised process group). Returns `stats`."""
+    if dist.is_available() and dist.is_initialized():
+        for v in stats.values():
+            dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    return stats
 
 
 def reduce_stats(stats: dict[str, Tensor], d: Dist) -> dict[str, Tensor]:

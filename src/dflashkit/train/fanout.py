@@ -1,29 +1,34 @@
 """Fan-out training: target workers and several drafter variants trained at the same time, as threads of
 one process.
 
-The story's topology (DESIGN.md, "Placement"): the target's forward is the expensive part, so a sweep of
-K drafters (block sizes, layer counts, learning rates) should cost about one target pass per batch, not K;
-and when one target device cannot keep up, W target workers on W devices share the passes.
-Read top to bottom:
+The 8-GPU fan-out topology (the target on some GPUs, drafter variants on the others): the target's forward
+is the expensive part, so a sweep of K drafters (block sizes, layer counts, learning rates) should cost
+about one target pass per batch, not K; and when one target device cannot keep up, W target workers on W
+devices share the passes. Read top to bottom:
 
 - `placement` and `variant_configs`: each variant is the base config plus its dotted overrides (the
   config's ``fanout`` section); its run folder is run.out_dir/<name>, its device one of `placement`'s.
   The target workers' devices are ``fanout.target_device`` (one) or ``fanout.target_devices`` (several).
-- `setup_fanout`: the target is loaded once per target device (`load_replicas`); each variant gets an
-  ordinary trainer Run (`setup_run`) that shares the copy on its device, or else sees the first copy
-  through a `TargetView` (its own copies of the frozen embedding and lm_head there).
+- `check_run_folders`: the run folder rules of `dflashkit train` for every variant, before the target
+  loads; with ``resume``, each variant's checkpoint to continue from.
+- `setup_fanout`: the target is loaded once per target device (`load_replicas`) and the rows are packed
+  once; each variant gets an ordinary training run (`setup.setup_run`) that shares the copy on its device,
+  or else sees the first copy through a `TargetView` (its own copies of the frozen embedding and lm_head
+  there), and all of them share one micro-batch stream (`data.stream`).
 - `share_validation_features`: one target pass per held-out row, handed to every drafter.
 - `warm_up`: before any thread starts, every flex attention shape of every drafter on every device,
-  forward and backward, is compiled serially under runtime.compile.COMPILE_LOCK (`warm_up_attention`);
-  then runtime.compile.freeze(): any later compile is an error naming shape and device.
-- `feed_drafters` (the target workers, one thread each): together they walk the micro-batch stream that
-  `trainer.train` walks; worker i runs the target once for every W-th micro-batch (k = i mod W, counting
+  forward and backward, is compiled serially under runtime.compile.COMPILE_LOCK (`trainer.warm_up`);
+  then the drafters train inside `frozen_compiles()`: any later compile is an error naming shape and
+  device.
+- `feed_drafters` (the target workers, one thread each): together they walk the stream the drafters'
+  training loops walk; worker i runs the target once for every W-th micro-batch (k = i mod W, counting
   from the first one needed), waits for its turn (`Turns`), and puts the features into the bounded queue
   of every drafter that still needs them (`Feed`): each drafter gets them in stream order, whatever W.
-- the drafter threads run `trainer.train` itself, with their features taken from the feed. A drafter
-  that raises stops alone: its error is recorded (the traceback in <name>/error.txt), its checkpoints
-  stay as they were, the target stops feeding it and the others go on. A target worker that raises stops
-  the fan-out: every drafter stops with its checkpoints kept, and the first worker's error is raised.
+- the drafter threads run the trainer's own `start` and `loop`, their features from the feed
+  (`sources.FedFeatures`). A drafter that raises stops alone: its error is recorded (the traceback in
+  <name>/error.txt), its checkpoints stay as they were, the target stops feeding it and the others go
+  on. A target worker that raises stops the fan-out: every drafter stops with its checkpoints kept, and
+  the first worker's error is raised.
 - `train_fanout` ends with a table comparing the variants, also written to run.out_dir/fanout.json.
 
 A fan-out runs at the pace of its slowest drafter: the target puts each batch into every queue, and a
@@ -49,17 +54,38 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 from torch import Tensor
+from torch._dynamo.utils import counters
 
+from dflashkit.attention import flex
 from dflashkit.config import FanoutSection, RunConfig, apply_overrides, dump_config
-from dflashkit.errors import ConfigError, DeviceError, DflashkitError
-from dflashkit.runtime import compile as rc
-from dflashkit.runtime import fingerprint as fpmod
+from dflashkit.data.rows import Rows, pack_dataset
+from dflashkit.data.stream import MicroBatchStream
+from dflashkit.errors import ConfigError, DflashkitError
+from dflashkit.model.acceptance import served_tau
+from dflashkit.runtime import fingerprint
+from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
+from dflashkit.runtime.compile_cache import portable_cache
+from dflashkit.runtime.devices import on_device, parse_device, resolve_device, target_dtype
 from dflashkit.target.hf import TargetModel
-from dflashkit.train import state as st
-from dflashkit.train import trainer
-from dflashkit.train.metrics import served_tau
-from dflashkit.train.trainer import Rows, Run, TrainResult
+from dflashkit.train import distributed, trainer
+from dflashkit.train.checkpoints import BEST, BEST_METRICS, ResumePoint, check_env_drift, find_resume_point
+from dflashkit.train.plan import dry_run
+from dflashkit.train.rundir import RUN_FILES, claim_run_folder
+from dflashkit.train.setup import Run, setup_run
+from dflashkit.train.sources import (
+    CachedFeatures,
+    CapturedFeatures,
+    FedFeatures,
+    KeptFeatures,
+    OnlineFeatures,
+    feature_source,
+    feature_source_for,
+)
+from dflashkit.train.trainer import TrainResult
 
 SUMMARY_FILE = "fanout.json"
 ERROR_FILE = "error.txt"
@@ -81,10 +107,6 @@ class FanoutStopped(DflashkitError):
     """The fan-out stopped (a target worker failed, or it was interrupted) before this drafter finished."""
 
 
-class FeedError(DflashkitError):
-    """A drafter was fed another micro-batch than the one its training loop expected."""
-
-
 # --------------------------------------------------------------------------------------------------
 # Placement and variants
 
@@ -98,34 +120,17 @@ def _section(cfg: RunConfig) -> FanoutSection:
     return cfg.fanout
 
 
-def _device(text: str, where: str) -> torch.device:
-    try:
-        dev = torch.device(text)
-    except RuntimeError:
-        raise ConfigError(f"{where}: {text!r} is not a device (cpu, cuda, cuda:1, ...)") from None
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise DeviceError(f"{where} is {text} but this machine has no CUDA GPU; use cpu or auto")
-        dev = torch.device("cuda", dev.index or 0)
-        if dev.index >= count:
-            raise DeviceError(
-                f"{where} is {text} but this machine has {count} GPU(s) (cuda:0..cuda:{count - 1})"
-            )
-    return dev
-
-
 def target_devices(cfg: RunConfig) -> list[torch.device]:
     """One device per target worker: ``fanout.target_devices``, or the one of ``fanout.target_device``
     (auto: run.device when that is set, else cuda:0, or the CPU). The config has checked that no GPU
     repeats (the CPU may: workers there share one copy of the target)."""
     fc = _section(cfg)
     if fc.target_devices is not None:
-        return [_device(d, f"fanout.target_devices[{i}]") for i, d in enumerate(fc.target_devices)]
+        return [parse_device(d, f"fanout.target_devices[{i}]") for i, d in enumerate(fc.target_devices)]
     want = fc.target_device if fc.target_device != "auto" else cfg.run.device
     if want == "auto":
         want = "cuda:0" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu"
-    return [_device(want, "fanout.target_device")]
+    return [parse_device(want, "fanout.target_device")]
 
 
 def placement(cfg: RunConfig) -> tuple[list[torch.device], list[torch.device]]:
@@ -146,7 +151,7 @@ def placement(cfg: RunConfig) -> tuple[list[torch.device], list[torch.device]]:
             devices.append(pool[auto % len(pool)])
             auto += 1
         else:
-            devices.append(_device(v.device, f"fanout variant {v.name} device"))
+            devices.append(parse_device(v.device, f"fanout variant {v.name} device"))
     return targets, devices
 
 
@@ -223,36 +228,12 @@ def feature_columns(union: list[int], layer_ids: list[int], hidden: int) -> Tens
 # The micro-batch stream and the feeds
 
 
-def stream_rows(n: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
-    """Row indices of micro-batch n of the stream `trainer.train` walks: full batches of each epoch's
-    seeded order, epoch after epoch."""
-    epoch, j = divmod(n, num_rows // batch_size)
-    return trainer.epoch_order(num_rows, seed, epoch)[j * batch_size : (j + 1) * batch_size]
-
-
-def stream_position(cursor: dict[str, int], num_rows: int, batch_size: int) -> int:
-    """The micro-batch a saved data cursor ({"epoch", "index"}) continues with."""
-    return cursor["epoch"] * (num_rows // batch_size) + cursor["index"] // batch_size
-
-
-def resume_point(run: Run) -> tuple[int, int]:
-    """(step, micro-batch) where `trainer.train(resume=True)` continues this run: (0, 0) without a checkpoint."""
-    latest = st.pick_resume_checkpoint(run.out_dir / trainer.CHECKPOINTS, lambda _: None, set_aside=False)
-    if latest is None:
-        return 0, 0
-    saved = json.loads((latest / st.STATE_JSON).read_text())
-    return int(saved["step"]), stream_position(
-        saved["data_cursor"], len(run.train_rows), run.cfg.train.batch_size
-    )
-
-
 @dataclass
 class Batch:
-    """Micro-batch n of the stream: its rows, and the target's features (of the union of the drafters'
-    layers) and argmax labels for them, on the device of the target worker that computed them."""
+    """Micro-batch n of the stream: the target's features (of the union of the drafters' layers) and argmax
+    labels for its rows, on the device of the target worker that computed them."""
 
     n: int
-    idx: list[int]
     features: Tensor
     argmax: Tensor
 
@@ -261,8 +242,8 @@ class Feed:
     """The bounded queue from the target workers to one drafter: micro-batches [start, end) of the stream,
     in stream order.
 
-    The target workers call `wants` and `put` (one at a time, in turn); the drafter's training loop calls
-    the feed itself, as its source of features (`trainer.train(features=feed)`), and `close` when it ends."""
+    The target workers call `wants` and `put` (one at a time, in turn); the drafter's training loop takes
+    them through its `sources.FedFeatures` (`next`, `select`), and `close` when it ends."""
 
     def __init__(
         self, name: str, start: int, end: int, depth: int, columns: Tensor | None, stop: threading.Event
@@ -310,20 +291,6 @@ class Feed:
             columns = self._columns_on[features.device] = self.columns.to(features.device)
         return features.index_select(-1, columns)
 
-    def features(self, batch: Batch, device: torch.device) -> tuple[Tensor, Tensor]:
-        """This drafter's features and labels of a batch, on its device."""
-        return self.select(batch.features).to(device), batch.argmax.to(device)
-
-    def __call__(self, run: Run, split: str, idx: list[int], rows: Rows) -> tuple[Tensor, Tensor]:
-        batch = self.next()
-        if split != "train" or batch.idx != list(idx):
-            raise FeedError(
-                f"drafter {self.name} expected rows {list(idx)[:4]} of its {split} stream but the target fed "
-                f"micro-batch {batch.n} (rows {batch.idx[:4]}); resume the fan-out as a whole "
-                "(dflashkit fanout --resume), each variant from its own run folder"
-            )
-        return self.features(batch, run.device)
-
     def close(self) -> None:
         """Take no more: the target skips this drafter from now on (queued batches are dropped)."""
         self.closed.set()
@@ -338,11 +305,13 @@ class Feed:
 
 @dataclass
 class DrafterWorker:
-    """One variant: its run, its feed, and how its thread went."""
+    """One variant: its run, its feed and the features it trains on, and how its thread went."""
 
     name: str
     run: Run
     feed: Feed
+    source: FedFeatures  # training micro-batches from the feed, held-out rows computed once for all
+    resume_from: ResumePoint | None  # the checkpoint it continues from
     start_step: int
     status: str = "waiting"  # waiting -> training -> done | failed | stopped
     error: str | None = None
@@ -361,31 +330,28 @@ class DrafterWorker:
 
 @dataclass
 class TargetWorker:
-    """One target worker: its side of the stream (the target copy on its device, the rows, the union of
-    the drafters' layer ids), and what it has computed: training micro-batches and their seconds. With
-    ``train.cache_features`` each worker keeps the rows it computed in its own cache, on its device."""
+    """One target worker: the target copy on its device and the features it computes there (of the union
+    of the drafters' layer ids: online, cached per row with ``train.cache_features``, or read from a
+    capture), and what it has computed: training micro-batches and their seconds."""
 
     index: int
-    run: Run
+    device: torch.device
+    source: OnlineFeatures | CapturedFeatures
     batches: int = 0
     seconds: float = 0.0  # busy: the target passes themselves, not the waits for a turn or a queue
     error: BaseException | None = None  # what stopped it, when it raised
-
-    @property
-    def device(self) -> torch.device:
-        return self.run.device
 
 
 @dataclass
 class Fanout:
     cfg: RunConfig  # the base config, with its fanout section
+    stream: MicroBatchStream  # the one stream the target workers compute and the drafters train on
+    train_rows: Rows
+    val_rows: Rows
+    layer_ids: list[int]  # the union of the drafters' target layers, what the target workers compute
     targets: list[TargetWorker]  # worker 0 also computes the validation features
     workers: list[DrafterWorker]
     stop: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def target_run(self) -> Run:
-        return self.targets[0].run
 
     @property
     def target_batches(self) -> int:
@@ -403,17 +369,16 @@ def load_replicas(cfg: RunConfig, devices: list[torch.device]) -> dict[torch.dev
     replicas: dict[torch.device, TargetModel] = {}
     for d in devices:
         if d not in replicas:
-            replicas[d] = TargetModel.load(cfg.target.path, dtype=trainer.target_dtype(cfg, d), device=d)
+            replicas[d] = TargetModel.load(cfg.target.path, dtype=target_dtype(cfg, d), device=d)
     return replicas
 
 
-def setup_fanout(cfg: RunConfig, *, resume: bool = False) -> Fanout:
-    """Load the target once per target device and set up every variant's run around it (on the variant's
-    device: the copy there, or a view of the first copy)."""
-    from dflashkit.train import distributed as dd
-
+def setup_fanout(cfg: RunConfig, resume_from: dict[str, ResumePoint | None] | None = None) -> Fanout:
+    """Load the target once per target device, pack the rows once, and set up every variant's run around
+    them (on the variant's device: the copy there, or a view of the first copy), all on one stream.
+    ``resume_from``: each variant's checkpoint to continue from (`check_run_folders`)."""
     fc = _section(cfg)
-    if dd.launched_by_torchrun():
+    if distributed.launched_by_torchrun():
         raise ConfigError(
             "a fan-out runs in one process (its drafters are threads); start it without torchrun"
         )
@@ -421,94 +386,84 @@ def setup_fanout(cfg: RunConfig, *, resume: bool = False) -> Fanout:
     variants = variant_configs(cfg)
     replicas = load_replicas(cfg, devices)
     first = replicas[devices[0]]
+    rows = pack_dataset(cfg, first.config)  # the shared data keys give every variant the same rows
     seen: dict[torch.device, Any] = dict(replicas)
     runs: list[Run] = []
     for _, vcfg in variants:
-        device = trainer.resolve_device(vcfg)
+        device = resolve_device(vcfg)
         if device not in seen:
             seen[device] = TargetView(first, device)
-        run = trainer.setup_run(vcfg, target=seen[device])
-        if runs:  # the shared data keys give every variant the same rows: keep one copy
-            run.train_rows, run.val_rows = runs[0].train_rows, runs[0].val_rows
-        runs.append(run)
+        runs.append(setup_run(vcfg, target=seen[device], rows=rows))
+    # One stream, of the keys every variant shares (rows, train.batch_size, train.seed): what the target
+    # workers compute is what each drafter's loop trains on.
+    stream = MicroBatchStream(len(rows[0]), cfg.train.batch_size, cfg.train.seed)
+    for run in runs:
+        run.stream = stream
     union = sorted(set().union(*(r.drafter.config.target_layer_ids for r in runs)))
+    store = runs[0].store
     targets = [
-        TargetWorker(
-            i,
-            dataclasses.replace(
-                runs[0],
-                out_dir=Path(cfg.run.out_dir),
-                device=d,
-                target=replicas[d],
-                cached={},
-                feature_layer_ids=union,
-            ),
-        )
-        for i, d in enumerate(devices)
+        TargetWorker(i, d, feature_source_for(cfg, replicas[d], union, store)) for i, d in enumerate(devices)
     ]
     stop = threading.Event()
     workers = []
     for (name, _), run in zip(variants, runs, strict=True):
-        step, start = resume_point(run) if resume else (0, 0)
+        point = (resume_from or {}).get(name)
+        step = point.saved.progress["step"] if point is not None else 0
+        start = stream.position(point.saved.progress["data_cursor"] if point is not None else None)
         end = start + max(run.total_steps - step, 0) * run.cfg.train.grad_accum
         columns = feature_columns(union, run.drafter.config.target_layer_ids, first.hidden_size)
-        workers.append(DrafterWorker(name, run, Feed(name, start, end, fc.queue_depth, columns, stop), step))
-    return Fanout(cfg, targets, workers, stop)
+        feed = Feed(name, start, end, fc.queue_depth, columns, stop)
+        held_out = feature_source(run) if store is not None else KeptFeatures()
+        workers.append(DrafterWorker(name, run, feed, FedFeatures(feed, held_out), point, step))
+    return Fanout(cfg, stream, *rows, union, targets, workers, stop)
 
 
 def share_validation_features(fanout: Fanout) -> None:
-    """One target pass per held-out row; every drafter gets its layers of it, on its device, so that
-    evaluation never runs the target again (``trainer.features_for`` uses rows already cached)."""
-    tr = fanout.target_run
-    if tr.features is not None:  # offline features: each drafter reads the capture itself
+    """One target pass per held-out row (on target worker 0); every drafter gets its layers of it, on its
+    device, so that evaluation never runs the target again. A capture's drafters read it themselves."""
+    tw = fanout.targets[0]
+    if isinstance(tw.source, CapturedFeatures):
         return
-    for i in range(len(tr.val_rows)):
-        rows = tr.val_rows.take([i], tr.device)
-        feats, argmax = trainer.features_for(tr, "validation", [i], rows)
+    for i in range(len(fanout.val_rows)):
+        rows = fanout.val_rows.take([i], tw.device)
+        feats, argmax = tw.source.features("validation", [i], rows)
         for w in fanout.workers:
-            w.run.cached[("validation", i)] = (
-                w.feed.select(feats[0]).to(w.run.device),
-                argmax[0].to(w.run.device),
+            assert isinstance(w.source.held_out, KeptFeatures)
+            w.source.held_out.keep(
+                "validation", i, w.feed.select(feats[0]).to(w.run.device), argmax[0].to(w.run.device)
             )
-    tr.cached.clear()
-
-
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if isinstance(tw.source, CachedFeatures):
+        tw.source.kept.clear()  # held-out rows: computed once, handed over
 
 
 def compiled_graph_count() -> int:
     """Dynamo graphs compiled in this process so far (a compile after warm-up shows here)."""
-    from torch._dynamo.utils import counters
-
     return int(counters["stats"]["unique_graphs"])
 
 
 def warm_up(fanout: Fanout, console: Any = None) -> float:
     """Compile every shape of every drafter on its device (flex attention, and the compiled layer and
     loss-chunk regions where train.compile is on; a training micro-batch forward and backward, an
-    evaluation row), serially under COMPILE_LOCK, then freeze. Returns the seconds.
+    evaluation row), serially under COMPILE_LOCK, before compiles are frozen. Returns the seconds.
     Must run before any drafter thread starts. A drafter whose warm-up raises (e.g. out of memory on
     its device) is marked failed and will not start; the others are warmed."""
-    flex = [w for w in fanout.workers if w.run.backend == "flex"]
-    if not flex:
+    warmed = [w for w in fanout.workers if w.run.backend == "flex"]
+    if not warmed:
         return 0.0
     t0 = time.perf_counter()
-    with rc.COMPILE_LOCK:
-        rc.unfreeze()  # nothing runs concurrently yet; a previous fan-out may have frozen other shapes
+    with COMPILE_LOCK:
+        check_not_frozen("the fan-out's warm-up")
         # Flex attention outside a region: each drafter adds at most a training and an evaluation graph per
         # layer type (full, sliding). (Inside a region it is part of the region's graph and limit.)
-        limit = rc.compiled_graphs() + 4 * len(flex) + 2
-        if limit > rc.runtime_state()["recompile_limit"]:
-            rc.set_recompile_limit(limit)
-        for w in flex:
+        limit = flex.compiled_graphs() + 4 * len(warmed) + 2
+        if limit > flex.recompile_limit():
+            flex.set_recompile_limit(limit)
+        for w in warmed:
             try:
-                with _on_device(w.run.device):
-                    autocast = trainer.autocast_context(w.run.cfg, w.run.device)
-                    trainer.warm_up_attention(w.run, autocast, freeze=False)
+                with on_device(w.run.device):  # the drafter's own features here: the feed is not running
+                    trainer.warm_up(w.run, feature_source(w.run))
             except Exception as e:
                 _record_failure(w, e, "during warm-up", console)
-        rc.freeze()
     return time.perf_counter() - t0
 
 
@@ -545,29 +500,27 @@ def _finished(fanout: Fanout) -> bool:
     return fanout.stop.is_set() or all(w.feed.closed.is_set() for w in fanout.workers)
 
 
-def compute_batch(tw: TargetWorker, n: int) -> Batch:
+def compute_batch(fanout: Fanout, tw: TargetWorker, n: int) -> Batch:
     """Micro-batch n of the stream on worker tw: one target pass (counted in tw.batches, tw.seconds)."""
-    tr = tw.run
     t0 = time.perf_counter()
-    idx = stream_rows(n, len(tr.train_rows), tr.cfg.train.batch_size, tr.cfg.train.seed)
-    rows = tr.train_rows.take(idx, tr.device)
-    feats, argmax = trainer.features_for(tr, "train", idx, rows)
-    if tr.device.type == "cuda":
-        torch.cuda.synchronize(tr.device)  # the features are whole before a drafter copies them
+    mb = fanout.stream.at(n)
+    feats, argmax = tw.source.batch(mb, fanout.train_rows.take(mb.rows, tw.device))
+    if tw.device.type == "cuda":
+        torch.cuda.synchronize(tw.device)  # the features are whole before a drafter copies them
     tw.seconds += time.perf_counter() - t0
     tw.batches += 1
-    return Batch(n, idx, feats, argmax)
+    return Batch(n, feats, argmax)
 
 
 def run_target_worker(fanout: Fanout, tw: TargetWorker, share: range, turns: Turns) -> None:
     """A target worker: each micro-batch of its share that some drafter still needs, computed, then in
     its turn put into every feed that still wants it."""
     feeds = [w.feed for w in fanout.workers]
-    with _on_device(tw.device):
+    with on_device(tw.device):
         for n in share:
             if _finished(fanout):
                 break
-            batch = compute_batch(tw, n) if any(f.wants(n) for f in feeds) else None
+            batch = compute_batch(fanout, tw, n) if any(f.wants(n) for f in feeds) else None
             if not turns.wait(n):
                 break
             if batch is not None:
@@ -585,14 +538,14 @@ def feed_drafters(fanout: Fanout, on_batch: Callable[[], None] | None = None) ->
     busy seconds together, as {"batches", "seconds"} (each worker's are in fanout.targets)."""
     feeds = [w.feed for w in fanout.workers]
     first = min((f.start for f in feeds if f.start < f.end), default=0)
-    stream = range(first, max((f.end for f in feeds), default=0))
+    needed = range(first, max((f.end for f in feeds), default=0))  # numbers of the stream's micro-batches
     turns = Turns(first, lambda: _finished(fanout))
     failed: list[TargetWorker] = []
     lock = threading.Lock()
 
     def work(tw: TargetWorker) -> None:
         try:
-            run_target_worker(fanout, tw, stream[tw.index :: len(fanout.targets)], turns)
+            run_target_worker(fanout, tw, needed[tw.index :: len(fanout.targets)], turns)
         except BaseException as e:  # handed to the calling thread, which raises it
             with lock:
                 tw.error = e
@@ -622,8 +575,6 @@ def feed_drafters(fanout: Fanout, on_batch: Callable[[], None] | None = None) ->
 
 
 def _silent_console() -> Any:
-    from rich.console import Console
-
     return Console(file=io.StringIO(), quiet=True)  # no live display per thread: the fan-out shows one
 
 
@@ -632,21 +583,17 @@ def _first_line(e: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
-def train_drafter(w: DrafterWorker, *, resume: bool, stop_after: int | None, console: Any) -> None:
-    """A drafter thread: `trainer.train` on the worker's run, features from its feed. Never raises: the
-    outcome goes into the worker (status, error, result), the traceback of a failure into error.txt."""
+def train_drafter(w: DrafterWorker, *, stop_after: int | None, console: Any) -> None:
+    """A drafter thread: the trainer's `start` and `loop` on the worker's run, features from its feed.
+    Never raises: the outcome goes into the worker (status, error, result), the traceback of a failure
+    into error.txt."""
     t0 = time.perf_counter()
     w.status = "training"
     try:
-        with _on_device(w.run.device):
-            w.result = trainer.train(
-                w.run.cfg,
-                resume=resume,
-                console=_silent_console(),
-                stop_after=stop_after,
-                run=w.run,
-                features=w.feed,
-            )
+        with on_device(w.run.device):
+            quiet = _silent_console()
+            session = trainer.start(w.run, w.resume_from, quiet)
+            w.result = trainer.loop(w.run, session, w.source, console=quiet, stop_after=stop_after)
         w.status = "done"
     except FanoutStopped as e:
         w.status, w.error = "stopped", str(e)
@@ -684,8 +631,8 @@ class DrafterSummary:
     total_steps: int
     micro_batches: int  # taken from the feed in this session
     final_loss: float | None
-    val_acceptance_length: float | None  # the last evaluation's served-order acceptance length
-    best_acceptance_length: float | None
+    val_served_acceptance_length: float | None  # the last evaluation's served-order acceptance length
+    best_served_acceptance_length: float | None  # the best of them (what best/ holds)
     steps_per_s: float
     seconds: float
     error: str | None
@@ -735,10 +682,10 @@ def summarize_drafter(w: DrafterWorker) -> DrafterSummary:
     )
     losses = [r["loss"] for r in log if r.get("loss") is not None]
     vals = [r["val"] for r in log if "val" in r]
-    best_file = w.run.out_dir / trainer.BEST / "metrics.json"
+    best_file = w.run.out_dir / BEST / BEST_METRICS
     best = served_tau(json.loads(best_file.read_text())) if best_file.is_file() else None
     if w.result is not None:
-        best = w.result.best_acceptance_length
+        best = w.result.best_served_acceptance_length
     steps = w.steps
     return DrafterSummary(
         name=w.name,
@@ -749,8 +696,8 @@ def summarize_drafter(w: DrafterWorker) -> DrafterSummary:
         total_steps=w.run.total_steps,
         micro_batches=w.feed.taken,
         final_loss=_finite(w.result.losses[-1] if w.result and w.result.losses else (losses or [None])[-1]),
-        val_acceptance_length=_finite(served_tau(vals[-1])) if vals else None,
-        best_acceptance_length=_finite(best),
+        val_served_acceptance_length=_finite(served_tau(vals[-1])) if vals else None,
+        best_served_acceptance_length=_finite(best),
         steps_per_s=round((steps - w.start_step) / w.seconds, 3) if w.seconds > 0 else 0.0,
         seconds=round(w.seconds, 2),
         error=w.error,
@@ -769,82 +716,97 @@ def train_fanout(
     """Train every variant of the config's fanout section at once from one target (see the module
     docstring). ``stop_after`` ends each drafter after that many steps, leaving checkpoints for ``resume``."""
     t_start = time.perf_counter()
-    check_run_folders(cfg, resume=resume, move_aside=move_aside, console=console)
-    fanout = setup_fanout(cfg, resume=resume)
-    return train_all(fanout, resume=resume, console=console, stop_after=stop_after, t_start=t_start)
+    resume_from = check_run_folders(cfg, resume=resume, move_aside=move_aside, console=console)
+    fanout = setup_fanout(cfg, resume_from)
+    return train_all(fanout, console=console, stop_after=stop_after, t_start=t_start)
 
 
-def check_run_folders(cfg: RunConfig, *, resume: bool, move_aside: bool, console: Any) -> None:
+def check_run_folders(
+    cfg: RunConfig, *, resume: bool, move_aside: bool, console: Any
+) -> dict[str, ResumePoint | None]:
     """The run folder rules of `dflashkit train` for a whole fan-out, before the target loads: without
     ``resume`` an earlier fan-out in run.out_dir is refused (or moved aside, every variant's folder with it);
-    with it, each variant's newest intact checkpoint must have been trained with the variant's settings."""
-    from dflashkit.train.rundir import RUN_FILES, check_resume_config, claim_run_folder
-
-    say = console.print if console is not None else (lambda _: None)
+    with it, each variant continues from its newest intact checkpoint, which must have been trained with
+    the variant's settings in this environment. Returns each variant's checkpoint to continue from."""
+    console = console if console is not None else Console(quiet=True)
     variants = variant_configs(cfg)
     if not resume:
         names = [*RUN_FILES, *(name for name, _ in variants)]
         claim_run_folder(
-            Path(cfg.run.out_dir), move_aside=move_aside, report=say, names=names, what="a fan-out run"
+            Path(cfg.run.out_dir),
+            move_aside=move_aside,
+            report=console.print,
+            names=names,
+            what="a fan-out run",
         )
-        return
+        return {name: None for name, _ in variants}
+    here = distributed.single_process(torch.device("cpu"))  # one process: it may set damaged ones aside
+    points = {}
     for name, vcfg in variants:
-        root = Path(vcfg.run.out_dir) / trainer.CHECKPOINTS
-        ckpt = st.pick_resume_checkpoint(root, lambda m, n=name: say(f"[yellow]{n}: {m}[/]"))
-        if ckpt is not None:
-            check_resume_config(ckpt, vcfg)
+        points[name] = point = find_resume_point(vcfg, here, _Named(name, console))
+        if point is not None:
+            check_env_drift(point.checkpoint, vcfg.run.allow_env_drift, console)
+    return points
+
+
+class _Named:
+    """A console whose lines name the variant they are about."""
+
+    def __init__(self, name: str, console: Any):
+        self.name, self.console = name, console
+
+    def print(self, text: str) -> None:
+        self.console.print(f"{self.name}: {text}")
 
 
 def train_all(
     fanout: Fanout,
     *,
-    resume: bool = False,
     console: Any = None,
     stop_after: int | None = None,
     t_start: float | None = None,
 ) -> FanoutResult:
     """Share the validation features, warm up, then train every drafter of a set-up fan-out in its
     thread while the target workers feed them; write and show the summary."""
-    from rich.console import Console
-
     console = console or Console()
     t_start = time.perf_counter() if t_start is None else t_start
     cfg = fanout.cfg
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
-    fpmod.save(fpmod.collect(), out / fpmod.FINGERPRINT_FILE)
+    fingerprint.save(fingerprint.collect(), out / fingerprint.FINGERPRINT_FILE)
     show_plan(fanout, console)
     share_validation_features(fanout)
-    with rc.portable_cache(cfg.run.compile_cache, console):
+    with portable_cache(cfg.run.compile_cache, console):
         warm_s = warm_up(fanout, console)
     graphs = compiled_graph_count()
     t_train = time.perf_counter()
-    for w in fanout.workers:
-        if w.status == "failed":  # its warm-up failed
-            continue
-        w.thread = threading.Thread(
-            target=train_drafter,
-            args=(w,),
-            kwargs={"resume": resume, "stop_after": stop_after, "console": console},
-            name=f"drafter-{w.name}",
-            daemon=True,
-        )
-        w.thread.start()
     failure: BaseException | None = None
-    with _Progress(fanout, console) as progress:
-        try:
-            feed_drafters(fanout, on_batch=progress.update)
-            for w in fanout.workers:
-                while w.thread is not None and w.thread.is_alive():
-                    w.thread.join(0.5)
-                    progress.update()
-        except BaseException as e:  # a target worker failed, or Ctrl-C: every drafter stops
-            failure = e
-            fanout.stop.set()
-            for w in fanout.workers:
-                if w.thread is not None:
-                    w.thread.join()
+    with frozen_compiles():  # from here until every thread has ended, nothing compiles
+        for w in fanout.workers:
+            if w.status == "failed":  # its warm-up failed
+                continue
+            w.thread = threading.Thread(
+                target=train_drafter,
+                args=(w,),
+                kwargs={"stop_after": stop_after, "console": console},
+                name=f"drafter-{w.name}",
+                daemon=True,
+            )
+            w.thread.start()
+        with _Progress(fanout, console) as progress:
+            try:
+                feed_drafters(fanout, on_batch=progress.update)
+                for w in fanout.workers:
+                    while w.thread is not None and w.thread.is_alive():
+                        w.thread.join(0.5)
+                        progress.update()
+            except BaseException as e:  # a target worker failed, or Ctrl-C: every drafter stops
+                failure = e
+                fanout.stop.set()
+                for w in fanout.workers:
+                    if w.thread is not None:
+                        w.thread.join()
     training_s = time.perf_counter() - t_train
     result = FanoutResult(
         out_dir=out,
@@ -891,19 +853,17 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 
 def show_plan(fanout: Fanout, console: Any) -> None:
-    tr = fanout.target_run
+    name = fanout.workers[0].run.target.name
     names = ", ".join(f"{w.name} on {w.run.device}" for w in fanout.workers)
     where = ", ".join(str(t.device) for t in fanout.targets)
     workers = f"{len(fanout.targets)} workers on " if len(fanout.targets) > 1 else ""
     console.print(
-        f"fan-out: target {tr.target.name} on {workers}{where} (layers {tr.feature_layer_ids}); "
+        f"fan-out: target {name} on {workers}{where} (layers {fanout.layer_ids}); "
         f"{len(fanout.workers)} drafters: {names}"
     )
 
 
 def show_summary(result: FanoutResult, console: Any) -> None:
-    from rich.table import Table
-
     table = Table(title=f"fan-out: {len(result.drafters)} drafters from one target ({result.out_dir})")
     for col in SUMMARY_COLUMNS:
         table.add_column(col, overflow="fold")
@@ -915,8 +875,8 @@ def show_summary(result: FanoutResult, console: Any) -> None:
             f"[{color}]{d.status}[/]",
             f"{d.steps}/{d.total_steps}",
             _fmt(d.final_loss),
-            _fmt(d.val_acceptance_length),
-            _fmt(d.best_acceptance_length),
+            _fmt(d.val_served_acceptance_length),
+            _fmt(d.best_served_acceptance_length),
             _fmt(d.steps_per_s, ".2f"),
             d.error or "",
         )
@@ -942,8 +902,6 @@ class _Progress:
     """One live line per drafter (steps done of its total), updated by the target worker's thread."""
 
     def __init__(self, fanout: Fanout, console: Any):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         self.fanout = fanout
         self.console = console
         self.progress = Progress(
@@ -988,9 +946,6 @@ def dry_run_fanout(
 ) -> dict[str, Any]:
     """Check every variant (config, data, target, drafter, attention memory, its run folder) without loading
     weights; show the placement. The run folders are checked as training would, and nothing is moved."""
-    from dflashkit.train.plan import dry_run
-    from dflashkit.train.rundir import RUN_FILES, claim_run_folder
-
     targets, devices = placement(cfg)
     variants = variant_configs(cfg)
     if not resume and not move_aside:  # raises, naming the choices, when an earlier fan-out is there

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from dflashkit.runtime.compile import CompiledRegion
-from dflashkit.train.metrics import per_position_counts
+from dflashkit.model.acceptance import per_position_counts
+from dflashkit.runtime.compiled_region import CompiledRegion
 
 Weighting = Literal["decay", "dpace"]
 

@@ -1,139 +1,149 @@
-"""Training metrics that predict serving: per-position accuracy and the exact block acceptance length.
+"""A run's metrics: one JSON record per logged step in metrics.jsonl (and, with train.tensorboard, the
+same scalars in TensorBoard), the curves as training.png at the end. Rank 0 writes; every rank may call.
 
-At serving, a block drafted from anchor a is accepted slot by slot from slot 1 while each draft token equals
-the target's token; the first mismatch ends it, and the target adds one bonus token. The acceptance length of
-a block is therefore tau = 1 + (number of leading correct slots from slot 1). `acceptance_stats` measures this
-exactly on training blocks (a block also stops at its first untrained slot, e.g. past the end of the
-response). The "product of marginals" estimate 1 + sum_k prod_{i <= k} acc_i, which assumes slots fail
-independently, is reported beside it for comparison; it is not what serving measures.
-
-The mean over anchors is not the served mean either: serving drafts the next block from where the last one
-stopped, so it spends more rounds where the drafter is weak. `served_order_walk` replays that order on held-out
-rows measured at every anchor; its tokens / rounds is the served-order acceptance length, the one evaluation
-reports as the number to expect at serving and the one the best checkpoint is chosen by.
-
-Stats are sums and counts (long tensors) so that they add across batches (`add_stats`) and ranks
-(`all_reduce_stats`); `finalize_stats` turns a sum into plain numbers.
+A training record holds the step's loss, learning rate, gradient norm and the acceptance of the training
+batches since the last record; an evaluation adds "val": the held-out measurement (`validation.validate`).
+A resumed run first drops the records of the steps it trains again (`trim_metrics`), so every step is
+logged once.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-from torch import Tensor
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from dflashkit.config import RunConfig
+from dflashkit.errors import ConfigError
+from dflashkit.model.acceptance import served_tau
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "training.png"
 
 
-def per_position_counts(
-    predictions: Tensor, labels: Tensor, mask: Tensor, block_size: int
-) -> tuple[Tensor, Tensor]:
-    """Correct and trained slot counts per slot index: [b, N*B] x3 -> ([B] long, [B] long)."""
-    b = predictions.shape[0]
-    mask = mask.bool().reshape(b, -1, block_size)
-    hits = (predictions == labels).reshape(b, -1, block_size) & mask
-    return hits.sum((0, 1)), mask.sum((0, 1))
+class MetricsLog:
+    """metrics.jsonl (+ TensorBoard) of a run folder. ``resumed_at``: the step a resume continues from
+    (later records are dropped); None: a new run (an old file is removed). ``write=False``: a rank that
+    does not write."""
+
+    def __init__(self, cfg: RunConfig, out_dir: Path, *, resumed_at: int | None, write: bool = True):
+        self.path = out_dir / METRICS_FILE
+        self.write = write
+        self.tensorboard = None
+        if not write:
+            return
+        if resumed_at is not None:
+            trim_metrics(self.path, resumed_at)
+        elif self.path.exists():
+            self.path.unlink()
+        self.tensorboard = open_tensorboard(cfg, out_dir)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.write:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            step = record["step"]
+            for key in ("loss", "lr", "grad_norm", "acceptance_length"):
+                if record.get(key) is not None:
+                    self.tensorboard.add_scalar(f"train/{key}", record[key], step)
+            for key, value in record.get("val", {}).items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(f"val/{key}", value, step)
+
+    def close(self) -> None:
+        """Close TensorBoard and draw the curves (training.png)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.write:
+            plot_training(self.path, self.path.with_name(PLOT_FILE))
 
 
-def block_lengths(predictions: Tensor, labels: Tensor, mask: Tensor, block_size: int) -> Tensor:
-    """The exact acceptance length of every block: [b, N*B] x3 -> [b, N] long, 1 + correct slots before the
-    first miss or the first untrained slot."""
-    b = predictions.shape[0]
-    hits = ((predictions == labels) & mask.bool()).reshape(b, -1, block_size)[:, :, 1:]
-    return 1 + torch.cumprod(hits.long(), dim=-1).sum(-1)
+def open_tensorboard(cfg: RunConfig, out: Path) -> Any:
+    if not cfg.train.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            "train.tensorboard=true needs the tensorboard package: pip install tensorboard"
+        ) from None
+    return SummaryWriter(str(out / "tensorboard"))
 
 
-def served_order_walk(anchors: Tensor, lengths: Tensor, valid: Tensor) -> list[int]:
-    """The acceptance length of each round serving would make on one row whose every valid anchor has a measured
-    block, in order (tokens = their sum, rounds = their count).
-
-    anchors, lengths, valid: [M] (the blocks of `anchors.covering_layouts`, all layouts of the row). Serving
-    drafts its first block from the first token of a response, accepts tau tokens and drafts the next block from
-    position anchor + tau: it visits the positions where it does poorly more often than those where it does well,
-    so its mean tau (tokens / rounds) is below the mean over all anchors, and this walk is what it measures.
-    Each response is a run of consecutive valid anchors; a walk starts at the first anchor of each run and ends
-    when it steps past the run."""
-    tau = {
-        int(a): int(n)
-        for a, n, v in zip(anchors.tolist(), lengths.tolist(), valid.tolist(), strict=True)
-        if v
-    }
-    rounds = []
-    for start in sorted(a for a in tau if a - 1 not in tau):
-        p = start
-        while p in tau:
-            rounds.append(tau[p])
-            p += tau[p]
-    return rounds
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop the records after ``step`` from metrics.jsonl (steps a resume will train again, so that they
+    are not logged twice); returns how many were dropped. The file is replaced atomically."""
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass  # a torn last line of a crash: dropped
+    if len(keep) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return len(lines) - len(keep)
 
 
-def served_tau(val: dict) -> float:
-    """The number to expect at serving from an evaluation result: its served-order acceptance length, or,
-    in results written before that existed, the mean over anchors."""
-    served = val.get("served_acceptance_length")
-    return float(served if served is not None else val.get("acceptance_length", float("nan")))
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl in step order, one per step: where a step was logged twice (a run
+    resumed by an older dflashkit trained it again) the later record wins; a torn line is skipped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = record
+        except (ValueError, KeyError, TypeError):
+            continue
+    return [by_step[s] for s in sorted(by_step)]
 
 
-def acceptance_stats(
-    predictions: Tensor,
-    labels: Tensor,
-    mask: Tensor,
-    block_valid: Tensor,
-    block_size: int,
-    lengths: Tensor | None = None,
-) -> dict[str, Tensor]:
-    """Summable acceptance statistics of one batch.
+def plot_training(metrics_path: Path, png: Path) -> Path | None:
+    """Loss and acceptance length (training batches and held-out) over steps, as one PNG."""
+    if not metrics_path.is_file():
+        return None
+    from matplotlib.figure import Figure  # not pyplot: its global state is not for threads (fan-out)
 
-    predictions, labels, mask: [b, N*B] (mask from `block_labels`); block_valid: [b, N] bool; lengths: their
-    `block_lengths` when the caller has them already.
-    Returns long tensors:
-      per_position_correct [B], per_position_count [B]: per slot index (slot 0 is always 0);
-      blocks []: valid blocks; accept_length_sum []: sum of their acceptance lengths;
-      accept_length_hist [B + 1]: number of valid blocks per acceptance length (index = length, 1..B).
-    """
-    correct, count = per_position_counts(predictions, labels, mask, block_size)
-    if lengths is None:
-        lengths = block_lengths(predictions, labels, mask, block_size)
-    lengths = lengths[block_valid.bool()]
-    hist = torch.bincount(lengths, minlength=block_size + 1)
-    return {
-        "per_position_correct": correct,
-        "per_position_count": count,
-        "blocks": torch.tensor(lengths.numel(), device=predictions.device),
-        "accept_length_sum": lengths.sum(),
-        "accept_length_hist": hist,
-    }
-
-
-def add_stats(total: dict[str, Tensor] | None, new: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Sum of two stats dicts (`total` may be None for the first batch). Returns a new dict."""
-    if total is None:
-        return {k: v.clone() for k, v in new.items()}
-    return {k: total[k] + new[k] for k in total}
-
-
-def all_reduce_stats(stats: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Sum stats over all ranks in place (a no-op without an initialised process group). Returns `stats`."""
-    if dist.is_available() and dist.is_initialized():
-        for v in stats.values():
-            dist.all_reduce(v, op=dist.ReduceOp.SUM)
-    return stats
-
-
-def finalize_stats(stats: dict[str, Tensor]) -> dict[str, float | list[float]]:
-    """Plain numbers from summed stats.
-
-    per_position_accuracy: list over slots 1..B-1 (nan where a slot was never trained);
-    acceptance_length:     exact mean tau over valid blocks (nan with no blocks);
-    marginal_acceptance_length: 1 + sum_k prod_{i <= k} acc_i (the independence estimate);
-    accept_length_fraction: list over lengths 1..B, the fraction of blocks that accepted exactly that many.
-    """
-    correct = stats["per_position_correct"][1:].double()
-    count = stats["per_position_count"][1:].double()
-    acc = correct / count  # nan where count == 0
-    blocks = int(stats["blocks"])
-    hist = stats["accept_length_hist"][1:].double()
-    return {
-        "per_position_accuracy": acc.tolist(),
-        "acceptance_length": float(stats["accept_length_sum"]) / blocks if blocks else float("nan"),
-        "marginal_acceptance_length": 1.0 + float(torch.cumprod(acc.nan_to_num(0.0), 0).sum()),
-        "accept_length_fraction": (hist / blocks).tolist() if blocks else [float("nan")] * hist.numel(),
-    }
+    records = read_metrics(metrics_path)
+    train = [r for r in records if r.get("loss") is not None]
+    val = [r for r in records if "val" in r]
+    fig = Figure(figsize=(11, 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], color="#3b7dd8")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("weighted block cross-entropy")
+    ax2.plot(
+        [r["step"] for r in train],
+        [r["acceptance_length"] for r in train],
+        label="training batches",
+        color="#3b7dd8",
+    )
+    ax2.plot(
+        [r["step"] for r in val],
+        [r["val"]["acceptance_length"] for r in val],
+        "o-",
+        label="held-out, mean over anchors",
+        color="#d8663b",
+    )
+    ax2.plot(
+        [r["step"] for r in val],
+        [served_tau(r["val"]) for r in val],
+        "s--",
+        label="held-out, served order (what serving measures)",
+        color="#2a9d5c",
+    )
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("exact block acceptance length")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return png

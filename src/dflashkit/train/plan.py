@@ -10,8 +10,18 @@ from typing import Any
 
 from rich.table import Table
 
+from dflashkit.attention.dense_budget import dense_budget_gib, preflight_dense
 from dflashkit.config import RunConfig
+from dflashkit.data.dataset import read_manifest
+from dflashkit.data.features import check_capture_matches, read_features_manifest
+from dflashkit.data.rows import pack_dataset
 from dflashkit.errors import ConfigError
+from dflashkit.runtime.devices import resolve_backend, resolve_device, use_compiled_regions
+from dflashkit.target.hf import identity_of_folder, load_target_config
+from dflashkit.train import state
+from dflashkit.train.checkpoints import CHECKPOINTS
+from dflashkit.train.rundir import check_resume_config, claim_run_folder, run_files
+from dflashkit.train.setup import check_data_matches_target, check_rows, drafter_config, total_steps
 
 
 def dry_run(
@@ -26,18 +36,6 @@ def dry_run(
     """``nproc`` x ``nnodes``: the ranks a data-parallel launch would start (``--nproc``, ``--nnodes``);
     None for one process. ``resume``, ``move_aside``: the run folder is checked as `train` would (nothing
     is moved or renamed)."""
-    from dflashkit.data.dataset import read_manifest
-    from dflashkit.target.hf import identity_of_folder, load_target_config
-    from dflashkit.train.trainer import (
-        check_data_matches_target,
-        check_rows,
-        drafter_config,
-        pack_dataset,
-        resolve_backend,
-        resolve_device,
-        total_steps,
-        use_compiled_regions,
-    )
 
     out = run_folder_plan(cfg, resume=resume, move_aside=move_aside)
     device = resolve_device(cfg)
@@ -46,25 +44,23 @@ def dry_run(
     compiled = use_compiled_regions(cfg, backend, cfg.distributed.strategy if ranks > 1 else "single")
     target_cfg = load_target_config(cfg.target.path)
     ident = identity_of_folder(cfg.target.path)
-    dc = drafter_config(cfg, target_cfg, ident)
+    config = drafter_config(cfg, target_cfg, ident)
     data_dir = Path(cfg.data.dir)
     manifest = read_manifest(data_dir)
-    check_data_matches_target(manifest, ident, dc, str(data_dir))
+    check_data_matches_target(manifest, ident, config, str(data_dir))
     if cfg.drafter.init and not Path(cfg.drafter.init).is_dir():
         raise ConfigError(f"drafter.init={cfg.drafter.init} is not a checkpoint folder")
     train_rows, val_rows = pack_dataset(cfg, target_cfg)  # an empty split is an error here too
     check_rows(cfg, train_rows, ranks)
-    attention = attention_memory(cfg, dc, device, backend)
+    attention = attention_memory(cfg, config, device, backend)
     features = "online (the target runs every step)"
     if cfg.data.features_dir:
-        from dflashkit.data.features import check_capture_matches, read_features_manifest
-
         fm = read_features_manifest(cfg.data.features_dir)
         check_capture_matches(
             fm,
             where=cfg.data.features_dir,
             ident=ident,
-            layer_ids=dc.target_layer_ids,
+            layer_ids=config.target_layer_ids,
             max_len=cfg.train.max_len,
             data_manifest=manifest,
             rows={"train": train_rows, "validation": val_rows},
@@ -84,7 +80,7 @@ def dry_run(
         else f"{cache} ({'exists' if Path(cache).is_file() else 'written after warm-up'})",
         "features": features,
         "target": f"{ident['name']} ({ident['architecture']}, {ident['num_layers']} layers, hidden {ident['hidden_size']})",
-        "drafter": f"{dc.num_hidden_layers} layers, block {dc.block_size}, target layers {dc.target_layer_ids}, mask id {dc.mask_token_id}",
+        "drafter": f"{config.num_hidden_layers} layers, block {config.block_size}, target layers {config.target_layer_ids}, mask id {config.mask_token_id}",
         "data": f"{data_dir}: {manifest.get('counts', {})}; packed into {len(train_rows)} training and "
         f"{len(val_rows)} held-out rows of {cfg.train.max_len} tokens",
         "steps": f"{total_steps(cfg, len(train_rows), ranks)}",
@@ -103,17 +99,16 @@ def dry_run(
     return plan
 
 
-def attention_memory(cfg: RunConfig, dc: Any, device: Any, backend: str) -> str:
+def attention_memory(cfg: RunConfig, config: Any, device: Any, backend: str) -> str:
     """The dense attention memory of a training micro-batch and of an evaluation row on this device, checked
-    against the budget as the run checks it before any attention runs (`runtime.compile.preflight_dense`):
+    against the budget as the run checks it before any attention runs (`attention.dense_budget.preflight_dense`):
     a shape over budget is the error the run would meet, with a hint for this device."""
-    from dflashkit.runtime.compile import dense_budget_gib, preflight_dense
 
     if backend == "flex":
         return "flex: compiled, memory linear in sequence length (no dense score matrix)"
-    q_len = cfg.train.num_anchors * dc.block_size  # N blocks of B slots
+    q_len = cfg.train.num_anchors * config.block_size  # N blocks of B slots
     kv_len = cfg.train.max_len + q_len  # the context, then the blocks
-    heads = dc.num_attention_heads
+    heads = config.num_attention_heads
     need = 0
     for batch, what in ((cfg.train.batch_size, "a training micro-batch"), (1, "an evaluation row")):
         preflight_dense(
@@ -131,14 +126,11 @@ def run_folder_plan(cfg: RunConfig, *, resume: bool, move_aside: bool) -> str:
     """What training would do with run.out_dir, checked as `train` checks it (`train.rundir`): an earlier
     run there is refused without --resume or --move-aside; --resume checks the checkpoint it would continue
     and the config against the one it was trained with."""
-    from dflashkit.train import state as st
-    from dflashkit.train.rundir import check_resume_config, run_files
-    from dflashkit.train.trainer import CHECKPOINTS
 
     out = Path(cfg.run.out_dir)
     if resume:
         notes: list[str] = []
-        ckpt = st.pick_resume_checkpoint(out / CHECKPOINTS, notes.append, set_aside=False)
+        ckpt = state.pick_resume_checkpoint(out / CHECKPOINTS, notes.append, set_aside=False)
         if ckpt is None:
             return f"{out} (no checkpoint: --resume starts from scratch)"
         check_resume_config(ckpt, cfg)
@@ -147,7 +139,5 @@ def run_folder_plan(cfg: RunConfig, *, resume: bool, move_aside: bool) -> str:
     if found and move_aside:
         return f"{out} (its earlier run's files, {', '.join(found)}, would move to {out}.old-<time>)"
     if found:
-        from dflashkit.train.rundir import claim_run_folder
-
         claim_run_folder(out, move_aside=False, report=lambda _: None)  # raises, naming the choices
     return str(out)

@@ -15,7 +15,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dflashkit.train.metrics import served_tau
+from dflashkit.model.acceptance import served_tau
 
 
 class TrainProgress:
@@ -59,7 +59,7 @@ class TrainProgress:
         self.progress.update(self.task, completed=step, info=self.info)
 
     def evaluating(self, done: int, total: int) -> None:
-        """Held-out rows measured so far (`trainer.evaluate`'s ``on_row``): a bar of its own."""
+        """Held-out rows measured so far (`validation.validate`'s ``on_row``): a bar of its own."""
         if self.eval_task is None:
             self.eval_task = self.progress.add_task(
                 "validation", total=total, info="held-out rows, a block at every anchor"

@@ -11,7 +11,7 @@ with the settings it was trained with.
 
 from __future__ import annotations
 
-import datetime as _dt
+import datetime
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -131,7 +131,7 @@ def claim_run_folder(
 
 
 def _aside_path(out_dir: Path) -> Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     dest = out_dir.with_name(f"{out_dir.name}.old-{stamp}")
     k = 1
     while dest.exists():

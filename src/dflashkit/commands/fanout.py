@@ -3,40 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from dflashkit.config import RunConfig
-from dflashkit.train.commands import add_run_arguments
-
-
-def run_fanout(
-    cfg: RunConfig,
-    *,
-    resume: bool,
-    dry_run: bool,
-    console: Any,
-    nproc: int | None = None,
-    move_aside: bool = False,
-) -> int:
-    """Train (or, with dry_run, check) the fan-out of a config; 1 when a drafter did not finish."""
-    from dflashkit.errors import ConfigError
-    from dflashkit.train.fanout import dry_run_fanout, train_fanout
-
-    if nproc is not None:
-        raise ConfigError(
-            "this config has a fanout section: its drafters are threads of one process; drop --nproc"
-        )
-    if dry_run:
-        dry_run_fanout(cfg, console, resume=resume, move_aside=move_aside)
-        return 0
-    result = train_fanout(cfg, resume=resume, console=console, move_aside=move_aside)
-    return 0 if result.ok else 1
+from dflashkit.commands.train import add_run_arguments, config_from_args, run_fanout
 
 
 def _fanout(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from dflashkit.train.commands import config_from_args
 
     return run_fanout(
         config_from_args(args),

@@ -6,14 +6,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from dflashkit.infer.commands import ENGINE_CHOICES, add_tree_budget
+from dflashkit.commands.infer import ENGINE_CHOICES, _enable_thinking, _eos_ids, _load, add_tree_budget
+from dflashkit.config import PATHS_RULE, load_config
+from dflashkit.errors import ConfigError
 
 DEFAULT_SETS = "mtbench,gsm8k,humaneval,heldout"
 
 
 def parse_temperatures(text: str) -> list[float]:
-    from dflashkit.errors import ConfigError
-
     try:
         temps = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
@@ -27,7 +27,6 @@ def parse_temperatures(text: str) -> list[float]:
 
 def set_specs(args: argparse.Namespace) -> list[str]:
     """The sets to run: --sets (default: all four, unless --prompts files are given) and the --prompts files."""
-    from dflashkit.errors import ConfigError
     from dflashkit.infer.bench import SETS, set_name
 
     named = args.sets if args.sets is not None else ("" if args.prompts else DEFAULT_SETS)
@@ -61,7 +60,6 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflashkit.infer import bench
-    from dflashkit.infer.commands import _enable_thinking, _eos_ids, _load
     from dflashkit.infer.engine import resolve_engine
     from dflashkit.model.checkpoint import load_drafter
     from dflashkit.target.hf import TargetModel
@@ -70,13 +68,9 @@ def _bench(args: argparse.Namespace) -> int:
     temperatures = parse_temperatures(args.temperatures)
     specs = set_specs(args)
     if args.summary and 0.0 not in temperatures:
-        from dflashkit.errors import ConfigError
-
         raise ConfigError("--summary holds the T=0 figures: include 0 in --temperatures")
     data_from_config = False
     if args.config:  # the run config's defaults, resolved here: the sets are read before anything loads
-        from dflashkit.config import load_config
-
         cfg = load_config(args.config, list(args.overrides or []))
         args.target = args.target or cfg.target.path
         args.dtype = args.dtype or cfg.target.dtype
@@ -316,8 +310,6 @@ def agreement_lines(combined: dict[str, Any]) -> list[str]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from dflashkit.config import PATHS_RULE
-
     p = subparsers.add_parser(
         "bench",
         help="the paper's evaluation: tau, speedup and fp32 losslessness per prompt set and temperature",

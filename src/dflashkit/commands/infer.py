@@ -6,6 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from dflashkit.config import PATHS_RULE, load_config
+from dflashkit.errors import ConfigError
+
 # what --engine takes: dflashkit.infer.engine.ENGINES and "auto" (spelled here so --help needs no torch)
 ENGINE_CHOICES = ("auto", "dynamic", "static", "graphs")
 
@@ -20,8 +23,6 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
     from dflashkit.target.hf import TargetModel
 
     if args.config:
-        from dflashkit.config import load_config
-
         cfg = load_config(args.config, list(getattr(args, "overrides", []) or []))
         args.target = args.target or cfg.target.path
         args.dtype = args.dtype or cfg.target.dtype
@@ -38,8 +39,6 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
     if getattr(args, "max_prompts", 0) is None:
         args.max_prompts = 80
     if not args.drafter:
-        from dflashkit.errors import ConfigError
-
         raise ConfigError(
             "name the drafter checkpoint with --drafter DIR (or give --config of a training run)"
         )
@@ -90,8 +89,6 @@ def eval_prompts(args: argparse.Namespace, tokenizer: Any, thinking: bool) -> tu
 
     if args.prompts == "validation":
         from dflashkit.data.dataset import load_dataset, prompt_ids
-        from dflashkit.errors import ConfigError
-
         if not args.data:
             raise ConfigError("--prompts validation needs the dataset folder (--data DIR or --config)")
         ids = prompt_ids(load_dataset(args.data, "validation")[: args.max_prompts])
@@ -454,8 +451,6 @@ def _tree_budget(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from dflashkit.config import PATHS_RULE
-
     e = subparsers.add_parser(
         "eval",
         help="acceptance length and speedup by decoding; --check-lossless",

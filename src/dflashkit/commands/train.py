@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
+
+from dflashkit.config import PATHS_RULE, RunConfig, load_config
+from dflashkit.errors import ConfigError
 
 
 def add_run_arguments(p: argparse.ArgumentParser, *, variants: bool = False) -> None:
@@ -35,9 +39,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, variants: bool = False) -> 
     p.set_defaults(overrides=[])  # cli.main collects the section.key=value words
 
 
-def config_from_args(args: argparse.Namespace):  # -> RunConfig (imported lazily: the CLI starts fast)
-    from dflashkit.config import load_config
-
+def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides = list(args.overrides)
     if args.allow_env_drift:
         overrides.append("run.allow_env_drift=true")
@@ -52,8 +54,6 @@ def _train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     console = Console()
     if cfg.fanout is not None:  # several drafter variants from one target: `dflashkit fanout`
-        from dflashkit.train.fanout_commands import run_fanout
-
         return run_fanout(
             cfg,
             resume=args.resume,
@@ -81,7 +81,7 @@ def _train(args: argparse.Namespace) -> int:
         import subprocess
 
         return subprocess.call(launch)
-    from dflashkit.train.metrics import served_tau
+    from dflashkit.model.acceptance import served_tau
     from dflashkit.train.trainer import train
 
     result = train(cfg, resume=args.resume, console=console, move_aside=args.move_aside)
@@ -91,24 +91,46 @@ def _train(args: argparse.Namespace) -> int:
     console.print(
         f"[bold green]done[/]: {result.steps} steps in {result.seconds:.0f} s; validation acceptance length "
         f"{val.get('acceptance_length', float('nan')):.3f}, in served order {served_tau(val):.3f} "
-        f"(best {result.best_acceptance_length:.3f}); "
+        f"(best {result.best_served_acceptance_length:.3f}); "
         f"best drafter in {result.out_dir / 'best'}"
     )
     return 0
 
 
+def run_fanout(
+    cfg: RunConfig,
+    *,
+    resume: bool,
+    dry_run: bool,
+    console: Any,
+    nproc: int | None = None,
+    move_aside: bool = False,
+) -> int:
+    """Train (or, with dry_run, check) the fan-out of a config; 1 when a drafter did not finish."""
+    from dflashkit.train.fanout import dry_run_fanout, train_fanout
+
+    if nproc is not None:
+        raise ConfigError(
+            "this config has a fanout section: its drafters are threads of one process; drop --nproc"
+        )
+    if dry_run:
+        dry_run_fanout(cfg, console, resume=resume, move_aside=move_aside)
+        return 0
+    result = train_fanout(cfg, resume=resume, console=console, move_aside=move_aside)
+    return 0 if result.ok else 1
+
+
 def _launch_command(args: argparse.Namespace) -> list[str] | None:
     """The torchrun command for --nproc (None without it)."""
-    from dflashkit.errors import ConfigError
-    from dflashkit.train import distributed as dd
+    from dflashkit.train import distributed
 
     if args.nproc is None:
         if args.nnodes != 1 or args.rdzv_endpoint:
             raise ConfigError("--nnodes and --rdzv-endpoint go with --nproc N (processes per host)")
         return None
-    if dd.launched_by_torchrun():
+    if distributed.launched_by_torchrun():
         raise ConfigError("this process was started by torchrun already; drop --nproc")
-    return dd.launch_command(dd.train_argv(args), args.nproc, args.nnodes, args.rdzv_endpoint)
+    return distributed.launch_command(distributed.train_argv(args), args.nproc, args.nnodes, args.rdzv_endpoint)
 
 
 TRAIN_EXAMPLES = """\
@@ -131,8 +153,6 @@ the batch split, run.*, attention.*, distributed.* and eval.* (README: Resuming)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from dflashkit.config import PATHS_RULE
-
     p = subparsers.add_parser(
         "train",
         help="train a drafter (config + dotted overrides, e.g. train.lr=3e-4)",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dflashkit.errors import ConfigError
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -68,7 +70,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _init(args: argparse.Namespace) -> int:
     import torch
 
-    from dflashkit.errors import ConfigError
     from dflashkit.model.checkpoint import check_destination, save_drafter
     from dflashkit.model.config import config_for_target
     from dflashkit.model.drafter import DFlashDrafter

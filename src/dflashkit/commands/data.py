@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dflashkit.config import load_config
+from dflashkit.errors import ConfigError
+
 # Command-line flag -> settings field; a flag left out keeps the PrepareSettings default.
 _FIELDS = (
     "target",
@@ -47,12 +50,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
     from dflashkit.data.dataset import PrepareSettings
-    from dflashkit.errors import ConfigError
-
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
-        from dflashkit.config import load_config
-
         cfg = load_config(args.config, list(args.overrides))
         values = {
             "out": cfg.data.dir,
@@ -209,10 +208,7 @@ def _capture(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dflashkit.config import load_config
     from dflashkit.data.features import CaptureSettings, capture_features, verify_features
-    from dflashkit.errors import ConfigError
-
     cfg = load_config(args.config, list(args.overrides))
     out = args.out or cfg.data.features_dir
     if not out:

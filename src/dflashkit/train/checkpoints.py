@@ -1,0 +1,177 @@
+"""A run's checkpoints: where a resume continues from, and writing checkpoints and best/.
+
+    checkpoints/step-000100/  (z-lab drafter + training state + run config + fingerprint; atomic)
+    checkpoints/latest        (name of the newest complete checkpoint)
+    best/                     (z-lab drafter, bf16, with the best held-out served-order acceptance length)
+
+The run folder's rules come first, before anything slow loads (`open_run_folder`): a new run never
+replaces an earlier one (`rundir.claim_run_folder`), and a resume continues from the newest intact
+checkpoint if the config keeps what it was trained with (`rundir.check_resume_config`) and the
+environment has not drifted (`check_env_drift`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dflashkit.atomic import atomic_dir
+from dflashkit.config import RunConfig, dump_config
+from dflashkit.errors import CheckpointError, EnvironmentDriftError
+from dflashkit.model.checkpoint import write_checkpoint
+from dflashkit.model.drafter import DFlashDrafter
+from dflashkit.runtime import fingerprint
+from dflashkit.runtime.doctor import show_diff_changes
+from dflashkit.train import distributed, state
+from dflashkit.train.rundir import RUN_CONFIG_FILE, check_resume_config, claim_run_folder
+from dflashkit.train.setup import Run
+
+CHECKPOINTS = "checkpoints"
+BEST = "best"
+BEST_METRICS = "metrics.json"
+# The training state's record of the best held-out served-order acceptance length so far. Checkpoints
+# written before evaluation measured the served order kept the mean over anchors under
+# "best_acceptance_length": never compared with a served-order figure (`best_so_far`).
+BEST_KEY = "best_served_acceptance_length"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a resume continues from, and its training state as read (checked) from disk."""
+
+    checkpoint: Path
+    saved: state.SavedState
+
+
+def find_resume_point(cfg: RunConfig, d: distributed.Dist, console: Any) -> ResumePoint | None:
+    """The checkpoint a resume continues from (the newest intact one, `state.pick_resume_checkpoint`) and
+    its training state, checked against the config before anything slow loads. None: no checkpoint."""
+    root = Path(cfg.run.out_dir) / CHECKPOINTS
+    while True:
+        ckpt = state.pick_resume_checkpoint(
+            root, lambda m: console.print(f"[yellow]{m}[/]"), set_aside=d.is_main
+        )
+        if ckpt is None:
+            return None
+        check_resume_config(ckpt, cfg)
+        try:
+            return ResumePoint(ckpt, state.read_training_state(ckpt))
+        except CheckpointError as e:  # unreadable in a way its checksums could not tell: try an older one
+            console.print(f"[yellow]checkpoint {ckpt.name} is damaged: {e}[/]")
+            if not d.is_main:
+                raise
+            state.set_aside_damaged(ckpt, lambda m: console.print(f"[yellow]{m}[/]"))
+
+
+def open_run_folder(
+    cfg: RunConfig, d: distributed.Dist, *, resume: bool, move_aside: bool, console: Any
+) -> ResumePoint | None:
+    """The run folder's rules, before anything slow loads (every rank reads the same files): without
+    ``resume`` a folder holding a run is refused (or, with ``move_aside``, its files are moved to
+    ``<out>.old-<time>`` first); with it, the point to continue from (None: start from scratch)."""
+    out = Path(cfg.run.out_dir)
+    point = find_resume_point(cfg, d, console) if resume else None
+    if resume and point is None:
+        console.print(f"[yellow]no checkpoint in {out / CHECKPOINTS}: starting from scratch[/]")
+    if not resume and (d.is_main or not move_aside):  # every rank refuses alike; rank 0 alone moves
+        claim_run_folder(out, move_aside=move_aside, report=console.print)
+    distributed.barrier(d)
+    if point is not None:
+        check_env_drift(point.checkpoint, cfg.run.allow_env_drift, console)
+    return point
+
+
+def check_env_drift(ckpt: Path, allow: bool, console: Any) -> None:
+    """Resuming in a changed environment shows the diff, and refuses a critical change unless allowed."""
+    changes = fingerprint.diff(fingerprint.load(ckpt), fingerprint.collect())
+    if not changes:
+        return
+    show_diff_changes(changes, str(ckpt), "this environment", console)
+    if fingerprint.has_critical(changes) and not allow:
+        keys = ", ".join(c.key for c in changes if c.critical)
+        raise EnvironmentDriftError(
+            f"the checkpoint {ckpt} was written in another environment (critical: {keys}); resume there, or "
+            "pass --allow-env-drift (run.allow_env_drift=true) to continue anyway"
+        )
+
+
+def load_weights(drafter: DFlashDrafter, weights: dict[str, Tensor], where: Path) -> None:
+    """Put a checkpoint's weights into the run's drafter; a mismatch is one clear error, never a traceback."""
+    try:
+        drafter.load_state_dict(weights)
+    except RuntimeError as e:
+        detail = (str(e).strip().splitlines() or [""])[-1].strip()[:200]
+        raise CheckpointError(
+            f"{where} holds a drafter of another shape than this config makes ({detail}); resume with the "
+            "run's own drafter settings, or start a new run"
+        ) from None
+
+
+def best_so_far(extra: dict[str, Any], out_dir: Path) -> float:
+    """The best held-out served-order acceptance length of a resumed run. A checkpoint written before it
+    was recorded holds another figure (the mean over anchors, higher than the served order), so the best
+    is then read from best/metrics.json where that holds a served-order figure; without one, none is
+    known (-inf) and the next evaluation writes best/ again."""
+    if BEST_KEY in extra:
+        return float(extra[BEST_KEY])
+    try:
+        served = json.loads((out_dir / BEST / BEST_METRICS).read_text()).get("served_acceptance_length")
+    except (OSError, ValueError, AttributeError):
+        served = None
+    return float(served) if isinstance(served, (int, float)) and math.isfinite(served) else float("-inf")
+
+
+def save_checkpoint(
+    run: Run,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    step: int,
+    cursor: dict[str, int],
+    generator: torch.Generator,
+    extra: dict[str, Any],
+) -> Path:
+    """Atomically write drafter + training state + run config + fingerprint as checkpoints/step-N.
+
+    Under torchrun every rank calls this (FSDP gathers the full weights and optimizer state); rank 0
+    writes the one checkpoint, and the ranks meet at a barrier once it is published."""
+    d = run.dist
+    root = run.out_dir / CHECKPOINTS
+    name = state.step_dir_name(step)
+    weights = distributed.full_state_dict(run.drafter, d)
+    opt = distributed.checkpoint_optimizer(run.drafter, optimizer, d, gather=True)
+    if d.is_main:
+        with atomic_dir(root / name, checksums=True) as tmp:
+            _write_weights(run, weights, tmp, torch.float32)
+            state.save_training_state(
+                tmp, opt, scheduler, step, cursor, state.capture_rng({"anchors": generator}), extra
+            )
+            (tmp / RUN_CONFIG_FILE).write_text(dump_config(run.cfg))
+            fingerprint.save(fingerprint.collect(), tmp / fingerprint.FINGERPRINT_FILE)
+        state.write_latest(root, name)
+        state.rotate_checkpoints(root, run.cfg.train.keep_last)
+    distributed.barrier(d)
+    return root / name
+
+
+def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
+    """Atomically write best/ (every rank calls this under torchrun; rank 0 writes)."""
+    d = run.dist
+    weights = distributed.full_state_dict(run.drafter, d)
+    if not d.is_main:
+        return
+    with atomic_dir(run.out_dir / BEST, checksums=True) as tmp:
+        _write_weights(run, weights, tmp, torch.bfloat16)  # bf16 z-lab layout: what serving loads
+        # data_dir: whose held-out split these numbers were measured on (eval compares like with like)
+        record = {"step": step, "data_dir": str(Path(run.cfg.data.dir).resolve()), **metrics}
+        (tmp / BEST_METRICS).write_text(json.dumps(record, indent=2) + "\n")
+        fingerprint.save(fingerprint.collect(), tmp / fingerprint.FINGERPRINT_FILE)
+
+
+def _write_weights(run: Run, weights: dict[str, Tensor], folder: Path, dtype: torch.dtype) -> None:
+    write_checkpoint(folder, run.drafter.config, {k: v.to(dtype) for k, v in weights.items()})
