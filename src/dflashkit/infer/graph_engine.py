@@ -19,6 +19,15 @@ Steps (fixed shapes, as the static engine's):
 
 Rounds are chains: ``verify_tree`` refuses (tree rounds run on the dynamic and static engines).
 
+With ``compile=True`` (the default on a GPU) each step function is first compiled by torch.compile (Inductor,
+fullgraph, static shapes, no CUDA-graph mode: ``Steps`` captures the graph itself), so each layer's norms,
+rotary, SwiGLU product, casts and cache writes fuse into a few Triton kernels around the matmuls and the
+attention; the compiled step is then captured as one CUDA graph as before. Compiles follow the rules of
+``dflashkit.runtime.compile`` (one lock, one clear line on a failure, frozen after ``warm_up()``), and their
+artifacts go to the portable compile cache (``compile_cache=``), so a second process starts in seconds. On
+the CPU the default is eager (a compile costs minutes on two cores); ``compile=True`` there runs the
+compiled steps without graphs (the tests).
+
 The prefill (any prompt length) runs eagerly. Step inputs and outputs live in buffers allocated once: the
 logits an engine call returns are valid until the next call of the same kind (the decode loops read them
 at once).
@@ -30,8 +39,11 @@ projections, FlashAttention), so outputs may part from the other engines' after 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,7 +52,10 @@ from dflashkit.data.generator import Steps
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
 from dflashkit.infer.tree import DraftTree
-from dflashkit.model.drafter import DFlashDrafter
+from dflashkit.model.drafter import DFlashDrafter, StaticDraftCache
+from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
+from dflashkit.runtime.compile_cache import CacheUse, portable_cache
+from dflashkit.runtime.compiled_region import CompiledRegion
 from dflashkit.target.hf import TargetModel
 from dflashkit.target.slot_decoder import Attention, DecoderWeights, SlotCache, decode, logits
 
@@ -49,14 +64,85 @@ def _attention(device: torch.device, dtype: torch.dtype) -> Attention:
     return "flash" if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else "sdpa"
 
 
+# --- the step functions: plain tensor code over the engine's buffers, eager or compiled ---------------
+
+
+def target_step(
+    w: DecoderWeights,
+    cache: SlotCache,
+    ids: Tensor,
+    slot: Tensor,
+    start: Tensor,
+    out_logits: Tensor,
+    out_rows: Tensor | None,
+    kv_len: int,
+    attention: Attention,
+    keep: tuple[int, ...],
+) -> None:
+    """ids [1, t] written at position ``start`` of the cache; their float32 logits into ``out_logits`` [t, V]
+    and the outputs of the layers ``keep`` (concatenated) into ``out_rows`` [1, t, n*H]."""
+    x, kept = decode(w, cache, ids, slot, start, kv_len=kv_len, attention=attention, keep=keep)
+    out_logits.copy_(logits(w, x[0]))
+    if keep:
+        assert out_rows is not None
+        out_rows.copy_(torch.cat(kept, dim=-1))
+
+
+def draft_step(
+    drafter: DFlashDrafter,
+    cache: StaticDraftCache,
+    embed: Tensor,
+    lm_head: Tensor,
+    rows: Tensor,
+    row_start: Tensor,
+    block: Tensor,
+    block_start: Tensor,
+    offsets: Tensor,
+    out_logits: Tensor,
+) -> None:
+    """Write the context rows (features [1, B, n*H] from position ``row_start``) into the drafter's cache,
+    draft the block [1, B] anchored at ``block_start``, and put the drafted slots' float32 logits (the
+    target's head) into ``out_logits`` [B-1, V]."""
+    drafter.write_context(rows, row_start + offsets, cache)
+    hidden = drafter.draft_block(embed[block], block_start + offsets, cache, "sdpa")
+    out_logits.copy_(torch.nn.functional.linear(hidden[0, 1:].to(lm_head.dtype), lm_head))
+
+
+# One compiled region per step function, shared by every engine of the process (a graph per shape, guarded on
+# the buffers' shapes: an engine with the same shapes reuses it). Creating them compiles nothing.
+_OFF = "GraphEngine(compile=False), the eager graphs engine"
+TARGET_STEP = CompiledRegion(
+    target_step, "the graphs engine's target step", warm_with="GraphEngine.warm_up()", off_switch=_OFF
+)
+DRAFT_STEP = CompiledRegion(
+    draft_step, "the graphs engine's draft step", warm_with="GraphEngine.warm_up()", off_switch=_OFF
+)
+
+
+class WarmUp(dict[str, float]):
+    """Seconds per step shape (what ``warm_up`` returns), and how the compile caches served it: ``compiled``
+    graphs Inductor had to build, ``cached`` graphs it found in a cache (the portable file or this machine's
+    own), ``cache_loaded`` whether the portable file was loaded. ``cache_warm``: nothing had to be built."""
+
+    compiled: int = 0
+    cached: int = 0
+    cache_loaded: bool = False
+
+    @property
+    def cache_warm(self) -> bool:
+        return self.cached > 0 and self.compiled == 0
+
+
 class GraphEngine:
     """Preallocated caches, the fused target forward, and (on a GPU) one CUDA graph per step shape.
 
     ``capacity`` bounds prompt + new tokens + block. ``graphs`` (default: on a GPU) captures each step;
     without graphs the same steps run eagerly with exact attention widths (the CPU path).
-    ``fixed_shapes`` (default: with graphs) makes attention read the whole capacity, as a graph must,
-    so the graphed path can be tested on the CPU. Build one per (target, drafter, capacity) and reuse it
-    across prompts.
+    ``fixed_shapes`` (default: with graphs or compile) makes attention read the whole capacity, as a graph
+    and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default: with
+    graphs, i.e. on a GPU) compiles each step before it is captured; ``compile_cache``: the portable compile
+    cache file ``warm_up`` loads first and writes after (None: only this machine's own Inductor cache).
+    Build one per (target, drafter, capacity) and reuse it across prompts.
     """
 
     name = "graphs"
@@ -70,11 +156,19 @@ class GraphEngine:
         layer_ids: Sequence[int] | None = None,
         graphs: bool | None = None,
         fixed_shapes: bool | None = None,
+        compile: bool | None = None,
+        compile_cache: str | os.PathLike[str] | None = None,
     ):
         dev = target.device
         graphs = dev.type == "cuda" if graphs is None else graphs
         if graphs and dev.type != "cuda":
             raise DflashkitError("the graphs engine captures CUDA graphs: it needs the target on a GPU")
+        compile = graphs if compile is None else compile
+        fixed_shapes = graphs or compile if fixed_shapes is None else fixed_shapes
+        if compile and not fixed_shapes:
+            raise DflashkitError(
+                "a compiled graphs engine runs fixed shapes (one compile per step shape): drop fixed_shapes=False"
+            )
         self.target, self.drafter, self.capacity = target, drafter, capacity
         self.layer_ids = (
             list(drafter.config.target_layer_ids) if drafter is not None else list(layer_ids or [])
@@ -85,7 +179,12 @@ class GraphEngine:
         self.attention = _attention(dev, self.w.dtype)
         self.steps = Steps(graphs)
         self.graphs = graphs
-        self.fixed_shapes = graphs if fixed_shapes is None else fixed_shapes
+        self.fixed_shapes = fixed_shapes
+        self.compiled = compile
+        self.compile_cache = compile_cache
+        self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
+        self._target_fn: Callable[..., None] = TARGET_STEP if compile else target_step
+        self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
         B, V, long = self.block_size, self.w.vocab_size, dict(dtype=torch.long, device=dev)
@@ -102,6 +201,7 @@ class GraphEngine:
             self._block_start = torch.zeros(1, **long)  # type: ignore[arg-type]
             self._draft_logits = torch.zeros(B - 1, V, dtype=torch.float32, device=dev)
         self._offsets = torch.arange(B, device=dev)[None]
+        self._rows_out = self._rows if drafter is not None else None
 
     # --- the steps (fixed shapes; one CUDA graph each with graphs) ----------------------------------
 
@@ -112,27 +212,40 @@ class GraphEngine:
 
     def _target_step(self, t: int) -> None:
         keep = tuple(self.layer_ids) if t == self.block_size and self.drafter is not None else ()
-        x, kept = decode(
+        self._target_fn(
             self.w,
             self.cache,
             self._ids[t],
             self._slot,
             self._start,
-            kv_len=self._kv_len(t),
-            attention=self.attention,
-            keep=keep,
+            self._logits[t],
+            self._rows_out if keep else None,
+            self._kv_len(t),
+            self.attention,
+            keep,
         )
-        self._logits[t].copy_(logits(self.w, x[0]))
-        if keep:
-            self._rows.copy_(torch.cat(kept, dim=-1))
 
     def _draft_step(self) -> None:
         drafter, cache = self._need_drafter(), self._dcache
         assert cache is not None
-        drafter.write_context(self._rows, self._row_start + self._offsets, cache)
-        embeds = self.w.embed[self._block]
-        hidden = drafter.draft_block(embeds, self._block_start + self._offsets, cache, "sdpa")
-        self._draft_logits.copy_(torch.nn.functional.linear(hidden[0, 1:].to(self.w.dtype), self.w.lm_head))
+        self._draft_fn(
+            drafter,
+            cache,
+            self.w.embed,
+            self.w.lm_head,
+            self._rows,
+            self._row_start,
+            self._block,
+            self._block_start,
+            self._offsets,
+            self._draft_logits,
+        )
+
+    def _run(self, key: tuple[Any, ...], step: Callable[[], None]) -> None:
+        """One step: replayed (graphs) or called; after warm-up with compiles frozen, so that a step that
+        would compile (or a shape that was never captured) is an error, never a compile."""
+        with frozen_compiles() if self._warm and self.compiled else contextlib.nullcontext():
+            self.steps.run(key, step)
 
     def _need_drafter(self) -> DFlashDrafter:
         if self.drafter is None:
@@ -188,7 +301,7 @@ class GraphEngine:
         self._row_start.fill_(context.start)
         self._block[0, 0] = anchor
         self._block_start.fill_(context.end)
-        self.steps.run(("draft",), self._draft_step)
+        self._run(("draft",), self._draft_step)
         return self._draft_logits
 
     @torch.no_grad()
@@ -202,7 +315,7 @@ class GraphEngine:
             )
         self._ids[t].copy_(ids)
         self._start.fill_(self._length)
-        self.steps.run(("target", t), lambda: self._target_step(t))
+        self._run(("target", t), lambda: self._target_step(t))
         features = self._rows if t == self.block_size and self.drafter is not None else None
         self._open = Verified(self._logits[t], features, self._length)
         self._length += t
@@ -225,25 +338,42 @@ class GraphEngine:
     # --- warm-up -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def warm_up(self) -> dict[str, float]:
-        """Capture every step shape now (run once, then record). Returns seconds per step shape; without
-        graphs, a no-op. The writes land at positions 0 .. B-1, which every prefill writes again."""
-        if not self.graphs:
-            return {}
-        seconds: dict[str, float] = {}
+    def warm_up(self) -> WarmUp:
+        """Compile (``compile``) and capture (``graphs``) every step shape now, serially under COMPILE_LOCK,
+        around the portable compile cache when there is one; compiles are frozen afterwards. Returns
+        seconds per step shape (a ``WarmUp``: it also says whether the caches served every compile);
+        eager without graphs, a no-op. The writes land at positions 0 .. B-1, which every prefill writes
+        again."""
+        seconds = WarmUp()
+        if not (self.graphs or self.compiled):
+            return seconds
         B = self.block_size
-        shapes = [1] if B == 1 else [1, B]
-        for t in shapes:
-            t0 = time.perf_counter()
-            self._start.zero_()
-            self.steps.run(("target", t), lambda t=t: self._target_step(t))
-            torch.cuda.synchronize(self.target.device)
-            seconds[f"target [1, {t}]"] = time.perf_counter() - t0
+        steps: dict[str, tuple[tuple[Any, ...], Callable[[], None]]] = {
+            f"target [1, {t}]": (("target", t), lambda t=t: self._target_step(t)) for t in sorted({1, B})
+        }
         if self.drafter is not None:
-            t0 = time.perf_counter()
-            self._row_start.zero_()
-            self._block_start.fill_(B)
-            self.steps.run(("draft",), self._draft_step)
-            torch.cuda.synchronize(self.target.device)
-            seconds[f"draft [1, {B}]"] = time.perf_counter() - t0
+            steps[f"draft [1, {B}]"] = (("draft",), self._draft_step)
+        with COMPILE_LOCK, self._cache() as use:
+            check_not_frozen("the graphs engine's warm-up")
+            self._start.zero_()
+            if self.drafter is not None:
+                self._row_start.zero_()
+                self._block_start.fill_(B)
+            for name, (key, step) in steps.items():
+                t0 = time.perf_counter()
+                self.steps.run(key, step)  # a step that fails to compile raises one line (the region's)
+                if self.target.device.type == "cuda":
+                    torch.cuda.synchronize(self.target.device)
+                seconds[name] = time.perf_counter() - t0
+        seconds.compiled, seconds.cached, seconds.cache_loaded = use.compiled, use.cached, use.loaded
+        self._warm = True
         return seconds
+
+    @contextlib.contextmanager
+    def _cache(self) -> Iterator[CacheUse]:
+        """The portable compile cache around a compiling warm-up (loaded first, written after)."""
+        if not self.compiled:
+            yield CacheUse()
+            return
+        with portable_cache(self.compile_cache) as use:
+            yield use

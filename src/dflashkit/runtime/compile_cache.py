@@ -14,6 +14,8 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,32 +103,63 @@ def _fx_cache_misses() -> int:
     return int(counters["inductor"]["fxgraph_cache_miss"])
 
 
+def _fx_cache_hits() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_hit"])
+
+
+@dataclass
+class CacheUse:
+    """What ``portable_cache`` saw: the file loaded, and Inductor graphs compiled (cache misses) and found in
+    a cache (hits: the loaded file, or this machine's own Inductor cache) during the block."""
+
+    loaded: bool = False
+    compiled: int = 0
+    cached: int = 0
+
+    @property
+    def warm(self) -> bool:
+        """Every graph came from a cache: nothing was compiled."""
+        return self.cached > 0 and self.compiled == 0
+
+
 @contextlib.contextmanager
-def portable_cache(path: str | os.PathLike[str] | None, console: Any = None, *, save: bool = True):
+def _count(use: CacheUse) -> Iterator[CacheUse]:
+    misses, hits = _fx_cache_misses(), _fx_cache_hits()
+    yield use
+    use.compiled, use.cached = _fx_cache_misses() - misses, _fx_cache_hits() - hits
+
+
+@contextlib.contextmanager
+def portable_cache(
+    path: str | os.PathLike[str] | None, console: Any = None, *, save: bool = True
+) -> Iterator[CacheUse]:
     """Around a warm-up: load the cache file first when it exists and fits this environment, and write it
     afterwards when the warm-up compiled anything the file did not hold (``save=False``: never write, e.g.
     ranks other than 0). A cache is for speed only: one that does not fit or cannot be read or written is
-    reported, never fatal."""
+    reported, never fatal. Yields a ``CacheUse``, filled in when the block ends."""
+    use = CacheUse()
     if path is None:
-        yield
+        with _count(use):
+            yield use
         return
 
     def say(text: str) -> None:
         if console is not None:
             console.print(text)
 
-    loaded = False
     if Path(path).is_file():
         t0 = time.perf_counter()
         try:
             load_compile_cache(path)
-            loaded = True
+            use.loaded = True
             say(f"compile cache {path}: loaded in {time.perf_counter() - t0:.1f} s")
         except (CompileCacheError, OSError) as e:
             say(f"[yellow]compile cache not used: {e}[/]")
-    misses = _fx_cache_misses()
-    yield
-    if save and (not loaded or _fx_cache_misses() > misses):
+    with _count(use):
+        yield use
+    if save and (not use.loaded or use.compiled > 0):
         try:
             save_compile_cache(path)
             say(f"compile cache written to {path} ({Path(path).stat().st_size / 2**20:.1f} MiB)")

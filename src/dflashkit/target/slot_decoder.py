@@ -28,7 +28,7 @@ Everything here is shape-static for given (rows, chunk, kv_len): a step can be c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -72,6 +72,12 @@ class DecoderWeights:
     kv_heads: int
     head_dim: int
     eps: float
+    # the rotary table as real (cos, sin) pairs [max_positions, head_dim / 2, 2]: what a compiled step
+    # reads (Inductor generates no code for complex numbers)
+    rotary_pairs: Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.rotary_pairs = torch.view_as_real(self.rotary).clone()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -178,6 +184,15 @@ def apply_rotary(x: Tensor, rotary: Tensor) -> Tensor:
     return torch.view_as_real(pairs * rotary.unsqueeze(-2)).flatten(-2).to(x.dtype)
 
 
+def apply_rotary_pairs(x: Tensor, pairs: Tensor) -> Tensor:
+    """``apply_rotary`` in real arithmetic, with the table as (cos, sin) pairs [..., head_dim/2, 2]: what a
+    compiled step runs (one fused kernel; Inductor generates no code for complex numbers)."""
+    xp = x.float().reshape(*x.shape[:-1], -1, 2)
+    a, b = xp[..., 0], xp[..., 1]
+    cos, sin = pairs[..., 0].unsqueeze(-2), pairs[..., 1].unsqueeze(-2)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
 class SlotCache:
     """Keys and values of `slots` sequences (+1 scratch slot at index `slots`), one tensor pair per layer,
     [slot, position, kv head, head dim], allocated once. A slot holds one sequence at a time; positions
@@ -254,7 +269,9 @@ def decode(
     positions = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
         max=cache.capacity - 1
     )
-    rotary = w.rotary[positions]  # [R, C, head_dim/2]
+    compiling = torch.compiler.is_compiling()
+    rotate = apply_rotary_pairs if compiling else apply_rotary
+    rotary = (w.rotary_pairs if compiling else w.rotary)[positions]  # [R, C, head_dim/2 (, 2)]
     x = w.embed[tokens]  # [R, C, hidden]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     plan = _flash_plan if attention == "flash" else _sdpa_plan
@@ -270,7 +287,7 @@ def decode(
                 [rms_norm(qk[:, :, :nq], layer.q_norm, w.eps), rms_norm(qk[:, :, nq:], layer.k_norm, w.eps)],
                 dim=2,
             )
-        qk = apply_rotary(qk, rotary)  # queries and keys turned in one pass
+        qk = rotate(qk, rotary)  # queries and keys turned in one pass
         cache.k[i].view(-1, nk, d).index_copy_(0, rows_at, qk[:, :, nq:].reshape(-1, nk, d))
         cache.v[i].view(-1, nk, d).index_copy_(0, rows_at, v.reshape(-1, nk, d))
         out = attend(qk[:, :, :nq], cache.k[i], cache.v[i])  # [R, C, nq * d]
