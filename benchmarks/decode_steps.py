@@ -15,6 +15,20 @@ timing does not depend on the weights, so nothing has to be carried to the GPU) 
 - the floor: the target's weight bytes over the measured copy bandwidth (what a step would cost were it
   bound by memory, not by kernel launches and the host).
 
+Engines (``--engines``, side by side): ``static`` (torch.compile, CUDA-graph mode), ``graphs`` (the fused
+target forward, each step one CUDA graph of eager kernels) and ``graphs-compiled`` (the same steps compiled by
+Inductor, then captured). Start seconds: ``start_seconds`` is building the engine to the first token in this
+process, cold (the run uses a fresh, empty Inductor cache directory, so nothing compiled by an earlier run
+helps); for ``graphs-compiled``, ``warm_start_seconds`` is a second, fresh process (its own empty Inductor
+cache) that loads only the portable compile cache the first one wrote, from its spawn to its first token
+(interpreter, imports and target load included; ``warm_start_engine_seconds``: the engine to the first
+token alone). ``graphs`` compiles nothing, so its warm start is its start.
+
+The report (``$OUT/decode_steps.json``) holds the rows and the issue's summary beside them for the engine
+with the fastest autoregressive token of the first dtype: ``round_cost_ar_tokens`` (a round's cost in AR
+tokens), ``ar_tok_s``, ``warm_start_s``; ``tree_tau_gain`` and ``cpu_round_cost_ar_tokens`` come from other
+measurements: kept from ``benchmarks/results/decode_steps.json`` when it has them, else null.
+
     python benchmarks/decode_steps.py                  # GPU
     python benchmarks/decode_steps.py --smoke          # CPU, tiny random target, eager
 """
@@ -22,6 +36,8 @@ timing does not depend on the weights, so nothing has to be carried to the GPU) 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import tempfile
@@ -32,10 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fanout import TARGET_SHAPES, make_target  # noqa: E402  (the random target)
-from report import write_report  # noqa: E402
+from report import print_result, run_child, write_report  # noqa: E402
 
 SMOKE_SHAPE = "tiny"
 TAUS = (1.5, 2.0, 3.0, 4.0)
+GRAPH_ENGINES = {"graphs": False, "graphs-compiled": True}  # name -> compile the steps
+RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
+CARRIED = ("tree_tau_gain", "cpu_round_cost_ar_tokens")  # summary keys other measurements fill
 
 
 def timed(fn, n: int, device) -> float:
@@ -66,23 +85,69 @@ def copy_bandwidth(device) -> float | None:
     return 2 * x.numel() / (ms / 1e3)  # read + write
 
 
-def measure(target, drafter, engine_name: str, args, device) -> dict:
+def build_engine(engine_name: str, target, drafter, args, capacity: int, cache: Path | None):
+    """The engine and its warm-up (seconds per step shape; a graphs engine's says how the caches served it)."""
+    from dflashkit.infer.engine import ready_engine
+    from dflashkit.infer.graph_engine import GraphEngine
+
+    if engine_name in GRAPH_ENGINES:
+        compiled = GRAPH_ENGINES[engine_name]
+        engine = GraphEngine(
+            target,
+            drafter,
+            capacity=capacity,
+            graphs=args.compile,
+            compile=compiled,
+            compile_cache=cache if compiled else None,
+        )
+        return engine, engine.warm_up()
+    return ready_engine(engine_name, target, drafter, capacity=capacity, compile=args.compile)
+
+
+def the_prompt(target, args) -> list[int]:
     import torch
 
-    from dflashkit.infer.engine import ready_engine
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(100, target.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
+
+
+def first_token(target, drafter, engine_name: str, args, cache: Path | None):
+    """Build the engine and decode one token: (engine, warm-up, seconds from building to the first token)."""
+    from dflashkit.infer.speculative import autoregressive_generate
+
+    prompt = the_prompt(target, args)
+    capacity = args.prompt_len + max(args.tokens, args.calls) + drafter.config.block_size
+    t0 = time.perf_counter()
+    engine, warm = build_engine(engine_name, target, drafter, args, capacity, cache)
+    first = autoregressive_generate(
+        target, prompt, 1, layer_ids=drafter.config.target_layer_ids, engine=engine
+    )
+    return engine, warm, time.perf_counter() - t0 - first.seconds + first.prefill_seconds
+
+
+def cache_report(warm) -> dict:
+    """How the compile caches served a graphs engine's warm-up (empty for other engines)."""
+    if not hasattr(warm, "cache_warm"):
+        return {}
+    return {
+        "compile_cache_loaded": warm.cache_loaded,
+        "compile_cache_warm": warm.cache_warm,
+        "graphs_compiled": warm.compiled,
+        "graphs_from_cache": warm.cached,
+    }
+
+
+def measure(target, drafter, engine_name: str, args, device, cache: Path | None = None) -> dict:
+    import torch
+
     from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
 
     B = drafter.config.block_size
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, target.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
-    capacity = args.prompt_len + max(args.tokens, args.calls) + B
-    t0 = time.perf_counter()
-    engine, warm = ready_engine(engine_name, target, drafter, capacity=capacity, compile=args.compile)
+    prompt = the_prompt(target, args)
     layer_ids = drafter.config.target_layer_ids
     with torch.no_grad():
-        # the warm start: building the engine (compile or capture every step shape) to the first token
-        first = autoregressive_generate(target, prompt, 1, layer_ids=layer_ids, engine=engine)
-        start_seconds = time.perf_counter() - t0 - first.seconds + first.prefill_seconds
+        # the start: building the engine (compile or capture every step shape) to the first token
+        engine, warm, start_seconds = first_token(target, drafter, engine_name, args, cache)
         # the loops, as decode_speed.py times them (prefill excluded); first a short warm-up of each
         autoregressive_generate(target, prompt, 8, layer_ids=layer_ids, engine=engine)
         speculative_generate(target, drafter, prompt, 8, engine=engine)
@@ -118,8 +183,9 @@ def measure(target, drafter, engine_name: str, args, device) -> dict:
         calls[f"draft [1, {B}]"] = timed(lambda: engine.draft(context, prompt[-1]), args.calls, device)
     return {
         "engine": engine_name,
-        "warmup_seconds": warm,
+        "warmup_seconds": dict(warm),
         "start_seconds": start_seconds,
+        **cache_report(warm),
         "ms_per_ar_token": token_ms,
         "ms_per_spec_round": round_ms,
         "random_drafter_tau": sum(taus) / len(taus),
@@ -141,40 +207,44 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per loop")
     ap.add_argument("--repeats", type=int, default=3, help="loops of each kind (median)")
     ap.add_argument("--calls", type=int, default=200, help="timed engine calls of each kind (median)")
-    ap.add_argument("--engines", default="static,graphs", help="engines to measure, side by side")
+    ap.add_argument(
+        "--engines", default="static,graphs,graphs-compiled", help="engines to measure, side by side"
+    )
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--no-warm-start", action="store_true", help="skip the second process (graphs-compiled)")
+    # the warm-start child (internal): a fresh process that loads the portable compile cache
+    ap.add_argument("--warm-start-child", metavar="CACHE", help=argparse.SUPPRESS)
+    ap.add_argument("--target-folder", help=argparse.SUPPRESS)
+    ap.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.warm_start_child:
+        print_result(warm_start_child(args))
+        return
+    # cold starts: a fresh Inductor cache directory for this run (an earlier run's kernels would hide the compile)
+    inductor_dir = tempfile.mkdtemp(prefix="decode-steps-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
 
     import torch
 
-    from dflashkit.model.config import config_for_target, default_target_layer_ids
-    from dflashkit.model.drafter import DFlashDrafter
     from dflashkit.runtime import fingerprint
-    from dflashkit.target.hf import TargetModel
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     args.compile = device.type == "cuda"
     if args.smoke:
         args.shape, args.tokens, args.repeats, args.calls, args.target_layers = SMOKE_SHAPE, 24, 1, 3, 2
+    engines = args.engines.split(",")
+    if args.smoke and "graphs-compiled" in engines:
+        print("--smoke: graphs-compiled left out (a CPU compile of every step takes minutes)")
+        engines.remove("graphs-compiled")
     bandwidth = copy_bandwidth(device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype_name in args.dtypes.split(","):
-            dtype = getattr(torch, dtype_name)
             folder = make_target(args.shape, Path(tmp) / dtype_name, dtype_name, device=device.type)
-            target = TargetModel.load(folder, dtype=dtype, device=device)
-            L = target.num_layers
-            cfg = config_for_target(
-                target.config,
-                num_layers=args.layers,
-                block_size=args.block,
-                mask_token_id=target.vocab_size - 1,
-                target_layer_ids=default_target_layer_ids(L, args.target_layers),
-            )
-            torch.manual_seed(0)
-            drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+            target, drafter = load_models(folder, dtype_name, args, device)
             weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
-            for engine_name in args.engines.split(","):
+            for engine_name in engines:
+                cache = Path(tmp) / f"{dtype_name}-{engine_name}.compile-cache"
                 row = {
                     "dtype": dtype_name,
                     "device": device.type,
@@ -182,10 +252,11 @@ def main() -> None:
                     "block_size": args.block,
                     "drafter_layers": args.layers,
                     "compiled": args.compile,
-                    **measure(target, drafter, engine_name, args, device),
+                    **measure(target, drafter, engine_name, args, device, cache),
                     "target_weight_bytes": weight_bytes,
                     "memory_floor_ms": weight_bytes / bandwidth * 1e3 if bandwidth else None,
                 }
+                row.update(warm_start(engine_name, row, folder, dtype_name, cache, args))
                 rows.append(row)
                 print(
                     f"{dtype_name} {engine_name}: start {row['start_seconds']:.1f} s; warm-up "
@@ -198,7 +269,7 @@ def main() -> None:
     B = args.block
     print()
     print(
-        f"{'dtype':9} {'engine':7} {'start s':>7} {'AR ms/tok':>9} {'round ms':>8} {'t[1,1]':>7} {f't[1,{B}]':>7} {'draft':>7} "
+        f"{'dtype':9} {'engine':15} {'start s':>7} {'warm s':>6} {'AR ms/tok':>9} {'round ms':>8} {'t[1,1]':>7} {f't[1,{B}]':>7} {'draft':>7} "
         f"{'glue':>6} {'break-even tau':>14} "
         + " ".join(f"{f'x@{t:g}':>6}" for t in (*TAUS, B))
         + f" {'floor ms':>8}"
@@ -206,23 +277,133 @@ def main() -> None:
     for r in rows:
         c = r["calls_ms"]
         print(
-            f"{r['dtype']:9} {r['engine']:7} {r['start_seconds']:7.1f} {r['ms_per_ar_token']:9.3f} {r['ms_per_spec_round']:8.3f} "
+            f"{r['dtype']:9} {r['engine']:15} {r['start_seconds']:7.1f} {fmt(r['warm_start_seconds'], 6, 1)} "
+            f"{r['ms_per_ar_token']:9.3f} {r['ms_per_spec_round']:8.3f} "
             f"{c['target [1, 1]']:7.3f} {c[f'target [1, {B}]']:7.3f} {c[f'draft [1, {B}]']:7.3f} "
             f"{r['host_and_glue_ms']:6.3f} {r['break_even_tau']:14.2f} "
             + " ".join(f"{v:5.2f}x" for v in r["speedup_at_tau"].values())
             + (f" {r['memory_floor_ms']:8.3f}" if r["memory_floor_ms"] else f" {'-':>8}")
         )
     fp = fingerprint.collect()
+    summary = issue_summary(rows, args.dtypes.split(",")[0], previous_results())
+    print("summary:", json.dumps(summary))
     write_report(
         "decode_steps.json",
         {
             "rows": rows,
+            **summary,
             "copy_bytes_per_s": bandwidth,
             "torch": fp["torch"],
             "gpu": fp["gpu"],
             "time": time.time(),
         },
     )
+
+
+def fmt(value: float | None, width: int, digits: int) -> str:
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
+def load_models(folder: Path, dtype_name: str, args, device):
+    """The random target saved in ``folder`` and a random drafter of the configured shape."""
+    import torch
+
+    from dflashkit.model.config import config_for_target, default_target_layer_ids
+    from dflashkit.model.drafter import DFlashDrafter
+    from dflashkit.target.hf import TargetModel
+
+    dtype = getattr(torch, dtype_name)
+    target = TargetModel.load(folder, dtype=dtype, device=device)
+    cfg = config_for_target(
+        target.config,
+        num_layers=args.layers,
+        block_size=args.block,
+        mask_token_id=target.vocab_size - 1,
+        target_layer_ids=default_target_layer_ids(target.num_layers, args.target_layers),
+    )
+    torch.manual_seed(0)
+    return target, DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+
+
+def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache: Path, args) -> dict:
+    """The warm start of an engine: for graphs-compiled a second process, with an empty Inductor cache of its
+    own, that loads the portable compile cache this one wrote; an engine that compiles nothing starts the
+    same every time; the static engine's is not measured here (None)."""
+    if engine_name == "graphs":
+        return {"warm_start_seconds": row["start_seconds"]}
+    if engine_name != "graphs-compiled" or args.no_warm_start or not cache.is_file():
+        return {"warm_start_seconds": None}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-start-child", str(cache)]
+    cmd += ["--target-folder", str(folder), "--dtypes", dtype_name, "--shape", args.shape]
+    cmd += [
+        "--layers",
+        str(args.layers),
+        "--block",
+        str(args.block),
+        "--target-layers",
+        str(args.target_layers),
+    ]
+    cmd += ["--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--calls", str(args.calls)]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="decode-steps-warm-")}
+    out = run_child([*cmd, "--spawned-at", repr(time.time())], env, 540)
+    print(f"{dtype_name} {engine_name} warm start (second process): {json.dumps(out)}")
+    return {
+        "warm_start_seconds": out.get("process_to_first_token_seconds"),
+        "warm_start_engine_seconds": out.get("engine_to_first_token_seconds"),
+        "warm_start": out,
+    }
+
+
+def warm_start_child(args) -> dict:
+    """In a fresh process: load the models, build the compiled graphs engine around the portable cache,
+    decode one token. Seconds from the parent's spawn and from building the engine to that token."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.compile = device.type == "cuda"
+    target, drafter = load_models(Path(args.target_folder), args.dtypes, args, device)
+    with torch.no_grad():
+        _, warm, engine_seconds = first_token(
+            target, drafter, "graphs-compiled", args, Path(args.warm_start_child)
+        )
+    return {
+        "process_to_first_token_seconds": time.time() - args.spawned_at,
+        "engine_to_first_token_seconds": engine_seconds,
+        "warmup_seconds": dict(warm),
+        **cache_report(warm),
+    }
+
+
+def previous_results() -> dict:
+    """The committed results (for the summary values other measurements fill); {} when unreadable."""
+    try:
+        return json.loads(RESULTS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def issue_summary(rows: list[dict], dtype: str, previous: dict) -> dict:
+    """The issue's keyed figures for the engine with the fastest autoregressive token in ``dtype``; the keys
+    this run does not measure are kept from the previous results, else null (never made up)."""
+    mine = [r for r in rows if r["dtype"] == dtype]
+    summary: dict = {k: previous.get(k) for k in CARRIED}
+    if not mine:
+        return {
+            "summary_engine": None,
+            "round_cost_ar_tokens": None,
+            "ar_tok_s": None,
+            "warm_start_s": None,
+            **summary,
+        }
+    best = min(mine, key=lambda r: r["ms_per_ar_token"])
+    return {
+        "summary_engine": best["engine"],
+        "summary_dtype": dtype,
+        "round_cost_ar_tokens": best["ms_per_spec_round"] / best["ms_per_ar_token"],
+        "ar_tok_s": 1e3 / best["ms_per_ar_token"],
+        "warm_start_s": best.get("warm_start_seconds"),
+        **summary,
+    }
 
 
 if __name__ == "__main__":
