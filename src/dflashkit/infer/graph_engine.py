@@ -242,9 +242,10 @@ class GraphEngine:
         )
 
     def _run(self, key: tuple[Any, ...], step: Callable[[], None]) -> None:
-        """One step: replayed (graphs) or called; after warm-up with compiles frozen, so that a step that
-        would compile (or a shape that was never captured) is an error, never a compile."""
-        with frozen_compiles() if self._warm and self.compiled else contextlib.nullcontext():
+        """One step: replayed (graphs: a warmed step is a replay, which cannot compile) or called; compiled
+        steps called after warm-up run with compiles frozen, so that one that would compile is an error."""
+        frozen = self._warm and self.compiled and not self.graphs
+        with frozen_compiles() if frozen else contextlib.nullcontext():
             self.steps.run(key, step)
 
     def _need_drafter(self) -> DFlashDrafter:
