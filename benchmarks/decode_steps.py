@@ -164,10 +164,14 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
         )
         taus = [t for s in sp for t in s.accept_lengths]
 
-        # the engine calls alone, from the end of the prompt: each verify keeps one token (a rejected round),
-        # so the cache grows by one per call (a static step's cost does not depend on where it writes)
+        # the engine calls alone, from the end of the prompt: each verify keeps one token (a rejected round;
+        # a one-token verify is an autoregressive step, which keeps its token without keep(): the graphs
+        # engine computes no features for it), so the cache grows by one per call (a static step's cost does
+        # not depend on where it writes)
         def verify(ids):
-            engine.keep(engine.verify(ids), [0])
+            verified = engine.verify(ids)
+            if ids.shape[1] > 1:
+                engine.keep(verified, [0])
 
         def after_prompt():
             return engine.prefill(torch.tensor([prompt], device=device))[1]

@@ -110,7 +110,7 @@ def draft_step(
 
 # One compiled region per step function, shared by every engine of the process (a graph per shape, guarded on
 # the buffers' shapes: an engine with the same shapes reuses it). Creating them compiles nothing.
-_OFF = "GraphEngine(compile=False), the eager graphs engine"
+_OFF = "--engine dynamic or static, or GraphEngine(compile=False): the eager graphs steps"
 TARGET_STEP = CompiledRegion(
     target_step, "the graphs engine's target step", warm_with="GraphEngine.warm_up()", off_switch=_OFF
 )
