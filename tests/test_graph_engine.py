@@ -4,6 +4,7 @@ dynamic engine in fp32: eager with exact attention widths, and with the fixed sh
 import pytest
 import torch
 
+import test_engine
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.engine import DynamicEngine, make_engine, ready_engine
 from dflashkit.infer.graph_engine import GraphEngine
@@ -14,21 +15,9 @@ from dflashkit.target.embedded import MASK_TOKEN_ID
 from dflashkit.target.hf import TargetModel
 from test_engine import LAYERS, ScriptedDrafts, prompts
 
-B = 4
+target, drafter = test_engine.target, test_engine.drafter  # the same module-scoped fixtures (B = 4)
 
-
-@pytest.fixture(scope="module")
-def target():
-    return TargetModel.load("embedded")
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    cfg = config_for_target(
-        target.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
-    )
-    torch.manual_seed(1)
-    return DFlashDrafter(cfg).eval()
+B = test_engine.B
 
 
 @pytest.mark.parametrize("fixed_shapes", [False, True])
