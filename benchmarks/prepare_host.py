@@ -32,7 +32,9 @@ from report import write_report  # noqa: E402
 SHAPES: dict[str, dict[str, int]] = {
     # the embedded target's vocabulary on a tiny body: the device work is small, the host's is real
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9),
+    "smollm2-135m": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9
+    ),
 }
 
 
@@ -64,7 +66,9 @@ def make_jobs(records: int, seed: int) -> list[Any]:
     return jobs
 
 
-def run_once(model: Any, tokenizer: Any, jobs: list[Any], args: Any, prof: cProfile.Profile | None) -> dict[str, Any]:
+def run_once(
+    model: Any, tokenizer: Any, jobs: list[Any], args: Any, prof: cProfile.Profile | None
+) -> dict[str, Any]:
     from dflashkit.data.generator import SlotGenerator, SlotSettings
     from dflashkit.data.regenerate import GenerationSettings, eos_token_ids, regenerate
 
@@ -95,7 +99,9 @@ def run_once(model: Any, tokenizer: Any, jobs: list[Any], args: Any, prof: cProf
         "prefill_seconds": x["prefill_seconds"],
         "host_seconds": x["host_seconds"],
         "decode_steps": x["decode_steps"],
-        "host_ms_per_look": round(1e3 * x["host_seconds"] / max(1, x["decode_steps"] / backend.sync_every), 3),
+        "host_ms_per_look": round(
+            1e3 * x["host_seconds"] / max(1, x["decode_steps"] / backend.sync_every), 3
+        ),
     }
 
 
@@ -115,7 +121,9 @@ def main() -> int:
     )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N functions (cumulative)")
+    ap.add_argument(
+        "--cprofile", type=int, default=0, metavar="N", help="print the top N functions (cumulative)"
+    )
     args = ap.parse_args()
     import torch
 
