@@ -7,7 +7,7 @@ share (everything between decode steps and prefill passes) shows.
     python benchmarks/prepare_host.py --cprofile 30         # + the host's top functions (cumulative)
 
 Records: chitchat first turns and ShareGPT conversations of up to two turns, sampled (temperature 0.7,
-top-p 0.95) as the GPU recipe samples them. Reported (median of --repeat runs): new tokens, seconds, new
+top-p 0.95) as the GPU recipe samples them (--temperature 0: greedy). Reported (median of --repeat runs): new tokens, seconds, new
 tokens/s, and the manifest's split (decode, prefill, host seconds). Writes $OUT/prepare_host.json.
 """
 
@@ -54,7 +54,7 @@ def make_model(shape: str, vocab: int) -> Any:
     return LlamaForCausalLM(config).eval()
 
 
-def make_jobs(records: int, seed: int) -> list[Any]:
+def make_jobs(records: int, seed: int, temperature: float) -> list[Any]:
     from dflashkit.data.regenerate import Job, record_id
     from dflashkit.data.sources import load_prompts, select_prompts
 
@@ -62,7 +62,11 @@ def make_jobs(records: int, seed: int) -> list[Any]:
     for name, share, samples in (("chitchat", 0.5, 2), ("sharegpt", 0.5, 4)):
         n = int(records * share) // samples
         prompts = select_prompts(load_prompts(name, max_turns=2).prompts, n, seed)
-        jobs += [Job(record_id(p.id, k), p, name, k, 0.7, 0.95) for p in prompts for k in range(samples)]
+        jobs += [
+            Job(record_id(p.id, k), p, name, k, temperature, 0.95 if temperature else 1.0)
+            for p in prompts
+            for k in range(samples)
+        ]
     return jobs
 
 
@@ -70,6 +74,7 @@ def run_once(
     model: Any, tokenizer: Any, jobs: list[Any], args: Any, prof: cProfile.Profile | None
 ) -> dict[str, Any]:
     from dflashkit.data.generator import SlotGenerator, SlotSettings
+    from dflashkit.data.parallel import TokenizerPool
     from dflashkit.data.regenerate import GenerationSettings, eos_token_ids, regenerate
 
     eos = eos_token_ids(model, tokenizer)
@@ -80,12 +85,13 @@ def run_once(
         steps_per_sync=args.steps_per_sync,
     )
     gen = GenerationSettings(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    pool = TokenizerPool(tokenizer)  # as `prepare` makes it: later rounds rendered in batches
     backend = SlotGenerator.create(model, eos, settings, fixed_shapes=not args.exact_shapes)
     with tempfile.TemporaryDirectory() as d:
         if prof is not None:
             prof.enable()
         t0 = time.perf_counter()
-        stats = regenerate(jobs, backend, tokenizer, Path(d) / "cache.jsonl", gen, progress=False)
+        stats = regenerate(jobs, backend, tokenizer, Path(d) / "cache.jsonl", gen, progress=False, pool=pool)
         seconds = time.perf_counter() - t0
         if prof is not None:
             prof.disable()
@@ -98,6 +104,7 @@ def run_once(
         "decode_seconds": x["decode_seconds"],
         "prefill_seconds": x["prefill_seconds"],
         "host_seconds": x["host_seconds"],
+        "host_overlap_seconds": x.get("host_overlap_seconds", 0.0),
         "decode_steps": x["decode_steps"],
         "host_ms_per_look": round(
             1e3 * x["host_seconds"] / max(1, x["decode_steps"] / backend.sync_every), 3
@@ -119,6 +126,7 @@ def main() -> int:
         help="the CPU's eager steps (live slots only, one step a look) instead of the GPU's fixed shapes "
         "(all slots, --steps-per-sync steps a look)",
     )
+    ap.add_argument("--temperature", type=float, default=0.7, help="0: greedy (less device work on the CPU)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
@@ -132,7 +140,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     _, tokenizer = load_target("embedded", weights=False)
     model = make_model(args.shape, len(tokenizer))
-    jobs = make_jobs(args.records, seed=0)
+    jobs = make_jobs(args.records, seed=0, temperature=args.temperature)
     rows = []
     for i in range(args.repeat):
         prof = cProfile.Profile() if args.cprofile and i == args.repeat - 1 else None
