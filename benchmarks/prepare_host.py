@@ -7,8 +7,11 @@ share (everything between decode steps and prefill passes) shows.
     python benchmarks/prepare_host.py --cprofile 30         # + the host's top functions (cumulative)
 
 Records: chitchat first turns and ShareGPT conversations of up to two turns, sampled (temperature 0.7,
-top-p 0.95) as the GPU recipe samples them (--temperature 0: greedy). Reported (median of --repeat runs): new tokens, seconds, new
-tokens/s, and the manifest's split (decode, prefill, host seconds). Writes $OUT/prepare_host.json.
+top-p 0.95) as the GPU recipe samples them (--temperature 0: greedy); each request's reply length is its
+own (8..--max-new-tokens, fixed by its key: a random target seldom ends a reply itself). Reported per run
+and as the median of --repeat runs: new tokens, seconds, new tokens/s, the manifest's split (decode,
+prefill, host seconds; host overlap: host work done while decode steps ran). Writes
+$OUT/prepare_host.json.
 """
 
 from __future__ import annotations
@@ -52,6 +55,22 @@ def make_model(shape: str, vocab: int) -> Any:
         tie_word_embeddings=True,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def vary_reply_lengths(max_new_tokens: int) -> None:
+    """A random target seldom writes an end token, so every reply would run to max_new_tokens and all
+    slots would end together; give each request its own length instead (8..max_new_tokens, fixed by its
+    key), so that slots end and refill at staggered steps as real replies do."""
+    import zlib
+
+    from dflashkit.data import regenerate
+    from dflashkit.data.generation import Request
+
+    def request(**kw: Any) -> Request:
+        kw["max_new_tokens"] = 8 + zlib.crc32(kw["key"].encode()) % max(1, max_new_tokens - 7)
+        return Request(**kw)
+
+    regenerate.Request = request  # type: ignore[attr-defined,assignment]
 
 
 def make_jobs(records: int, seed: int, temperature: float) -> list[Any]:
@@ -140,6 +159,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     _, tokenizer = load_target("embedded", weights=False)
     model = make_model(args.shape, len(tokenizer))
+    vary_reply_lengths(args.max_new_tokens)
     jobs = make_jobs(args.records, seed=0, temperature=args.temperature)
     rows = []
     for i in range(args.repeat):

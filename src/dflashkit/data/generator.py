@@ -320,33 +320,39 @@ class SlotGenerator:
         # wall seconds: each phase up to its device sync; "overlap": host work done while decode steps ran
         clock = {"prefill": 0.0, "decode": 0.0, "overlap": 0.0}
         t0 = time.perf_counter()
-        with torch.no_grad():
-            while True:
-                live = int(self.live.sum())
-                if live == 0:  # nothing runs to hide it behind; it may ready the next rounds
-                    self._complete(ended, source, stats, on_progress)
-                free = np.flatnonzero(~self.live).tolist()
-                if len(free) > len(held):
-                    held += source.take(len(free) - len(held), idle=live == 0 and not held)
-                if held and (live == 0 or len(held) >= self._refill_at() or since_refill >= MAX_HOLD_STEPS):
-                    since_refill = 0
-                    rows = self.row_buckets[-1]
-                    for i in range(0, len(held), rows):
-                        group = held[i : i + rows]
-                        tp = time.perf_counter()
-                        done = self._start(group, free[i : i + len(group)], stats)
-                        clock["prefill"] += time.perf_counter() - tp
-                        prefills += 1
-                        ended += self._end(done)
-                    held = []
-                    continue  # replies that ended at their first token free slots and may ready new requests
-                if live == 0:
-                    break
-                since_refill += self.sync_every
-                look = self._decode_group(live, ended, source, stats, on_progress, clock)
-                steps += self.sync_every
-                busy += live * self.sync_every
-                ended += self._end(self._collect(look))
+        try:
+            with torch.no_grad():
+                while True:
+                    live = int(self.live.sum())
+                    if live == 0:  # nothing runs to hide it behind; it may ready the next rounds
+                        self._complete(ended, source, stats, on_progress)
+                    free = np.flatnonzero(~self.live).tolist()
+                    if len(free) > len(held):
+                        held += source.take(len(free) - len(held), idle=live == 0 and not held)
+                    if held and (
+                        live == 0 or len(held) >= self._refill_at() or since_refill >= MAX_HOLD_STEPS
+                    ):
+                        since_refill = 0
+                        rows = self.row_buckets[-1]
+                        for i in range(0, len(held), rows):
+                            group = held[i : i + rows]
+                            tp = time.perf_counter()
+                            done = self._start(group, free[i : i + len(group)], stats)
+                            clock["prefill"] += time.perf_counter() - tp
+                            prefills += 1
+                            ended += self._end(done)
+                        held = []
+                        continue  # replies that ended at their first token free slots and may ready new requests
+                    if live == 0:
+                        break
+                    since_refill += self.sync_every
+                    look = self._decode_group(ended, source, stats, on_progress, clock)
+                    steps += self.sync_every
+                    busy += live * self.sync_every
+                    ended += self._end(self._collect(look))
+        except KeyboardInterrupt:
+            self._complete(ended, source, stats, on_progress)  # what ended reaches the source
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats.seconds = time.perf_counter() - t0
@@ -368,7 +374,6 @@ class SlotGenerator:
 
     def _decode_group(
         self,
-        live: int,
         ended: list[tuple[Request, Reply]],
         source: RequestSource,
         stats: GenerationStats,
@@ -491,13 +496,17 @@ class SlotGenerator:
         stats: GenerationStats,
         on_progress: Callable[[int], None] | None,
     ) -> None:
-        """Hand the `ended` replies to the source (emptying the list)."""
-        written = 0
-        for req, reply in ended:
-            stats.requests += 1
-            stats.new_tokens += len(reply.ids)
-            written += len(reply.ids)
-            source.complete(req, reply)
-        ended.clear()
+        """Hand the `ended` replies to the source, emptying the list (an interruption leaves the ones not
+        handed yet; a reply whose handing it cut is not handed twice)."""
+        written = handed = 0
+        try:
+            for req, reply in ended:
+                handed += 1
+                stats.requests += 1
+                stats.new_tokens += len(reply.ids)
+                written += len(reply.ids)
+                source.complete(req, reply)
+        finally:
+            del ended[:handed]
         if written and on_progress is not None:
             on_progress(written)
