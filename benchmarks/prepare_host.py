@@ -123,6 +123,7 @@ def run_once(
         "decode_seconds": x["decode_seconds"],
         "prefill_seconds": x["prefill_seconds"],
         "host_seconds": x["host_seconds"],
+        "host_source_seconds": x.get("host_source_seconds", 0.0),
         "host_overlap_seconds": x.get("host_overlap_seconds", 0.0),
         "decode_steps": x["decode_steps"],
         "host_ms_per_look": round(

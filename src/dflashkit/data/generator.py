@@ -317,18 +317,21 @@ class SlotGenerator:
         held: list[Request] = []  # taken, waiting for enough free slots to make a prefill pass worth it
         ended: list[tuple[Request, Reply]] = []  # replies not yet handed to the source
         since_refill = 0
-        # wall seconds: each phase up to its device sync; "overlap": host work done while decode steps ran
-        clock = {"prefill": 0.0, "decode": 0.0, "overlap": 0.0}
+        # wall seconds: each phase up to its device sync; "source": in the source's take and complete (part
+        # of the host's); "overlap": host work done while decode steps ran
+        clock = {"prefill": 0.0, "decode": 0.0, "source": 0.0, "overlap": 0.0}
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 while True:
                     live = int(self.live.sum())
                     if live == 0:  # nothing runs to hide it behind; it may ready the next rounds
-                        self._complete(ended, source, stats, on_progress)
+                        self._complete(ended, source, stats, on_progress, clock)
                     free = np.flatnonzero(~self.live).tolist()
                     if len(free) > len(held):
+                        ts = time.perf_counter()
                         held += source.take(len(free) - len(held), idle=live == 0 and not held)
+                        clock["source"] += time.perf_counter() - ts
                     if held and (
                         live == 0 or len(held) >= self._refill_at() or since_refill >= MAX_HOLD_STEPS
                     ):
@@ -351,7 +354,7 @@ class SlotGenerator:
                     busy += live * self.sync_every
                     ended += self._end(self._collect(look))
         except KeyboardInterrupt:
-            self._complete(ended, source, stats, on_progress)  # what ended reaches the source
+            self._complete(ended, source, stats, on_progress, clock)  # what ended reaches the source
             raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -366,7 +369,9 @@ class SlotGenerator:
             "decode_seconds": round(clock["decode"], 3),
             # the rest: collecting tokens, ending replies, the source's work (rendering, records, disk)
             "host_seconds": round(stats.seconds - clock["prefill"] - clock["decode"], 3),
-            # ...of which done while decode steps were in flight (on a GPU the device ran them meanwhile;
+            # ...of which in the source (`take`, `complete`: rendering prompts, detokenising, records, disk)
+            "host_source_seconds": round(clock["source"], 3),
+            # ...and done while decode steps were in flight (on a GPU the device ran them meanwhile;
             # on the CPU steps run eagerly, so nothing overlaps)
             "host_overlap_seconds": round(clock["overlap"], 3),
         }
@@ -392,7 +397,7 @@ class SlotGenerator:
             self.ring[k].copy_(self.next)
         self.graphs.run(("look",), self._look)
         launched = time.perf_counter()
-        self._complete(ended, source, stats, on_progress)
+        self._complete(ended, source, stats, on_progress, clock)
         tw = time.perf_counter()
         look = self.look.cpu().numpy()
         clock["decode"] += (launched - td) + (time.perf_counter() - tw)
@@ -495,10 +500,12 @@ class SlotGenerator:
         source: RequestSource,
         stats: GenerationStats,
         on_progress: Callable[[int], None] | None,
+        clock: dict[str, float],
     ) -> None:
         """Hand the `ended` replies to the source, emptying the list (an interruption leaves the ones not
         handed yet; a reply whose handing it cut is not handed twice)."""
         written = handed = 0
+        t0 = time.perf_counter()
         try:
             for req, reply in ended:
                 handed += 1
@@ -508,5 +515,6 @@ class SlotGenerator:
                 source.complete(req, reply)
         finally:
             del ended[:handed]
+            clock["source"] += time.perf_counter() - t0
         if written and on_progress is not None:
             on_progress(written)
