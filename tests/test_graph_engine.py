@@ -2,6 +2,8 @@
 dynamic engine in fp32: eager with exact attention widths, and with the fixed shapes a graph needs; chain
 and tree rounds (a kept tree path leaves the caches of a chain)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -128,15 +130,55 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu():
     assert len(engine.steps) == 3, "a step was captured after warm-up"
 
 
+@pytest.mark.gpu
+def test_graphs_engine_replays_the_tree_step_on_gpu():
+    """On CUDA in fp32: warm-up captures the tree step [1, N+1] and the keep step beside the chain's steps;
+    the replayed tree step gives the eager step's logits and features, and tree rounds (scripted: rows
+    moved; and the real drafter) decode as autoregressive decoding with the eager engine's acceptance
+    lengths; nothing is captured after warm-up."""
+    gpu = TargetModel.load("embedded", device="cuda")
+    cfg = config_for_target(
+        gpu.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
+    )
+    torch.manual_seed(1)
+    d = DFlashDrafter(cfg).cuda().eval()
+    budget = 10
+    engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget)
+    eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
+    warmed = engine.warm_up()
+    assert list(warmed)[3:] == [f"target tree [1, {budget + 1}]", f"tree keep [{budget + 1} rows]"]
+    assert len(engine.steps) == 5
+    tree = DraftTree([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
+    for e in (engine, eager):
+        e.prefill(torch.tensor([prompts(9)[0]], device="cuda"))
+    ours, theirs = engine.verify_tree(tree), eager.verify_tree(tree)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours.features, theirs.features, atol=1e-4, rtol=1e-4)
+    for prompt in prompts(5, 40):
+        ar = autoregressive_generate(gpu, prompt, 32, layer_ids=LAYERS)
+        runs = {}
+        for name, e in (("graphs", engine), ("eager", eager)):
+            script = ScriptedTree(e, prompt + ar.tokens)
+            scripted = speculative_generate(gpu, d, prompt, 32, engine=script, tree_budget=budget)
+            real = speculative_generate(gpu, d, prompt, 32, engine=e, tree_budget=budget)
+            assert scripted.tokens == real.tokens == ar.tokens, name
+            assert any(p != list(range(len(p))) for p in script.paths), name
+            runs[name] = (scripted.accept_lengths, real.accept_lengths)
+        assert runs["graphs"] == runs["eager"]
+    assert len(engine.steps) == 5, "a step was captured after warm-up"
+
+
 def test_auto_engine_is_the_fastest_lossless_one(target):
-    """--engine auto: the graphs engine on a GPU, the dynamic engine on the CPU; --help spells the same
-    choices as the engine module (without importing torch)."""
+    """--engine auto: the graphs engine on a GPU, the dynamic engine on the CPU, for chain and tree rounds;
+    --help spells the same choices as the engine module (without importing torch)."""
     from dflashkit.commands.infer import ENGINE_CHOICES
     from dflashkit.infer.engine import ENGINE_CHOICES as choices
     from dflashkit.infer.engine import resolve_engine
 
     assert choices == ENGINE_CHOICES
     assert resolve_engine("auto", target) == ("graphs" if target.device.type == "cuda" else "dynamic")
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), config=target.config)  # what auto reads
+    assert resolve_engine("auto", on_gpu) == resolve_engine("auto", on_gpu, tree_budget=8) == "graphs"
     assert resolve_engine("static", target) == "static"
 
 
