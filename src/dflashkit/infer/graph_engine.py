@@ -18,8 +18,10 @@ Steps (fixed shapes, as the static engine's):
   writes them again), then draft the block [anchor, MASK x (B-1)];
 - target tree [1, N+1] (built with ``tree_budget=N``): the root and N nodes of a ``DraftTree``, written at
   start .. start+N, each at rotary position start + depth, under a boolean mask [N+1, capacity] (the cache
-  before start, and each node's ancestors and itself); SDPA over the whole mask, as FlashAttention's varlen
-  kernel takes no arbitrary mask. Returns the nodes' logits and features, as a block does;
+  before start, and each node's ancestors and itself) that the step builds from the nodes' parents, so a
+  round sends the device one small tensor (tokens, depths, parents); SDPA over the whole mask, as
+  FlashAttention's varlen kernel takes no arbitrary mask. Returns the nodes' logits and features, as a
+  block does;
 - tree keep [N+1 rows]: after a tree, move the accepted path's K/V rows to start .. start+len(path)-1 in
   every layer (one gather and one index_copy per cache tensor), so the caches are a chain's. A path that is
   the tree's first nodes (0 .. k-1) moves nothing and runs no step.
@@ -117,9 +119,9 @@ class GraphEngine:
     def _new_tree_buffers(self, n: int) -> None:
         """The tree step's inputs and outputs for n = N+1 tokens, and the keep step's row moves."""
         dev, long = self.target.device, torch.long
-        self._tree_ids = torch.zeros(1, n, dtype=long, device=dev)
-        self._tree_positions = torch.zeros(1, n, dtype=long, device=dev)  # rotary: start + depth
-        self._tree_mask = torch.zeros(1, n, self.capacity, dtype=torch.bool, device=dev)
+        # per node: token, depth, parent (the root's and padding nodes': themselves)
+        self._tree_inputs = torch.zeros(3, n, dtype=long, device=dev)
+        self._eye = torch.eye(n, dtype=torch.float32, device=dev)
         self._tree_logits = torch.zeros(n, self.w.vocab_size, dtype=torch.float32, device=dev)
         self._tree_rows: Tensor | None = None
         if self.drafter is not None:
@@ -151,23 +153,35 @@ class GraphEngine:
             self._rows.copy_(torch.cat(kept, dim=-1))
 
     def _tree_step(self) -> None:
-        n = self._tree_ids.shape[1]
+        n = self._tree_inputs.shape[1]
         keep = tuple(self.layer_ids) if self.drafter is not None else ()
         x, kept = decode(
             self.w,
             self.cache,
-            self._tree_ids,
+            self._tree_inputs[:1],
             self._slot,
             self._start,
             kv_len=self._kv_len(n),
             attention=self.attention,
             keep=keep,
-            positions=self._tree_positions,
-            mask=self._tree_mask,
+            positions=self._start + self._tree_inputs[1:2],  # the root's position + depth
+            mask=self._tree_mask(),
         )
         self._tree_logits.copy_(logits(self.w, x[0]))
         if self._tree_rows is not None:
             self._tree_rows.copy_(torch.cat(kept, dim=-1))
+
+    def _tree_mask(self) -> Tensor:
+        """[1, N+1, capacity] bool: node i sees the cache before start and, at start .. start+N, itself and
+        its ancestors: the reflexive-transitive closure of the parent relation, by squaring (each squaring
+        doubles the levels covered)."""
+        n = self._tree_inputs.shape[1]
+        seen = ((self._eye + self._eye[self._tree_inputs[2]]) > 0).float()  # itself and its parent
+        for _ in range((n - 2).bit_length()):  # 2^k levels >= the deepest node's N
+            seen = ((seen @ seen) > 0).float()
+        at = self._cache_positions - self._start  # cache position relative to the root
+        in_tree = (seen[:, at.clamp(0, n - 1)] > 0) & (at < n)
+        return ((at < 0) | in_tree)[None]
 
     def _keep_step(self) -> None:
         """Move the cache rows ``_moves[0]`` to ``_moves[1]`` in every layer's keys and values (all rows
@@ -272,7 +286,7 @@ class GraphEngine:
             raise DflashkitError(
                 f"the graphs engine's cache of {self.capacity} positions is full; reserve() first"
             )
-        self._fill_tree(tree, start)
+        self._fill_tree(tree)
         self._start.fill_(start)
         self.steps.run(("tree", n), self._tree_step)
         features = None if self._tree_rows is None else self._tree_rows[:, : len(tree)]
@@ -295,20 +309,13 @@ class GraphEngine:
             )
         return self.tree_budget + 1
 
-    def _fill_tree(self, tree: DraftTree, start: int) -> None:
-        """The tree step's inputs: node ids, rotary positions (start + depth) and the mask (the cache before
-        start; each node's ancestors and itself at start .. start+N). Padding nodes beyond a smaller tree
-        see the cache and themselves; no node sees them."""
-        n, width = len(tree), self._tree_ids.shape[1]
+    def _fill_tree(self, tree: DraftTree) -> None:
+        """The tree step's inputs, in one copy to the device: tokens, depths and parents. Padding nodes
+        beyond a smaller tree are their own parents: they see the cache and themselves; no node sees them."""
+        n, width = len(tree), self._tree_inputs.shape[1]
         pad = [0] * (width - n)
-        inputs = torch.tensor([tree.tokens + pad, tree.depths + pad])
-        self._tree_ids.copy_(inputs[:1])
-        self._tree_positions.copy_(inputs[1:] + start)
-        nodes = torch.eye(width, dtype=torch.bool)
-        nodes[:n, :n] = tree.ancestor_mask("cpu")
-        mask = self._tree_mask[0]
-        mask.copy_((self._cache_positions < start).expand(width, -1))
-        mask[:, start : start + width].copy_(nodes)
+        parents = [0, *tree.parents[1:], *range(n, width)]
+        self._tree_inputs.copy_(torch.tensor([tree.tokens + pad, tree.depths + pad, parents]))
 
     def keep(self, verified: Verified, path: Sequence[int]) -> Context:
         n = check_kept_path(verified, self._open, path)
@@ -360,14 +367,12 @@ class GraphEngine:
     def _warm_tree(self) -> dict[str, float]:
         """Capture the tree step (over a chain of N+1 tokens at positions 0 .. N) and the keep step (every
         row onto itself)."""
-        n, dev = self._tree_ids.shape[1], self.target.device
+        n, dev = self._tree_inputs.shape[1], self.target.device
         seconds: dict[str, float] = {}
         t0 = time.perf_counter()
         self._start.zero_()
-        self._tree_ids.zero_()
-        self._tree_positions.copy_(torch.arange(n, device=dev)[None])
-        causal = self._cache_positions[None, :] <= torch.arange(n, device=dev)[:, None]
-        self._tree_mask.copy_(causal[None])
+        nodes = torch.arange(n, device=dev)
+        self._tree_inputs.copy_(torch.stack([torch.zeros_like(nodes), nodes, (nodes - 1).clamp(min=0)]))
         self.steps.run(("tree", n), self._tree_step)
         torch.cuda.synchronize(dev)
         seconds[f"target tree [1, {n}]"] = time.perf_counter() - t0
