@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import yaml  # noqa: E402
 
+from dflashkit.train.metrics import read_metrics  # noqa: E402
 from report import write_report  # noqa: E402
 
 SMOKE_DATA = [
@@ -129,18 +130,6 @@ def variant_config(cfg: dict[str, Any], variant: dict[str, Any], out_dir: Path) 
 
 # --------------------------------------------------------------------------------------------------
 # Reading the runs
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl records by step (a later record of a step wins; a torn line is skipped)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-            by_step[int(record["step"])] = record
-        except (ValueError, KeyError, TypeError):
-            continue
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def served(val: dict[str, Any]) -> float:

@@ -9,16 +9,18 @@ Reads the `val` records a training run writes to metrics.jsonl; plots the served
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout without installing
+
+from dflashkit.train.metrics import read_metrics  # noqa: E402
 
 
 def curve(path: Path) -> list[tuple[int, float, float]]:
     """(step, served-order tau, mean-over-anchors tau) of every validation record."""
     points = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(path):
         val = record.get("val")
         if val and "served_acceptance_length" in val:
             points.append((record["step"], val["served_acceptance_length"], val["acceptance_length"]))

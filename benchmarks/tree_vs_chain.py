@@ -15,7 +15,7 @@ autoregressive reply), the same for every configuration. Per set and configurati
 Writes `tree_vs_chain.json` and `tree_vs_chain.md` to --out (and to $OUT on the GPU machine).
 
     python benchmarks/tree_vs_chain.py -c configs/embedded.yaml --out runs/embedded/tree_vs_chain   # CPU
-    python benchmarks/tree_vs_chain.py --drafter DIR --data DIR --engine static --dtype bfloat16 \\
+    python benchmarks/tree_vs_chain.py --drafter DIR --data DIR --engine graphs --dtype bfloat16 \\
         --max-prompts 80 --max-new-tokens 256 --out OUT                                          # GPU
     python benchmarks/tree_vs_chain.py -c configs/embedded.yaml --smoke --out /tmp/tvc             # seconds
 """
@@ -108,7 +108,12 @@ def main() -> None:
     ap.add_argument("--data", help="the drafter's dataset folder (the held-out set)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's, else bfloat16")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--engine", default="dynamic", help="dynamic or static")
+    ap.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "dynamic", "static", "graphs"],
+        help="decode engine of every configuration: auto (graphs on a GPU, else dynamic), dynamic, static or graphs",
+    )
     ap.add_argument("--sets", default="mtbench,heldout")
     ap.add_argument("--budgets", default="8,16,32,64", help="node budgets of the trees")
     ap.add_argument("--max-prompts", type=int, default=16, help="conversations per set")
@@ -163,10 +168,11 @@ def main() -> None:
     )
     capacity = max(dec.capacity(s) for s in sets)
     capacity = -(-capacity // bench.CAPACITY_STEP) * bench.CAPACITY_STEP
-    engines = {  # one engine per configuration: a static engine warms up the tree step of its own budget
+    engines = {  # one engine per configuration: a static or graphs engine readies the tree step of its budget
         b: ready_engine(args.engine, target, drafter, capacity=capacity, tree_budget=b or None)[0]
         for b in [0, *budgets]
     }
+    engine_name = engines[0] if isinstance(engines[0], str) else engines[0].name  # auto, resolved
     stopper = Stopper(eos)
     greedy = Sampling()
     layer_ids = drafter.config.target_layer_ids
@@ -183,7 +189,7 @@ def main() -> None:
             "target": target.name,
             "drafter": "/".join(Path(args.drafter).resolve().parts[-2:]),
             "block_size": B,
-            "engine": args.engine,
+            "engine": engine_name,
             "dtype": args.dtype or "bfloat16",
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "threads": torch.get_num_threads(),

@@ -157,6 +157,127 @@ def test_reply_that_ends_at_its_first_token() -> None:
     assert {k: v.ids for k, v in source.replies.items()} == {k: v.ids[:1] for k, v in ref.items()}
 
 
+def look_reference(
+    ring: torch.Tensor, count: list[int], budget: list[int], live: list[bool]
+) -> tuple[list[int], list[bool]]:
+    """What a group of steps does to each slot, one slot and one step at a time: a live reply takes the
+    new tokens until its budget is full or it took an end token."""
+    counts, ended = list(count), [False] * len(count)
+    for s in range(len(count)):
+        if not live[s]:
+            continue
+        for t in ring[:, s].tolist():
+            if counts[s] >= budget[s]:
+                break
+            counts[s] += 1
+            if t in EOS:
+                ended[s] = True
+                break
+        ended[s] = ended[s] or counts[s] >= budget[s]
+    return counts, ended
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_look_equals_the_per_slot_rule(steps: int) -> None:
+    """The look (stop checks, lengths and ended slots for all slots at once, on the device) against the
+    per-slot rule, on edge cases (an end token at the last step of the group; the budget filled at the
+    step of an end token; an end token just past the budget; a slot not running) and random groups."""
+    gen = SlotGenerator.create(
+        tiny("llama"), EOS, SlotSettings(slots=8, capacity=64, steps_per_sync=steps), fixed_shapes=True
+    )
+    g = torch.Generator().manual_seed(7)
+    stop, go = EOS[0], 10  # an end token, a token that is not one
+    cases = []
+    if steps == 4:
+        cases.append(
+            (
+                torch.tensor(
+                    [
+                        [go, go, go, go, stop, go, go, go],
+                        [go, go, go, stop, go, go, go, go],
+                        [go, go, stop, go, go, stop, go, stop],
+                        [stop, stop, go, go, go, go, stop, go],
+                    ]
+                ),
+                [5, 1, 3, 2, 0, 4, 1, 9],  # lengths so far
+                [40, 4, 6, 5, 1, 6, 9, 20],  # budgets
+                [True, True, True, True, True, True, False, True],
+            )
+        )
+        # slot 0: end token at the last step; 1: budget full at the end token's step; 2: end at step 2 =
+        # budget's step; 3: budget full one step before the end token; 4: budget full at the first step;
+        # 5: budget full before the end token; 6: not running; 7: end token at step 2
+    for _ in range(200):
+        ring = torch.where(
+            torch.rand(steps, 8, generator=g) < 0.25,
+            torch.tensor(EOS)[torch.randint(0, len(EOS), (steps, 8), generator=g)],
+            torch.randint(0, 97, (steps, 8), generator=g),
+        )
+        count = torch.randint(1, 12, (8,), generator=g).tolist()
+        budget = [c + int(torch.randint(0, 2 * steps + 1, (), generator=g)) for c in count]
+        live = (torch.rand(8, generator=g) < 0.8).tolist()
+        live = [a and c < b for a, c, b in zip(live, count, budget, strict=True)]  # running: budget left
+        cases.append((ring, count, budget, live))
+    for ring, count, budget, live in cases:
+        gen.ring.copy_(ring)
+        gen.count_d.copy_(torch.tensor(count))
+        gen.budget_d.copy_(torch.tensor(budget))
+        gen.live_d.copy_(torch.tensor(live))
+        gen._look()
+        want_count, want_ended = look_reference(ring, count, budget, live)
+        assert gen.look[steps].tolist() == want_count, (ring, count, budget, live)
+        assert gen.look[steps + 1].bool().tolist() == want_ended, (ring, count, budget, live)
+        assert gen.count_d.tolist() == want_count
+        assert gen.live_d.tolist() == [a and not e for a, e in zip(live, want_ended, strict=True)]
+
+
+@pytest.mark.parametrize(("steps", "fixed"), [(4, True), (5, True), (1, False)])
+def test_replies_at_every_budget_and_window_boundary(steps: int, fixed: bool) -> None:
+    """Budgets 1..13 against groups of 4 and 5 steps (a reply full at the last step of a group, at its
+    first, between), many end tokens, fewer slots than requests: a slot ended in one group is refilled
+    before the next, while its reply is handed on during the next group; a second round asked from each
+    reply. Every reply equals greedy decoding."""
+    model = tiny("llama", seed=3)
+    requests = [Request(r.key, r.prompt_ids, 1 + i % 13) for i, r in enumerate(random_requests(26, seed=5))]
+    settings = SlotSettings(slots=3, capacity=96, prefill_rows=2, max_chunk=16, steps_per_sync=steps)
+    source = ListSource(requests, follow_up=True)
+    stats = SlotGenerator.create(model, EOS, settings, fixed_shapes=fixed).run(source)
+    assert len(source.replies) == 2 * len(requests) == stats.requests
+    followups = [
+        Request(r.key + "#1", r.prompt_ids + tuple(source.replies[r.key].ids) + (7, 8, 9), r.max_new_tokens)
+        for r in requests
+    ]
+    for r in requests + followups:
+        assert source.replies[r.key] == greedy_reference(model, r), r.key
+    assert stats.new_tokens == sum(len(x.ids) for x in source.replies.values())
+    x = stats.extra  # the split: decode + prefill + host = the run; the source's and the overlapped parts
+    assert abs(x["decode_seconds"] + x["prefill_seconds"] + x["host_seconds"] - stats.seconds) < 0.01
+    assert 0 <= x["host_overlap_seconds"] <= x["host_source_seconds"] <= x["host_seconds"] + 0.002
+
+
+def test_sampled_replies_depend_on_their_seeds_only() -> None:
+    """Sampled requests answered with other slot counts, groups of steps and neighbours (a greedy one
+    among them) are the same replies; other seeds give other replies."""
+    model = tiny("qwen3")
+    base = random_requests(14, seed=2)
+    sampled = [
+        Request(r.key, r.prompt_ids, 16, temperature=1.0 if i % 4 else 0.0, top_p=0.9, seed=1000 + i)
+        for i, r in enumerate(base)
+    ]
+    runs = []
+    for slots, steps, fixed in ((2, 1, False), (5, 3, True), (4, 4, True)):
+        source = ListSource(sampled if slots != 4 else sampled[::2])
+        settings = SlotSettings(slots=slots, capacity=96, prefill_rows=3, max_chunk=16, steps_per_sync=steps)
+        SlotGenerator.create(model, EOS, settings, fixed_shapes=fixed).run(source)
+        runs.append(source.replies)
+    for key, reply in runs[2].items():
+        assert runs[0][key] == runs[1][key] == reply, key
+    assert runs[0] == runs[1]
+    reseeded = ListSource([Request(r.key, r.prompt_ids, 16, 1.0, 0.9, r.seed + 1) for r in sampled])
+    SlotGenerator.create(model, EOS, SlotSettings(slots=2, capacity=96)).run(reseeded)
+    assert sum(reseeded.replies[r.key] != runs[0][r.key] for r in sampled) >= len(sampled) // 2
+
+
 def test_errors_are_clear() -> None:
     model = tiny("llama")
     gen = SlotGenerator.create(model, EOS, SlotSettings(slots=2, capacity=32, max_chunk=16))

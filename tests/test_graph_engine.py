@@ -1,35 +1,28 @@
 """The graphs engine (the fused target forward, one CUDA graph per step on a GPU) decodes exactly as the
 dynamic engine in fp32: eager with exact attention widths, with the fixed shapes a graph needs, and with
-its steps compiled (warmed up once, nothing compiled after, a second engine warm from the portable cache)."""
+its steps compiled (warmed up once, nothing compiled after, a second engine warm from the portable cache);
+chain and tree rounds (a kept tree path leaves the caches of a chain)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import test_engine
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.engine import DynamicEngine, make_engine, ready_engine
 from dflashkit.infer.graph_engine import GraphEngine
 from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
+from dflashkit.infer.tree import DraftTree
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.embedded import MASK_TOKEN_ID
 from dflashkit.target.hf import TargetModel
-from test_engine import LAYERS, ScriptedDrafts, prompts
+from test_engine import LAYERS, ScriptedDrafts, ScriptedTree, prompts
 
-B = 4
+target, drafter = test_engine.target, test_engine.drafter  # the same module-scoped fixtures (B = 4)
 
-
-@pytest.fixture(scope="module")
-def target():
-    return TargetModel.load("embedded")
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    cfg = config_for_target(
-        target.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
-    )
-    torch.manual_seed(1)
-    return DFlashDrafter(cfg).eval()
+B = test_engine.B
 
 
 @pytest.mark.parametrize("fixed_shapes", [False, True])
@@ -82,8 +75,18 @@ def test_graphs_engine_errors(target, drafter):
         speculative_generate(target, drafter, prompts(13)[0], 10, engine=engine)
     with pytest.raises(ValueError, match="take 1 or 4 tokens"):
         engine.verify(torch.zeros(1, 3, dtype=torch.long))
-    with pytest.raises(DflashkitError, match=r"verifies chains only.*\(--engine dynamic or static\)"):
+    with pytest.raises(DflashkitError, match=r"built without a tree budget: build it with tree_budget=N"):
         speculative_generate(target, drafter, prompts(5)[0], 4, engine=engine, tree_budget=4)
+    small = GraphEngine(target, drafter, capacity=24, graphs=False, tree_budget=2)
+    with pytest.raises(DflashkitError, match=r"a round of 5 needs 28: build it with capacity >= 28"):
+        speculative_generate(target, drafter, prompts(13)[0], 10, engine=small, tree_budget=4)
+    with pytest.raises(
+        DflashkitError, match=r"trees of up to 2 drafted nodes, got 3: build it with tree_budget=3"
+    ):
+        speculative_generate(target, drafter, prompts(5)[0], 4, engine=small, tree_budget=3)
+    small.prefill(torch.tensor([prompts(5)[0]]))
+    with pytest.raises(ValueError, match=r"a chain keeps its first tokens, not the path \[0, 2\]"):
+        small.keep(small.verify(torch.tensor([[1, 2, 3, 4]])), [0, 2])
     if not torch.cuda.is_available():
         with pytest.raises(DflashkitError, match="needs the target on a GPU"):
             GraphEngine(target, drafter, capacity=24, graphs=True)
@@ -117,16 +120,140 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu():
     assert len(engine.steps) == 3, "a step was captured after warm-up"
 
 
+@pytest.mark.gpu
+def test_graphs_engine_replays_the_tree_step_on_gpu():
+    """On CUDA in fp32: warm-up captures the tree step [1, N+1] and the keep step beside the chain's steps;
+    the replayed tree step gives the eager step's logits and features, and tree rounds (scripted: rows
+    moved; and the real drafter) decode as autoregressive decoding with the eager engine's acceptance
+    lengths; nothing is captured after warm-up."""
+    gpu = TargetModel.load("embedded", device="cuda")
+    cfg = config_for_target(
+        gpu.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
+    )
+    torch.manual_seed(1)
+    d = DFlashDrafter(cfg).cuda().eval()
+    budget = 10
+    engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget)
+    eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
+    warmed = engine.warm_up()
+    assert list(warmed)[3:] == [f"target tree [1, {budget + 1}]", f"tree keep [{budget + 1} rows]"]
+    assert len(engine.steps) == 5
+    tree = DraftTree([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
+    for e in (engine, eager):
+        e.prefill(torch.tensor([prompts(9)[0]], device="cuda"))
+    ours, theirs = engine.verify_tree(tree), eager.verify_tree(tree)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours.features, theirs.features, atol=1e-4, rtol=1e-4)
+    for prompt in prompts(5, 40):
+        ar = autoregressive_generate(gpu, prompt, 32, layer_ids=LAYERS)
+        runs = {}
+        for name, e in (("graphs", engine), ("eager", eager)):
+            script = ScriptedTree(e, prompt + ar.tokens)
+            scripted = speculative_generate(gpu, d, prompt, 32, engine=script, tree_budget=budget)
+            real = speculative_generate(gpu, d, prompt, 32, engine=e, tree_budget=budget)
+            assert scripted.tokens == real.tokens == ar.tokens, name
+            assert any(p != list(range(len(p))) for p in script.paths), name
+            runs[name] = (scripted.accept_lengths, real.accept_lengths)
+        assert runs["graphs"] == runs["eager"]
+    assert len(engine.steps) == 5, "a step was captured after warm-up"
+
+
 def test_auto_engine_is_the_fastest_lossless_one(target):
-    """--engine auto: the graphs engine on a GPU, the dynamic engine on the CPU; --help spells the same
-    choices as the engine module (without importing torch)."""
+    """--engine auto: the graphs engine on a GPU, the dynamic engine on the CPU, for chain and tree rounds;
+    --help spells the same choices as the engine module (without importing torch)."""
     from dflashkit.commands.infer import ENGINE_CHOICES
     from dflashkit.infer.engine import ENGINE_CHOICES as choices
     from dflashkit.infer.engine import resolve_engine
 
     assert choices == ENGINE_CHOICES
     assert resolve_engine("auto", target) == ("graphs" if target.device.type == "cuda" else "dynamic")
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), config=target.config)  # what auto reads
+    assert resolve_engine("auto", on_gpu) == resolve_engine("auto", on_gpu, tree_budget=8) == "graphs"
     assert resolve_engine("static", target) == "static"
+
+
+N_TREE = 12  # new tokens per tree generation
+
+
+@pytest.fixture(scope="module")
+def dynamic_tree_rounds(target, drafter):
+    """Per node budget: the autoregressive tokens, and the dynamic engine's tree rounds (scripted and with
+    the real drafter) of one prompt: the references of every graphs-engine variant."""
+    prompt = prompts(9)[0]
+    ar = autoregressive_generate(target, prompt, N_TREE, layer_ids=LAYERS).tokens
+    out = {}
+    for budget in (3, 10):
+        script = ScriptedTree(DynamicEngine(target, drafter), prompt + ar)
+        scripted = speculative_generate(target, drafter, prompt, N_TREE, engine=script, tree_budget=budget)
+        real = speculative_generate(target, drafter, prompt, N_TREE, tree_budget=budget)
+        assert scripted.tokens == real.tokens == ar
+        out[budget] = (scripted.accept_lengths, real.accept_lengths)
+    return prompt, ar, out
+
+
+@pytest.mark.parametrize("fixed_shapes", [False, True])
+@pytest.mark.parametrize("budget", [3, 10])
+def test_graphs_engine_tree_rounds_decode_as_autoregressive(
+    target, drafter, dynamic_tree_rounds, budget, fixed_shapes
+):
+    """Greedy tree rounds on the graphs engine give the autoregressive tokens with the dynamic engine's
+    acceptance lengths, for scripted trees (accepted branches off the tree's first nodes: rows moved) and
+    for the real drafter; one engine serves both loops."""
+    prompt, ar, reference = dynamic_tree_rounds
+    engine = GraphEngine(
+        target, drafter, capacity=48, graphs=False, fixed_shapes=fixed_shapes, tree_budget=budget
+    )
+    script = ScriptedTree(engine, prompt + ar)
+    scripted = speculative_generate(target, drafter, prompt, N_TREE, engine=script, tree_budget=budget)
+    real = speculative_generate(target, drafter, prompt, N_TREE, engine=engine, tree_budget=budget)
+    assert scripted.tokens == real.tokens == ar
+    assert (scripted.accept_lengths, real.accept_lengths) == reference[budget]
+    # a budget of 3 holds one right node (second after a wrong one), a budget of 10 two levels of them
+    assert max(scripted.accept_lengths) == (2 if budget == 3 else 3)
+    assert any(p != list(range(len(p))) for p in script.paths), "no accepted branch needed its rows moved"
+
+
+@pytest.mark.parametrize("fixed_shapes", [False, True])
+def test_a_kept_tree_path_on_the_graphs_engine_leaves_the_caches_of_a_chain(target, drafter, fixed_shapes):
+    """Verify a tree smaller than the engine's budget (padding nodes), keep a branch that is not the first
+    nodes: the target cache rows, the logits, the drafter's next context and its next draft equal those of
+    verifying that branch as a chain."""
+    prompt = torch.tensor([prompts(9)[0]])
+    #  0 - 1 - 2
+    #   \- 3 - 4 - 5     the kept branch: 0, 3, 4, 5
+    tree = DraftTree([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])
+    path, branch = [0, 3, 4, 5], torch.tensor([[900, 41, 42, 43]])
+
+    def make():
+        return GraphEngine(
+            target, drafter, capacity=32, graphs=False, fixed_shapes=fixed_shapes, tree_budget=8
+        )
+
+    engine, reference = make(), make()
+    with torch.no_grad():
+        engine.prefill(prompt)
+        verified = engine.verify_tree(tree)
+        context = engine.keep(verified, path)
+        reference.prefill(prompt)
+        chain = reference.verify(branch)  # B = 4 tokens: the block step
+        chain_context = reference.keep(chain, [0, 1, 2, 3])
+        torch.testing.assert_close(verified.logits[path], chain.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(context.features, chain_context.features, atol=1e-4, rtol=1e-4)
+        assert (context.start, context.end) == (chain_context.start, chain_context.end) == (9, 13)
+        n = 9 + len(path)
+        assert engine._length == reference._length == n
+        for mine, theirs in zip(
+            engine.cache.k + engine.cache.v, reference.cache.k + reference.cache.v, strict=True
+        ):
+            torch.testing.assert_close(mine[0, :n], theirs[0, :n], atol=1e-5, rtol=1e-5)
+        # the drafter reads the kept rows: the next draft, and the next target step, are a chain's
+        torch.testing.assert_close(
+            engine.draft(context, 17), reference.draft(chain_context, 17), atol=1e-4, rtol=1e-4
+        )
+        block = torch.tensor([[17, 5, 6, 7]])
+        torch.testing.assert_close(
+            engine.verify(block).logits, reference.verify(block).logits, atol=1e-4, rtol=1e-4
+        )
 
 
 def test_graphs_engine_compiles_on_a_gpu_only(target, drafter):

@@ -402,3 +402,53 @@ def test_one_source_flags_clash_with_a_mixture(tmp_path: Path, capsys: pytest.Ca
     assert main(["prepare", "-c", str(cfg), "--source", "sharegpt", "--temperature", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "--source, --temperature set one source" in err and "data.sources" in err
+
+
+class _EchoBackend:
+    """Answers each request, in the order the source hands them out, with ids fixed by the request's
+    prompt (the last 5 prompt tokens, then an end token on every other request): a stand-in for a
+    generator whose replies depend on the request only."""
+
+    name = "echo"
+
+    def __init__(self, eos: int, hold: int):
+        self.eos, self.hold = eos, hold
+
+    def run(self, source: Any, *, on_progress: Any = None) -> Any:
+        from dflashkit.data.generation import GenerationStats, Reply
+
+        stats, running = GenerationStats(), []
+        while True:
+            running += source.take(self.hold - len(running), idle=not running)
+            if not running:
+                return stats
+            req = running.pop(0)  # one ends, the others keep their slots (replies hand on in between)
+            ids = list(req.prompt_ids[-5:]) + ([self.eos] if len(req.prompt_ids) % 2 else [])
+            stats.requests += 1
+            source.complete(req, Reply(ids, ids[-1] == self.eos))
+
+
+def test_later_rounds_batched_or_not_give_the_same_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two- and three-round conversations: later rounds rendered as each reply arrives (1 worker) and in
+    batches that fill while replies are handed on (2 workers, a batch of 3) give the same records."""
+    from dflashkit.data import regenerate as rg
+    from dflashkit.data.parallel import TokenizerPool
+    from dflashkit.data.sources import make_prompt
+
+    _, tok = load_target("embedded", weights=False)
+    prompts = [make_prompt([f"Question {i}?", "And then?", "Why?"][: 2 + i % 2]) for i in range(9)]
+    jobs = [rg.Job(p.id, p) for p in prompts]
+    gen = rg.GenerationSettings(max_new_tokens=8)
+    monkeypatch.setattr(rg, "DEFERRED_BATCH", 3)
+    got = {}
+    for workers in (1, 2):
+        cache = tmp_path / f"cache-{workers}.jsonl"
+        pool = TokenizerPool(tok, workers=workers, min_items=10**9)  # in-process: the batching logic only
+        rg.regenerate(
+            jobs, _EchoBackend(tok.eos_token_id, hold=4), tok, cache, gen, progress=False, pool=pool
+        )
+        got[workers] = read_cache(cache)[0]
+    assert got[1] == got[2] and len(got[1]) == len(prompts)
+    assert [len(got[1][p.id]["reply_ids"]) for p in prompts] == [len(p.turns) for p in prompts]

@@ -8,8 +8,13 @@ A fixed number of slots each hold one reply in progress, in a K/V cache allocate
    reply's first token.
 2. **Decode**: one step feeds every slot's last token and samples the next, all on the device (the token
    and position of each slot stay there); ``steps_per_sync`` steps run back to back before the host looks.
-3. **Collect**: the host copies the new tokens once, appends them to the replies, and ends the replies that
-   produced an end token or reached their length; their slots are free for step 1.
+3. **Look**: on the device, in one pass over all slots, each live reply keeps its new tokens up to its first
+   end token and at most its length, and the replies that ended are marked; the host copies the new tokens,
+   the lengths and the ended marks once (one device->host copy per group of steps), appends the tokens with
+   array operations and frees the ended slots for step 1.
+4. **Complete**: the ended replies go to the source (detokenising, the next round's prompt, the cache) while
+   the device runs the next group of steps: on a GPU the steps are launched first, so that host work hides
+   behind them.
 
 Slots that finished inside a group of steps run on (their tokens are dropped) until the next refill, so a
 reply that ends early wastes at most a few steps, never a whole batch. Shapes are fixed per (kind, rows,
@@ -173,6 +178,7 @@ class SlotGenerator:
         self.w = weights
         self.settings = settings
         self.eos = np.array(sorted(set(eos_ids)), dtype=np.int64)
+        self.eos_ids = frozenset(int(t) for t in self.eos)
         self.device = weights.device
         cuda = self.device.type == "cuda"
         self.graphs = Steps(cuda and settings.cuda_graphs)
@@ -208,7 +214,16 @@ class SlotGenerator:
         self.top_p = torch.ones(s, **f32)  # type: ignore[arg-type]
         self.seed = torch.zeros(s, **i64)  # type: ignore[arg-type]
         self.next = torch.zeros(s, **i64)  # type: ignore[arg-type]
-        self.ring = torch.zeros(self.sync_every, s, **i64)  # type: ignore[arg-type]
+        # Per slot, on the device: the reply's length so far, its budget, whether it is still running.
+        self.count_d = torch.zeros(s, **i64)  # type: ignore[arg-type]
+        self.budget_d = torch.zeros(s, **i64)  # type: ignore[arg-type]
+        self.live_d = torch.zeros(s, dtype=torch.bool, device=dev)
+        self.eos_d = torch.from_numpy(self.eos).to(dev)
+        self.window = torch.arange(self.sync_every, device=dev)
+        # What the host reads after a group of steps, in one copy: the new tokens [steps, slots], then
+        # each slot's reply length, then whether it ended in this group.
+        self.look = torch.zeros(self.sync_every + 2, s, **i64)  # type: ignore[arg-type]
+        self.ring = self.look[: self.sync_every]
         self.all_slots = torch.arange(s, device=dev)
         self.zero_rows = torch.zeros(s, **i64)  # type: ignore[arg-type]
         # Prefill inputs, at the largest padded shape (steps read leading views of them).
@@ -221,10 +236,11 @@ class SlotGenerator:
         self.p_top_p = torch.ones(r, **f32)  # type: ignore[arg-type]
         self.p_seed = torch.zeros(r, **i64)  # type: ignore[arg-type]
         self.p_out = torch.zeros(r, **i64)  # type: ignore[arg-type]
-        # On the host: each slot's request, reply so far and budget.
+        # On the host: each slot's request, reply so far, whether it runs and samples.
         self.req: list[Request | None] = [None] * s
+        self.live = np.zeros(s, dtype=bool)
+        self.sampled = np.zeros(s, dtype=bool)
         self.count = np.zeros(s, dtype=np.int64)
-        self.budget = np.zeros(s, dtype=np.int64)
         self.at = np.zeros(s, dtype=np.int64)  # position of each slot's next input token
         self.out = np.zeros((s, self.capacity + self.sync_every), dtype=np.int64)
 
@@ -269,6 +285,24 @@ class SlotGenerator:
             nxt = logits.argmax(-1)
         self.p_out[:rows].copy_(nxt)
 
+    def _look(self) -> None:
+        """After a group of steps, for every slot at once: the live replies keep their new tokens up to
+        the first end token and at most their budget; lengths, ended marks and the live flags are updated
+        and written below the tokens in `look`."""
+        k = self.sync_every
+        count, budget, live = self.count_d, self.budget_d, self.live_d
+        kept = live[None, :] & (count[None, :] + self.window[:, None] < budget[None, :])  # [k, slots]
+        stop = kept & (self.ring[..., None] == self.eos_d).any(-1)
+        stopped = stop.any(0)
+        first = torch.where(stop, self.window[:, None], k).amin(0)  # the first end token's step
+        grown = torch.where(stopped, count + first + 1, torch.minimum(count + k, budget))
+        new_count = torch.where(live, grown, count)
+        ended = live & (stopped | (new_count >= budget))
+        count.copy_(new_count)
+        live.logical_and_(~ended)
+        self.look[k].copy_(new_count)
+        self.look[k + 1].copy_(ended)
+
     def _kv_len(self, needed: int) -> int:
         return bucket(needed, self.kv_buckets) if self.kv_buckets else needed
 
@@ -281,48 +315,47 @@ class SlotGenerator:
         steps = prefills = 0
         busy = 0  # slot-steps spent on live replies
         held: list[Request] = []  # taken, waiting for enough free slots to make a prefill pass worth it
+        ended: list[tuple[Request, Reply]] = []  # replies not yet handed to the source
         since_refill = 0
-        clock = {"prefill": 0.0, "decode": 0.0}  # wall seconds, each phase up to its device sync
+        # wall seconds: each phase up to its device sync; "source": in the source's take and complete (part
+        # of the host's); "overlap": host work done while decode steps ran
+        clock = {"prefill": 0.0, "decode": 0.0, "source": 0.0, "overlap": 0.0}
         t0 = time.perf_counter()
-        with torch.no_grad():
-            while True:
-                free = [s for s in range(self.settings.slots) if self.req[s] is None]
-                live = self.settings.slots - len(free)
-                if len(free) > len(held):
-                    held += source.take(len(free) - len(held), idle=live == 0 and not held)
-                if held and (live == 0 or len(held) >= self._refill_at() or since_refill >= MAX_HOLD_STEPS):
-                    since_refill = 0
-                    rows = self.row_buckets[-1]
-                    for i in range(0, len(held), rows):
-                        group = held[i : i + rows]
-                        tp = time.perf_counter()
-                        done = self._start(group, free[i : i + len(group)], stats)
-                        clock["prefill"] += time.perf_counter() - tp
-                        prefills += 1
-                        self._finish(done, source, stats, on_progress)
-                    held = []
-                    continue  # replies that ended at their first token free slots and may ready new requests
-                if live == 0:
-                    break
-                since_refill += self.sync_every
-                active = np.array([r is not None for r in self.req])
-                kv_len = self._kv_len(int(self.at[active].max()) + self.sync_every)
-                sampling = any(r is not None and r.temperature > 0 for r in self.req)
-                rows = (
-                    self.all_slots if self.pad else torch.from_numpy(np.flatnonzero(active)).to(self.device)
-                )
-                td = time.perf_counter()
-                for k in range(self.sync_every):
-                    self.graphs.run(
-                        ("decode", kv_len, sampling), partial(self._decode, kv_len, sampling, rows)
-                    )
-                    self.ring[k].copy_(self.next)
-                steps += self.sync_every
-                busy += live * self.sync_every
-                new = self.ring.cpu().numpy()
-                clock["decode"] += time.perf_counter() - td
-                done = self._collect(new, active)
-                self._finish(done, source, stats, on_progress)
+        try:
+            with torch.no_grad():
+                while True:
+                    live = int(self.live.sum())
+                    if live == 0:  # nothing runs to hide it behind; it may ready the next rounds
+                        self._complete(ended, source, stats, on_progress, clock)
+                    free = np.flatnonzero(~self.live).tolist()
+                    if len(free) > len(held):
+                        ts = time.perf_counter()
+                        held += source.take(len(free) - len(held), idle=live == 0 and not held)
+                        clock["source"] += time.perf_counter() - ts
+                    if held and (
+                        live == 0 or len(held) >= self._refill_at() or since_refill >= MAX_HOLD_STEPS
+                    ):
+                        since_refill = 0
+                        rows = self.row_buckets[-1]
+                        for i in range(0, len(held), rows):
+                            group = held[i : i + rows]
+                            tp = time.perf_counter()
+                            done = self._start(group, free[i : i + len(group)], stats)
+                            clock["prefill"] += time.perf_counter() - tp
+                            prefills += 1
+                            ended += self._end(done)
+                        held = []
+                        continue  # replies that ended at their first token free slots and may ready new requests
+                    if live == 0:
+                        break
+                    since_refill += self.sync_every
+                    look = self._decode_group(ended, source, stats, on_progress, clock)
+                    steps += self.sync_every
+                    busy += live * self.sync_every
+                    ended += self._end(self._collect(look))
+        except KeyboardInterrupt:
+            self._complete(ended, source, stats, on_progress, clock)  # what ended reaches the source
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats.seconds = time.perf_counter() - t0
@@ -336,8 +369,40 @@ class SlotGenerator:
             "decode_seconds": round(clock["decode"], 3),
             # the rest: collecting tokens, ending replies, the source's work (rendering, records, disk)
             "host_seconds": round(stats.seconds - clock["prefill"] - clock["decode"], 3),
+            # ...of which in the source (`take`, `complete`: rendering prompts, detokenising, records, disk)
+            "host_source_seconds": round(clock["source"], 3),
+            # ...and done while decode steps were in flight (on a GPU the device ran them meanwhile;
+            # on the CPU steps run eagerly, so nothing overlaps)
+            "host_overlap_seconds": round(clock["overlap"], 3),
         }
         return stats
+
+    def _decode_group(
+        self,
+        ended: list[tuple[Request, Reply]],
+        source: RequestSource,
+        stats: GenerationStats,
+        on_progress: Callable[[int], None] | None,
+        clock: dict[str, float],
+    ) -> np.ndarray:
+        """Launch `sync_every` decode steps and the look, hand the `ended` replies to the source while they
+        run, then copy the look to the host (the group's one sync). Decode seconds: launching and waiting."""
+        live_rows = self.live
+        kv_len = self._kv_len(int(self.at[live_rows].max()) + self.sync_every)
+        sampling = bool((self.sampled & live_rows).any())
+        rows = self.all_slots if self.pad else torch.from_numpy(np.flatnonzero(live_rows)).to(self.device)
+        td = time.perf_counter()
+        for k in range(self.sync_every):
+            self.graphs.run(("decode", kv_len, sampling), partial(self._decode, kv_len, sampling, rows))
+            self.ring[k].copy_(self.next)
+        self._look()  # a dozen small kernels, launched eagerly (a graph would save ~0.1 ms a look)
+        launched = time.perf_counter()
+        self._complete(ended, source, stats, on_progress, clock)
+        tw = time.perf_counter()
+        look = self.look.cpu().numpy()
+        clock["decode"] += (launched - td) + (time.perf_counter() - tw)
+        clock["overlap"] += tw - launched
+        return look
 
     def _refill_at(self) -> int:
         """Free slots that make a refill worth a prefill pass (a pass costs about as much for 1 row as
@@ -389,50 +454,67 @@ class SlotGenerator:
         self.top_p[idx] = self.p_top_p[:n]
         self.seed[idx] = self.p_seed[:n]
         first_host = first[:n].cpu().numpy()
-        done = []
-        for i, (r, s) in enumerate(zip(group, slots, strict=True)):
+        budget = np.array([r.max_new_tokens for r in group], dtype=np.int64)
+        done = np.isin(first_host, self.eos) | (budget <= 1)
+        where = np.array(slots, dtype=np.int64)
+        for r, s in zip(group, slots, strict=True):
             self.req[s] = r
-            self.out[s, 0] = first_host[i]
-            self.count[s] = 1
-            self.budget[s] = r.max_new_tokens
-            self.at[s] = lengths[i]
-            stats.prompt_tokens += lengths[i]
-            if first_host[i] in self.eos or r.max_new_tokens <= 1:
-                done.append(s)
-        return done
+        self.out[where, 0] = first_host
+        self.count[where] = 1
+        self.at[where] = lengths
+        self.live[where] = ~done
+        self.sampled[where] = [r.temperature > 0 for r in group]
+        self.count_d[idx] = 1
+        self.budget_d[idx] = torch.from_numpy(budget).to(dev)
+        self.live_d[idx] = torch.from_numpy(~done).to(dev)
+        stats.prompt_tokens += sum(lengths)
+        return where[done].tolist()
 
-    def _collect(self, new: np.ndarray, active: np.ndarray) -> list[int]:
-        """Append the tokens of the last steps ([steps, slots]) to the live replies; the slots whose
-        reply ended."""
-        k = new.shape[0]
-        cols = self.count[None, :] + np.arange(k)[:, None]  # [k, slots]
-        write = active[None, :] & (cols < self.budget[None, :])
-        slot_idx = np.broadcast_to(np.arange(new.shape[1])[None, :], new.shape)
-        self.out[slot_idx[write], cols[write]] = new[write]
-        stop = write & np.isin(new, self.eos)
-        stopped = stop.any(0)
-        grown = np.where(stopped, self.count + stop.argmax(0) + 1, np.minimum(self.count + k, self.budget))
-        self.count = np.where(active, grown, self.count)
-        self.at = np.where(active, self.at + k, self.at)
-        return [int(s) for s in np.flatnonzero(active & (stopped | (self.count >= self.budget)))]
+    def _collect(self, look: np.ndarray) -> np.ndarray:
+        """Append the tokens of the last group of steps (`look`, as `_look` wrote it) to the live replies;
+        the slots whose reply ended."""
+        k = self.sync_every
+        new, count, ended = look[:k], look[k], look[k + 1].astype(bool)
+        steps, slots = np.nonzero(np.arange(k)[:, None] < (count - self.count)[None, :])
+        self.out[slots, self.count[slots] + steps] = new[steps, slots]
+        self.at[self.live] += k
+        self.count = count.copy()
+        self.live &= ~ended
+        return np.flatnonzero(ended)
 
-    def _finish(
-        self,
-        slots: list[int],
-        source: RequestSource,
-        stats: GenerationStats,
-        on_progress: Callable[[int], None] | None,
-    ) -> None:
-        written = 0
+    def _end(self, slots: Sequence[int] | np.ndarray) -> list[tuple[Request, Reply]]:
+        """The replies of ended `slots`, which are free again."""
+        out = []
         for s in slots:
             req = self.req[s]
             assert req is not None
-            ids = self.out[s, : self.count[s]].tolist()
             self.req[s] = None
-            reply = Reply(ids, bool(ids) and ids[-1] in self.eos)
-            stats.requests += 1
-            stats.new_tokens += len(ids)
-            written += len(ids)
-            source.complete(req, reply)
+            ids = self.out[s, : self.count[s]].tolist()
+            out.append((req, Reply(ids, bool(ids) and ids[-1] in self.eos_ids)))
+        self.live[np.asarray(slots, dtype=np.int64)] = False
+        return out
+
+    def _complete(
+        self,
+        ended: list[tuple[Request, Reply]],
+        source: RequestSource,
+        stats: GenerationStats,
+        on_progress: Callable[[int], None] | None,
+        clock: dict[str, float],
+    ) -> None:
+        """Hand the `ended` replies to the source, emptying the list (an interruption leaves the ones not
+        handed yet; a reply whose handing it cut is not handed twice)."""
+        written = handed = 0
+        t0 = time.perf_counter()
+        try:
+            for req, reply in ended:
+                handed += 1
+                stats.requests += 1
+                stats.new_tokens += len(reply.ids)
+                written += len(reply.ids)
+                source.complete(req, reply)
+        finally:
+            del ended[:handed]
+            clock["source"] += time.perf_counter() - t0
         if written and on_progress is not None:
             on_progress(written)

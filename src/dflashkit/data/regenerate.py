@@ -257,7 +257,9 @@ class Conversations:
         )
         if len(conv.replies) < len(conv.job.prompt.turns):
             self._deferred.append(conv)
-            if self.pool.workers < 2:  # nothing to gain from batching
+            # a full batch is rendered here, not in `take`: a backend hands replies on while its device
+            # decodes, so this work hides behind the device's
+            if self.pool.workers < 2 or len(self._deferred) >= DEFERRED_BATCH:  # (1 worker: nothing to batch)
                 self._render_deferred()
         else:
             self._finished.append(_record(conv))

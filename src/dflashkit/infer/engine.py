@@ -31,8 +31,11 @@ Engines:
   With ``compile=True`` each step compiles once per shape through ``CompiledRegion`` (CUDA graphs on a
   GPU: one launch per step) during ``warm_up()``, and runs with compiles frozen after it. The prefill
   (any prompt length) runs eagerly.
+- ``"graphs"`` (``GraphEngine``, ``dflashkit.infer.graph_engine``): the same preallocated caches and
+  fixed-shape steps, the tree step [1, N+1] included when built with ``tree_budget``, on the fused target
+  forward of ``dflashkit.target.slot_decoder``, each step captured once as a CUDA graph on a GPU.
 
-In fp32 greedy outputs and acceptance lengths are token for token the same on both engines (tested).
+In fp32 greedy outputs and acceptance lengths are token for token the same on all engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
 mask), so their outputs may part after a near tie, as bf16 speculative and AR outputs already do. An
 engine object holds the state of one generation at a time; reuse it for the next prompt (``prefill``
@@ -422,8 +425,8 @@ def make_engine(
     backend: str = "sdpa",
     tree_budget: int | None = None,
 ) -> Engine:
-    """An engine by name ("dynamic" or "static"; a static one needs ``capacity``), or ``name`` itself
-    when it already is an engine (checked to serve this target and drafter)."""
+    """An engine by name ("dynamic", "static" or "graphs"; the last two need ``capacity``), or ``name``
+    itself when it already is an engine (checked to serve this target and drafter)."""
     if not isinstance(name, str):
         if name.target is not target or (drafter is not None and name.drafter is not drafter):
             raise DflashkitError(f"this {name.name} engine was built for another target or drafter")
@@ -445,17 +448,19 @@ def make_engine(
     if name == "graphs":
         if capacity is None:
             raise ValueError("a graphs engine needs its capacity (prompt + max_new_tokens + block)")
-        return GraphEngine(target, drafter, capacity=capacity, layer_ids=layer_ids, graphs=compile)
+        return GraphEngine(
+            target, drafter, capacity=capacity, layer_ids=layer_ids, graphs=compile, tree_budget=tree_budget
+        )
     raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
 
 
 def resolve_engine(name: str, target: TargetModel, tree_budget: int | None = None) -> str:
     """ "auto" is the fastest lossless engine for this target: "graphs" on a GPU for the decoder families
-    its fused forward reproduces exactly, else "dynamic" (the reference, any target). Tree rounds
-    (``tree_budget``) run on the dynamic engine: the graphs engine verifies chains only."""
+    its fused forward reproduces exactly, chain and tree rounds alike (``tree_budget``: its tree step is
+    built for that budget), else "dynamic" (the reference, any target)."""
     if name != "auto":
         return name
-    if target.device.type != "cuda" or tree_budget:
+    if target.device.type != "cuda":
         return "dynamic"
     try:
         check_supported(target.config)
@@ -473,10 +478,10 @@ def ready_engine(
     compile: bool | None = None,
     tree_budget: int | None = None,
 ) -> tuple[str | Engine, dict[str, float]]:
-    """What the commands and benchmarks decode with: "dynamic" (an engine per call), or one static engine
-    of this capacity, compiled and warmed up (compiles then frozen) when ``compile`` is True, or None and
-    the target is on a GPU; ``tree_budget``: its tree step is warmed up too. Returns it and the warm-up
-    seconds per step shape."""
+    """What the commands and benchmarks decode with: "dynamic" (an engine per call), or one static or
+    graphs engine of this capacity, compiled and warmed up (compiles then frozen; graphs: captured) when
+    ``compile`` is True, or None and the target is on a GPU; ``tree_budget``: its tree step is warmed up
+    too. Returns it and the warm-up seconds per step shape."""
     name = resolve_engine(name, target, tree_budget)
     if name not in ENGINES:
         raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
@@ -485,7 +490,9 @@ def ready_engine(
     if compile is None:
         compile = target.device.type == "cuda"
     if name == "graphs":
-        graph_engine = GraphEngine(target, drafter, capacity=capacity, graphs=compile)
+        graph_engine = GraphEngine(
+            target, drafter, capacity=capacity, graphs=compile, tree_budget=tree_budget
+        )
         return graph_engine, graph_engine.warm_up()
     engine = StaticEngine(target, drafter, capacity=capacity, compile=compile, tree_budget=tree_budget)
     return engine, engine.warm_up()

@@ -15,9 +15,16 @@ Steps (fixed shapes, as the static engine's):
   (float32) and, for a block, the features of the drafter's target layers;
 - draft [1, B]: write the context's rows (the kept tokens of the last verified block; rows at or beyond
   the new anchor are rejected drafts: the drafter's mask hides them, and committing those positions later
-  writes them again), then draft the block [anchor, MASK x (B-1)].
-
-Rounds are chains: ``verify_tree`` refuses (tree rounds run on the dynamic and static engines).
+  writes them again), then draft the block [anchor, MASK x (B-1)];
+- target tree [1, N+1] (built with ``tree_budget=N``): the root and N nodes of a ``DraftTree``, written at
+  start .. start+N, each at rotary position start + depth, under a boolean mask [N+1, capacity] (the cache
+  before start, and each node's ancestors and itself) that the step builds from the nodes' parents, so a
+  round sends the device one small tensor (tokens, depths, parents); SDPA over the whole mask, as
+  FlashAttention's varlen kernel takes no arbitrary mask. Returns the nodes' logits and features, as a
+  block does;
+- tree keep [N+1 rows]: after a tree, move the accepted path's K/V rows to start .. start+len(path)-1 in
+  every layer (one gather and one index_copy per cache tensor), so the caches are a chain's. A path that is
+  the tree's first nodes (0 .. k-1) moves nothing and runs no step.
 
 With ``compile=True`` (the default on a GPU) each step function is first compiled by torch.compile (Inductor,
 fullgraph, static shapes, no CUDA-graph mode: ``Steps`` captures the graph itself), so each layer's norms,
@@ -140,9 +147,11 @@ class GraphEngine:
     without graphs the same steps run eagerly with exact attention widths (the CPU path).
     ``fixed_shapes`` (default: with graphs or compile) makes attention read the whole capacity, as a graph
     and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default: with
-    graphs, i.e. on a GPU) compiles each step before it is captured; ``compile_cache``: the portable compile
-    cache file ``warm_up`` loads first and writes after (None: only this machine's own Inductor cache).
-    Build one per (target, drafter, capacity) and reuse it across prompts.
+    graphs, i.e. on a GPU) compiles the target and draft steps before they are captured; ``compile_cache``:
+    the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
+    Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
+    of N+1 tokens (a smaller tree is padded; the tree and keep steps run eagerly, captured on a GPU). Build
+    one per (target, drafter, capacity, tree budget) and reuse it across prompts.
     """
 
     name = "graphs"
@@ -158,6 +167,7 @@ class GraphEngine:
         fixed_shapes: bool | None = None,
         compile: bool | None = None,
         compile_cache: str | os.PathLike[str] | None = None,
+        tree_budget: int | None = None,
     ):
         dev = target.device
         graphs = dev.type == "cuda" if graphs is None else graphs
@@ -187,6 +197,7 @@ class GraphEngine:
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
+        self._tree_open = False  # the last verify was a tree's
         B, V, long = self.block_size, self.w.vocab_size, dict(dtype=torch.long, device=dev)
         self._slot = torch.zeros(1, **long)  # type: ignore[arg-type]
         self._start = torch.zeros(1, **long)  # type: ignore[arg-type]  # where a target step writes
@@ -202,6 +213,22 @@ class GraphEngine:
             self._draft_logits = torch.zeros(B - 1, V, dtype=torch.float32, device=dev)
         self._offsets = torch.arange(B, device=dev)[None]
         self._rows_out = self._rows if drafter is not None else None
+        self.tree_budget = tree_budget or None
+        if self.tree_budget:
+            self._new_tree_buffers(self.tree_budget + 1)
+
+    def _new_tree_buffers(self, n: int) -> None:
+        """The tree step's inputs and outputs for n = N+1 tokens, and the keep step's row moves."""
+        dev, long = self.target.device, torch.long
+        # per node: token, depth, parent (the root's and padding nodes': themselves)
+        self._tree_inputs = torch.zeros(3, n, dtype=long, device=dev)
+        self._eye = torch.eye(n, dtype=torch.float32, device=dev)
+        self._tree_logits = torch.zeros(n, self.w.vocab_size, dtype=torch.float32, device=dev)
+        self._tree_rows: Tensor | None = None
+        if self.drafter is not None:
+            self._tree_rows = torch.zeros(1, n, self._rows.shape[-1], dtype=self.w.dtype, device=dev)
+        self._cache_positions = torch.arange(self.capacity, device=dev)
+        self._moves = torch.zeros(2, n, dtype=long, device=dev)  # cache rows: from (the path's), to
 
     # --- the steps (fixed shapes; one CUDA graph each with graphs) ----------------------------------
 
@@ -224,6 +251,45 @@ class GraphEngine:
             self.attention,
             keep,
         )
+
+    def _tree_step(self) -> None:
+        n = self._tree_inputs.shape[1]
+        keep = tuple(self.layer_ids) if self.drafter is not None else ()
+        x, kept = decode(
+            self.w,
+            self.cache,
+            self._tree_inputs[:1],
+            self._slot,
+            self._start,
+            kv_len=self._kv_len(n),
+            attention=self.attention,
+            keep=keep,
+            positions=self._start + self._tree_inputs[1:2],  # the root's position + depth
+            mask=self._tree_mask(),
+        )
+        self._tree_logits.copy_(logits(self.w, x[0]))
+        if self._tree_rows is not None:
+            self._tree_rows.copy_(torch.cat(kept, dim=-1))
+
+    def _tree_mask(self) -> Tensor:
+        """[1, N+1, capacity] bool: node i sees the cache before start and, at start .. start+N, itself and
+        its ancestors: the reflexive-transitive closure of the parent relation, by squaring (each squaring
+        doubles the levels covered)."""
+        n = self._tree_inputs.shape[1]
+        seen = ((self._eye + self._eye[self._tree_inputs[2]]) > 0).float()  # itself and its parent
+        for _ in range((n - 2).bit_length()):  # 2^k levels >= the deepest node's N
+            seen = ((seen @ seen) > 0).float()
+        at = self._cache_positions - self._start  # cache position relative to the root
+        in_tree = (seen[:, at.clamp(0, n - 1)] > 0) & (at < n)
+        return ((at < 0) | in_tree)[None]
+
+    def _keep_step(self) -> None:
+        """Move the cache rows ``_moves[0]`` to ``_moves[1]`` in every layer's keys and values (all rows
+        are read before any is written)."""
+        frm, to = self._moves[0], self._moves[1]
+        for t in (*self.cache.k, *self.cache.v):
+            rows = t[0]  # the engine's one slot (self._slot)
+            rows.index_copy_(0, to, rows.index_select(0, frm))
 
     def _draft_step(self) -> None:
         drafter, cache = self._need_drafter(), self._dcache
@@ -258,12 +324,14 @@ class GraphEngine:
     # --- the engine calls ----------------------------------------------------------------------------
 
     def reserve(self, prompt_len: int, max_new_tokens: int, width: int | None = None) -> None:
-        """Refuse a generation the preallocated caches cannot hold, before anything runs."""
-        need = prompt_len + max_new_tokens + self.block_size
+        """Refuse a generation the preallocated caches cannot hold, before anything runs. ``width``: the
+        positions one round writes (``round_width``: the block, or a tree's N+1; default the block)."""
+        width = max(width or 0, self.block_size)
+        need = prompt_len + max_new_tokens + width
         if need > self.capacity:
             raise DflashkitError(
                 f"the graphs engine holds {self.capacity} positions, but a prompt of {prompt_len} tokens + "
-                f"max_new_tokens {max_new_tokens} + block {self.block_size} needs {need}: build it with "
+                f"max_new_tokens {max_new_tokens} + a round of {width} needs {need}: build it with "
                 f"capacity >= {need}, shorten the prompt or max_new_tokens, or use --engine dynamic"
             )
 
@@ -319,22 +387,68 @@ class GraphEngine:
         self._run(("target", t), lambda: self._target_step(t))
         features = self._rows if t == self.block_size and self.drafter is not None else None
         self._open = Verified(self._logits[t], features, self._length)
+        self._tree_open = False
         self._length += t
         return self._open
 
+    @torch.no_grad()
     def verify_tree(self, tree: DraftTree) -> Verified:
-        raise DflashkitError(
-            "the graphs engine verifies chains only: tree rounds (--tree-budget) run on the dynamic or the "
-            "static engine (--engine dynamic or static)"
-        )
+        """The nodes of ``tree`` in one target step of N+1 tokens (padded when the tree is smaller): logits
+        [len(tree), V] and features, valid until the next tree step."""
+        n = self._tree_width(len(tree))
+        start = self._length
+        if start + n > self.capacity:
+            raise DflashkitError(
+                f"the graphs engine's cache of {self.capacity} positions is full; reserve() first"
+            )
+        self._fill_tree(tree)
+        self._start.fill_(start)
+        self.steps.run(("tree", n), self._tree_step)
+        features = None if self._tree_rows is None else self._tree_rows[:, : len(tree)]
+        self._open = Verified(self._tree_logits[: len(tree)], features, start)
+        self._tree_open = True
+        self._length = start + n
+        return self._open
+
+    def _tree_width(self, nodes: int) -> int:
+        """The tree step's tokens (N+1), once a tree of ``nodes`` (its root included) fits it."""
+        if not self.tree_budget:
+            raise DflashkitError(
+                "this graphs engine was built without a tree budget: build it with tree_budget=N "
+                "(ready_engine(..., tree_budget=N)) to verify trees of N drafted nodes"
+            )
+        if nodes > self.tree_budget + 1:
+            raise DflashkitError(
+                f"this graphs engine verifies trees of up to {self.tree_budget} drafted nodes, got "
+                f"{nodes - 1}: build it with tree_budget={nodes - 1}"
+            )
+        return self.tree_budget + 1
+
+    def _fill_tree(self, tree: DraftTree) -> None:
+        """The tree step's inputs, in one copy to the device: tokens, depths and parents. Padding nodes
+        beyond a smaller tree are their own parents: they see the cache and themselves; no node sees them."""
+        n, width = len(tree), self._tree_inputs.shape[1]
+        pad = [0] * (width - n)
+        parents = [0, *tree.parents[1:], *range(n, width)]
+        self._tree_inputs.copy_(torch.tensor([tree.tokens + pad, tree.depths + pad, parents]))
 
     def keep(self, verified: Verified, path: Sequence[int]) -> Context:
         n = check_kept_path(verified, self._open, path)
         if list(path) != list(range(n)):
-            raise ValueError(f"the graphs engine keeps a chain's first tokens, not the path {list(path)}")
+            if not self._tree_open:
+                raise ValueError(f"a chain keeps its first tokens, not the path {list(path)}")
+            self._move_rows(verified.start, path)
         self._open = None
         self._length = verified.start + n  # the next step writes from here; positions beyond are never read
         return Context(kept_rows(verified.features, path), verified.start)
+
+    def _move_rows(self, start: int, path: Sequence[int]) -> None:
+        """The keep step: the path's K/V rows to start .. start+len(path)-1. The step moves N+1 rows: row
+        start+j takes the path's j-th node, or itself past the path's end."""
+        width = self._moves.shape[1]
+        frm = [start + node for node in path] + list(range(start + len(path), start + width))
+        self._moves.copy_(torch.tensor([frm, list(range(start, start + width))]))
+        self.steps.run(("keep",), self._keep_step)
 
     # --- warm-up -----------------------------------------------------------------------------------
 
@@ -343,8 +457,9 @@ class GraphEngine:
         """Compile (``compile``) and capture (``graphs``) every step shape now, serially under COMPILE_LOCK,
         around the portable compile cache when there is one; compiles are frozen afterwards. Returns
         seconds per step shape (a ``WarmUp``: it also says whether the caches served every compile);
-        eager without graphs, a no-op. The writes land at positions 0 .. B-1, which every prefill writes
-        again."""
+        eager without graphs, a no-op. The tree and keep steps too when built with a tree budget (captured,
+        not compiled). The writes land at positions 0 .. max(B, N+1) - 1: rows beyond a sequence's length,
+        which no step reads."""
         seconds = WarmUp()
         if not (self.graphs or self.compiled):
             return seconds
@@ -366,8 +481,29 @@ class GraphEngine:
                 if self.target.device.type == "cuda":
                     torch.cuda.synchronize(self.target.device)
                 seconds[name] = time.perf_counter() - t0
+            if self.tree_budget and self.graphs:  # eager steps: nothing to do without graphs
+                seconds.update(self._warm_tree())
         seconds.compiled, seconds.cached, seconds.cache_loaded = use.compiled, use.cached, use.loaded
         self._warm = True
+        return seconds
+
+    def _warm_tree(self) -> dict[str, float]:
+        """Capture the tree step (over a chain of N+1 tokens at positions 0 .. N) and the keep step (every
+        row onto itself)."""
+        n, dev = self._tree_inputs.shape[1], self.target.device
+        seconds: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self._start.zero_()
+        nodes = torch.arange(n, device=dev)
+        self._tree_inputs.copy_(torch.stack([torch.zeros_like(nodes), nodes, (nodes - 1).clamp(min=0)]))
+        self.steps.run(("tree", n), self._tree_step)
+        torch.cuda.synchronize(dev)
+        seconds[f"target tree [1, {n}]"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self._moves.copy_(torch.arange(n, device=dev).expand(2, n))
+        self.steps.run(("keep",), self._keep_step)
+        torch.cuda.synchronize(dev)
+        seconds[f"tree keep [{n} rows]"] = time.perf_counter() - t0
         return seconds
 
     @contextlib.contextmanager

@@ -19,7 +19,9 @@ a K/V cache allocated once:
 Attention has two implementations of one function: ``"sdpa"`` (any device and dtype; the keys of each row's
 slot up to ``kv_len``, masked per query position; the reference) and ``"flash"`` (CUDA, bf16/fp16:
 FlashAttention's variable-length kernel reads each slot's used positions straight from the cache, so a
-step costs what the sequences hold, not what the longest one holds).
+step costs what the sequences hold, not what the longest one holds). A token tree (``decode(..., positions=,
+mask=)``) attends under its explicit ancestor mask through SDPA on either (FlashAttention's varlen kernel
+takes no arbitrary mask).
 
 Everything here is shape-static for given (rows, chunk, kv_len): a step can be captured as a CUDA graph
 (``dflashkit.data.generator``).
@@ -261,22 +263,33 @@ def decode(
     kv_len: int,
     attention: Attention = "sdpa",
     keep: tuple[int, ...] = (),
+    positions: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """The decoder layers over rows of new tokens (as ``forward``), writing their keys and values into the
     cache. Returns the last layer's hidden states [R, C, hidden] (before the final norm) and the outputs
-    of the layers listed in ``keep`` (in layer order; the drafter's context features)."""
+    of the layers listed in ``keep`` (in layer order; the drafter's context features).
+
+    A token tree (``dflashkit.infer.tree``): ``positions`` [R, C] are the rotary positions (a node's: the
+    root's + its depth; default: where each token is written) and ``mask`` [R, C, kv_len] (bool, True: the
+    query reads that cache position) replaces the causal rule, through ``_masked_plan``. The keys and values
+    are still written at starts[r] + c."""
     rows, chunk = tokens.shape
-    positions = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
+    written = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
         max=cache.capacity - 1
     )
     compiling = torch.compiler.is_compiling()
     rotate = apply_rotary_pairs if compiling else apply_rotary
-    rotary = (w.rotary_pairs if compiling else w.rotary)[positions]  # [R, C, head_dim/2 (, 2)]
+    table = w.rotary_pairs if compiling else w.rotary  # real (cos, sin) pairs when compiling
+    rotary = table[written if positions is None else positions]  # [R, C, head_dim/2 (, 2)]
     x = w.embed[tokens]  # [R, C, hidden]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
-    plan = _flash_plan if attention == "flash" else _sdpa_plan
-    attend = plan(slots, positions, kv_len, nq, nk, cache.capacity, cache.slots + 1)  # once for all layers
-    rows_at = (slots[:, None] * cache.capacity + positions).reshape(-1)  # each new token's cache row
+    if mask is not None:
+        attend = _masked_plan(slots, mask[:, :, :kv_len], nq, nk)  # once for all layers
+    else:
+        plan = _flash_plan if attention == "flash" else _sdpa_plan
+        attend = plan(slots, written, kv_len, nq, nk, cache.capacity, cache.slots + 1)  # once for all layers
+    rows_at = (slots[:, None] * cache.capacity + written).reshape(-1)  # each new token's cache row
     kept = []
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
@@ -315,13 +328,21 @@ def _sdpa_plan(
     slots: Tensor, positions: Tensor, kv_len: int, nq: int, nk: int, capacity: int, slots_n: int
 ) -> Attend:
     """Reference attention: each row reads its slot's first kv_len positions; query at position p sees
-    positions <= p. The query heads that share a key head are stacked along the query axis, so keys and
-    values are read once per key head. The mask is built once per step, for every layer."""
-    rows, chunk = positions.shape
-    rep = nq // nk
+    positions <= p (``_masked_plan`` under the causal mask)."""
     allowed = (
         torch.arange(kv_len, device=positions.device)[None, None, :] <= positions[:, :, None]
     )  # [R, C, L]
+    return _masked_plan(slots, allowed, nq, nk)
+
+
+def _masked_plan(slots: Tensor, allowed: Tensor, nq: int, nk: int) -> Attend:
+    """Attention under an explicit mask ``allowed`` [R, C, L] (True: the query reads that position): each
+    row reads its slot's first L positions. The query heads that share a key head are stacked along the
+    query axis, each stacked query with its own mask row, so keys and values are read once per key head and
+    the result is exact under any mask (a tree's ancestors included). The mask is built once per step, for
+    every layer."""
+    rows, chunk, kv_len = allowed.shape
+    rep = nq // nk
     mask = allowed[:, None, None].expand(rows, 1, rep, chunk, kv_len).reshape(rows, 1, rep * chunk, kv_len)
 
     def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
