@@ -95,7 +95,7 @@ for s in "$@"; do
     decode)
       # no GGUF needed: random target and drafter of the embedded shapes; both engines side by side
       stage decode
-      timeout $(cap 360) python3 benchmarks/decode_steps.py --engines ${ENGINES:-graphs} 2>&1 | tail -8 ;;
+      timeout $(cap 360) python3 benchmarks/decode_steps.py --engines ${ENGINES:-graphs,graphs-compiled} 2>&1 | tail -8 ;;
     recipe) prepare recipe configs/embedded-gpu-recipe.yaml ;;
     train-recipe) train recipe configs/embedded-gpu-recipe.yaml ;;
     bench)

@@ -256,9 +256,9 @@ def test_a_kept_tree_path_on_the_graphs_engine_leaves_the_caches_of_a_chain(targ
         )
 
 
-def test_graphs_engine_compiles_on_a_gpu_only(target, drafter):
-    """The default: compiled steps with graphs (a GPU), eager on the CPU (a compile there costs minutes);
-    a compiled engine runs fixed shapes; an eager CPU engine's warm-up is a no-op that compiled nothing."""
+def test_graphs_engine_compiles_only_when_asked(target, drafter):
+    """The default: eager steps (compiled ones are opt-in); a compiled engine runs fixed shapes; an eager CPU
+    engine's warm-up is a no-op that compiled nothing."""
     engine = GraphEngine(target, drafter, capacity=24)
     assert not engine.compiled and not engine.graphs and not engine.fixed_shapes
     warmed = engine.warm_up()
@@ -356,7 +356,7 @@ def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu():
     torch.manual_seed(1)
     d = DFlashDrafter(cfg).cuda().eval()
     eager = GraphEngine(gpu, d, capacity=128, compile=False)
-    fused = GraphEngine(gpu, d, capacity=128)
+    fused = GraphEngine(gpu, d, capacity=128, compile=True)
     assert fused.compiled and fused.graphs and not eager.compiled
     eager.warm_up()
     warmed = fused.warm_up()

@@ -26,14 +26,14 @@ Steps (fixed shapes, as the static engine's):
   every layer (one gather and one index_copy per cache tensor), so the caches are a chain's. A path that is
   the tree's first nodes (0 .. k-1) moves nothing and runs no step.
 
-With ``compile=True`` (the default on a GPU) each step function is first compiled by torch.compile (Inductor,
+With ``compile=True`` (opt-in: the default stays the eager steps until the compiled ones are measured on
+a GPU) each step function is first compiled by torch.compile (Inductor,
 fullgraph, static shapes, no CUDA-graph mode: ``Steps`` captures the graph itself), so each layer's norms,
 rotary, SwiGLU product, casts and cache writes fuse into a few Triton kernels around the matmuls and the
 attention; the compiled step is then captured as one CUDA graph as before. Compiles follow the rules of
 ``dflashkit.runtime.compile`` (one lock, one clear line on a failure, frozen after ``warm_up()``), and their
 artifacts go to the portable compile cache (``compile_cache=``), so a second process starts in seconds. On
-the CPU the default is eager (a compile costs minutes on two cores); ``compile=True`` there runs the
-compiled steps without graphs (the tests).
+the CPU ``compile=True`` runs the compiled steps without graphs (the tests).
 
 The prefill (any prompt length) runs eagerly. Step inputs and outputs live in buffers allocated once: the
 logits an engine call returns are valid until the next call of the same kind (the decode loops read them
@@ -173,7 +173,7 @@ class GraphEngine:
         graphs = dev.type == "cuda" if graphs is None else graphs
         if graphs and dev.type != "cuda":
             raise DflashkitError("the graphs engine captures CUDA graphs: it needs the target on a GPU")
-        compile = graphs if compile is None else compile
+        compile = False if compile is None else compile  # compiled steps: opt-in until measured on a GPU
         fixed_shapes = graphs or compile if fixed_shapes is None else fixed_shapes
         if compile and not fixed_shapes:
             raise DflashkitError(
