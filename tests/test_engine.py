@@ -24,13 +24,24 @@ def target():
     return TargetModel.load("embedded")
 
 
-@pytest.fixture(scope="module")
-def drafter(target):
+def small_drafter(target):
+    """A one-layer drafter of block B reading LAYERS, seeded: the drafter of every engine test."""
     cfg = config_for_target(
         target.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
     )
     torch.manual_seed(1)
-    return DFlashDrafter(cfg).eval()
+    return DFlashDrafter(cfg).to(target.device).eval()
+
+
+def on_gpu():
+    """The embedded target on CUDA and its small drafter (the GPU tests)."""
+    gpu = TargetModel.load("embedded", device="cuda")
+    return gpu, small_drafter(gpu)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return small_drafter(target)
 
 
 def prompts(*lengths):
@@ -266,12 +277,7 @@ def test_static_engine_replays_cuda_graphs_on_gpu():
     over prompts of several lengths and every acceptance length."""
     from torch._dynamo.utils import counters
 
-    gpu = TargetModel.load("embedded", device="cuda")
-    cfg = config_for_target(
-        gpu.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
-    )
-    torch.manual_seed(1)
-    d = DFlashDrafter(cfg).cuda().eval()
+    gpu, d = on_gpu()
     static = StaticEngine(gpu, d, capacity=128, compile=True)
     assert static.mode == "reduce-overhead"
     static.warm_up()

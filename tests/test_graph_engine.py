@@ -16,9 +16,8 @@ from dflashkit.infer.speculative import autoregressive_generate, speculative_gen
 from dflashkit.infer.tree import DraftTree
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
-from dflashkit.target.embedded import MASK_TOKEN_ID
 from dflashkit.target.hf import TargetModel
-from test_engine import LAYERS, ScriptedDrafts, ScriptedTree, prompts
+from test_engine import LAYERS, ScriptedDrafts, ScriptedTree, on_gpu, prompts
 
 target, drafter = test_engine.target, test_engine.drafter  # the same module-scoped fixtures (B = 4)
 
@@ -100,12 +99,7 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu():
     """On CUDA (fp32, so the attention is the masked reference over the whole capacity): each step shape
     is captured once at warm-up and replayed after; the same greedy output and acceptance lengths as the
     dynamic engine, with scripted drafts (every acceptance length and crop)."""
-    gpu = TargetModel.load("embedded", device="cuda")
-    cfg = config_for_target(
-        gpu.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
-    )
-    torch.manual_seed(1)
-    d = DFlashDrafter(cfg).cuda().eval()
+    gpu, d = on_gpu()
     engine = GraphEngine(gpu, d, capacity=128, compile=False)
     warmed = engine.warm_up()
     assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]"] and len(engine.steps) == 3
@@ -126,12 +120,7 @@ def test_graphs_engine_replays_the_tree_step_on_gpu():
     the replayed tree step gives the eager step's logits and features, and tree rounds (scripted: rows
     moved; and the real drafter) decode as autoregressive decoding with the eager engine's acceptance
     lengths; nothing is captured after warm-up."""
-    gpu = TargetModel.load("embedded", device="cuda")
-    cfg = config_for_target(
-        gpu.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
-    )
-    torch.manual_seed(1)
-    d = DFlashDrafter(cfg).cuda().eval()
+    gpu, d = on_gpu()
     budget = 10
     engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget)
     eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
@@ -349,12 +338,7 @@ def test_compiled_graphs_engine_decodes_as_the_dynamic_engine(tmp_path):
 def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu():
     """On CUDA in fp32: the compiled steps, captured as CUDA graphs, replay and decode as the eager graphs
     engine (and the dynamic engine), with nothing captured or compiled after warm-up."""
-    gpu = TargetModel.load("embedded", device="cuda")
-    cfg = config_for_target(
-        gpu.config, num_layers=1, block_size=B, mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYERS
-    )
-    torch.manual_seed(1)
-    d = DFlashDrafter(cfg).cuda().eval()
+    gpu, d = on_gpu()
     eager = GraphEngine(gpu, d, capacity=128, compile=False)
     fused = GraphEngine(gpu, d, capacity=128, compile=True)
     assert fused.compiled and fused.graphs and not eager.compiled
