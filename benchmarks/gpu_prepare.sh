@@ -79,8 +79,12 @@ for s in "$@"; do
     drafter)
       # the recipe's drafter, brought back by `keep` in pieces (carried in .bench/drafter-recipe)
       stage drafter
-      mkdir -p $W/run-recipe && cat .bench/drafter-recipe/drafter.tar.part.* | tar -C $W/run-recipe -xf - \
-        && ls $W/run-recipe/best ;;
+      # into $W/drafter0 (a warm start for train-recipe: TRAIN_OVERRIDES="drafter.init=/root/work/drafter0/best")
+      mkdir -p $W/drafter0 && cat .bench/drafter-recipe/drafter.tar.part.* | tar -C $W/drafter0 -xf - \
+        && ls $W/drafter0/best ;;
+    etests)
+      stage etests
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py tests/test_engine.py 2>&1 | tail -15 ;;
     tree)
       # tree vs chain at node budgets 8-64 on MT-Bench and the held-out set (graphs engine, bf16)
       stage tree
