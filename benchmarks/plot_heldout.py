@@ -3,6 +3,9 @@ rows per step), so runs of different batch sizes compare by the data they saw.
 
     python benchmarks/plot_heldout.py OUT.png LABEL=metrics.jsonl:ROWS_PER_STEP [...]
 
+A run continued from another's drafter (`drafter.init`) joins it with `+`: LABEL=first.jsonl+next.jsonl:ROWS
+plots them as one curve, the next run's steps counted after the first's last.
+
 Reads the `val` records a training run writes to metrics.jsonl; plots the served-order acceptance length
 (what decoding gets) solid and the mean over anchors dashed.
 """
@@ -27,6 +30,17 @@ def curve(path: Path) -> list[tuple[int, float, float]]:
     return points
 
 
+def joined(files: str) -> list[tuple[int, float, float]]:
+    """The curves of runs continued one from another ("a.jsonl+b.jsonl"), steps counted on."""
+    points: list[tuple[int, float, float]] = []
+    done = 0
+    for file in files.split("+"):
+        part = curve(Path(file))
+        points += [(done + step, s, m) for step, s, m in part]
+        done = points[-1][0] if points else done
+    return points
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print(__doc__)
@@ -40,7 +54,7 @@ def main(argv: list[str]) -> int:
     for spec in argv[1:]:
         label, rest = spec.split("=", 1)
         file, rows = rest.rsplit(":", 1)
-        points = curve(Path(file))
+        points = joined(file)
         x = [step * int(rows) for step, _, _ in points]
         line = ax.plot(x, [s for _, s, _ in points], marker="o", label=f"{label} (served order)")[0]
         ax.plot(x, [m for _, _, m in points], ls="--", color=line.get_color(), alpha=0.6)
