@@ -318,7 +318,7 @@ def test_a_kept_tree_path_leaves_the_caches_of_a_chain(target, drafter):
     prompt = torch.tensor([prompts(9)[0]])
     #  0 - 1 - 2
     #   \- 3 - 4 - 5     the kept branch: 0, 3, 4, 5
-    tree = DraftTree([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])
+    tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])
     path, branch = [0, 3, 4, 5], torch.tensor([[900, 41, 42, 43]])
     for make in (lambda: DynamicEngine(target, drafter), lambda: StaticEngine(target, drafter, capacity=32)):
         engine, reference = make(), make()

@@ -127,7 +127,7 @@ def test_graphs_engine_replays_the_tree_step_on_gpu():
     warmed = engine.warm_up()
     assert list(warmed)[3:] == [f"target tree [1, {budget + 1}]", f"tree keep [{budget + 1} rows]"]
     assert len(engine.steps) == 5
-    tree = DraftTree([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
+    tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
     for e in (engine, eager):
         e.prefill(torch.tensor([prompts(9)[0]], device="cuda"))
     ours, theirs = engine.verify_tree(tree), eager.verify_tree(tree)
@@ -210,7 +210,7 @@ def test_a_kept_tree_path_on_the_graphs_engine_leaves_the_caches_of_a_chain(targ
     prompt = torch.tensor([prompts(9)[0]])
     #  0 - 1 - 2
     #   \- 3 - 4 - 5     the kept branch: 0, 3, 4, 5
-    tree = DraftTree([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])
+    tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])
     path, branch = [0, 3, 4, 5], torch.tensor([[900, 41, 42, 43]])
 
     def make():

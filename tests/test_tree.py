@@ -1,6 +1,7 @@
-"""Tree verification's pure parts: the best-first tree within a node budget, the ancestor mask, and the
+"""Tree verification's pure parts: the budget's best tree (built on the device), the ancestor mask, and the
 walk that picks the accepted path."""
 
+import heapq
 import itertools
 import math
 
@@ -24,9 +25,30 @@ def brute_force_best(probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
     return {branch for _, branch in scored[:budget]}
 
 
+def best_first(probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
+    """The same branches taken best first with a heap (a node taken offers its next sibling and its first
+    child; both score no higher): a second reference, fast enough for real vocabularies."""
+    logp, ids = probs.double().log().sort(dim=-1, descending=True)
+    heap: list[tuple[float, tuple[int, ...], tuple[int, ...]]] = [(-float(logp[0, 0]), (0,), ())]
+    taken: list[tuple[int, ...]] = []
+    while heap and len(taken) < budget:
+        neg, ranks, _ = heapq.heappop(heap)
+        taken.append(tuple(int(ids[d, r]) for d, r in enumerate(ranks)))
+        d, last = len(ranks) - 1, ranks[-1]
+        if last + 1 < probs.shape[-1]:
+            heapq.heappush(
+                heap, (neg - float(logp[d, last + 1] - logp[d, last]), (*ranks[:-1], last + 1), ())
+            )
+        if d + 1 < probs.shape[0]:
+            heapq.heappush(heap, (neg - float(logp[d + 1, 0]), (*ranks, 0), ()))
+    return set(taken)
+
+
 def branches(tree: DraftTree) -> set[tuple[int, ...]]:
     out = set()
     for node in range(1, len(tree)):
+        if tree.parents[node] < 0:  # padding
+            continue
         tokens, n = [], node
         while n > 0:
             tokens.append(tree.tokens[n])
@@ -42,12 +64,30 @@ def test_the_tree_is_the_budgets_best_branches_parents_first(budget):
     tree = build_tree(99, probs, budget)
     assert tree.tokens[0] == 99 and tree.parents[0] == -1 and len(tree) == budget + 1
     assert all(0 <= tree.parents[i] < i for i in range(1, len(tree)))
-    assert branches(tree) == brute_force_best(probs, budget)
+    assert tree.depths == sorted(tree.depths)  # numbered depth by depth
+    assert branches(tree) == brute_force_best(probs, budget) == best_first(probs, budget)
+
+
+@pytest.mark.parametrize("budget", [8, 16, 64])
+def test_the_tree_at_a_real_drafters_shape(budget):
+    """7 drafted slots over a 3,000-token vocabulary, peaked as a trained drafter's are: the budget's best
+    branches, as the heap finds them."""
+    gen = torch.Generator().manual_seed(budget)
+    probs = torch.softmax(torch.randn(7, 3000, generator=gen) * 4, dim=-1)
+    tree = build_tree(5, probs, budget)
+    assert branches(tree) == best_first(probs, budget) and len(tree) == budget + 1
 
 
 def test_a_tree_holds_no_more_nodes_than_the_slots_have_branches():
     probs = torch.softmax(torch.randn(1, 4), dim=-1)  # one slot of 4 tokens: 4 branches at most
-    assert len(build_tree(0, probs, 10)) == 5
+    tree = build_tree(0, probs, 10)
+    assert len(tree) == 11 and tree.parents == [-1, 0, 0, 0, 0, *[-1] * 6]  # the rest is padding
+    assert len(branches(tree)) == 4
+    sees = tree.ancestor_mask("cpu")
+    assert sees[5:].int().sum(dim=1).tolist() == [1] * 6  # padding sees only itself (and the cache)
+    assert not sees[:5, 5:].any()  # no node sees padding
+    choices = [tree.tokens[2], 7, 7, 7, 7] + [tree.tokens[1]] * 6  # padding "matching" is never followed
+    assert accepted_path(tree, choices) == ([0, 2], [tree.tokens[2], 7])
     with pytest.raises(ValueError, match="node budget of at least 1"):
         build_tree(0, probs, 0)
 
@@ -57,8 +97,8 @@ def test_ancestor_mask_and_positions():
     #     1   2
     #     3     4
     #     5
-    tree = DraftTree([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 2, 3])
-    assert tree.depths == [0, 1, 1, 2, 2, 3] and tree.depth == 3
+    tree = DraftTree.of([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 2, 3])
+    assert tree.depths == [0, 1, 1, 2, 2, 3]
     sees = tree.ancestor_mask("cpu").int().tolist()
     assert sees == [
         [1, 0, 0, 0, 0, 0],
@@ -73,7 +113,7 @@ def test_ancestor_mask_and_positions():
 
 
 def test_the_walk_follows_the_targets_choices():
-    tree = DraftTree([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 2, 3])
+    tree = DraftTree.of([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 2, 3])
     # the target's choice after each node: after the root 12 (node 2), after node 2 14 (node 4), then 9
     choices = [12, 0, 14, 0, 9, 0]
     assert accepted_path(tree, choices) == ([0, 2, 4], [12, 14, 9])
@@ -93,8 +133,8 @@ def test_a_chain_walks_as_the_exact_rule():
 
 def test_a_malformed_tree_is_refused():
     with pytest.raises(ValueError, match="parent must be an earlier node"):
-        DraftTree([1, 2, 3], [-1, 2, 0])
+        DraftTree.of([1, 2, 3], [-1, 2, 0])
     with pytest.raises(ValueError, match="a sibling already holds token 2"):
-        DraftTree([1, 2, 2], [-1, 0, 0])
+        DraftTree.of([1, 2, 2], [-1, 0, 0])
     with pytest.raises(ValueError, match="needs a root"):
-        DraftTree([1, 2], [0, 0])
+        DraftTree.of([1, 2], [0, 0])

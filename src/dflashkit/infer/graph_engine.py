@@ -58,7 +58,7 @@ from torch import Tensor
 from dflashkit.data.generator import Steps
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
-from dflashkit.infer.tree import DraftTree
+from dflashkit.infer.tree import DraftTree, ancestors
 from dflashkit.model.drafter import DFlashDrafter, StaticDraftCache
 from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
 from dflashkit.runtime.compile_cache import CacheUse, portable_cache
@@ -222,7 +222,6 @@ class GraphEngine:
         dev, long = self.target.device, torch.long
         # per node: token, depth, parent (the root's and padding nodes': themselves)
         self._tree_inputs = torch.zeros(3, n, dtype=long, device=dev)
-        self._eye = torch.eye(n, dtype=torch.float32, device=dev)
         self._tree_logits = torch.zeros(n, self.w.vocab_size, dtype=torch.float32, device=dev)
         self._tree_rows: Tensor | None = None
         if self.drafter is not None:
@@ -273,14 +272,11 @@ class GraphEngine:
 
     def _tree_mask(self) -> Tensor:
         """[1, N+1, capacity] bool: node i sees the cache before start and, at start .. start+N, itself and
-        its ancestors: the reflexive-transitive closure of the parent relation, by squaring (each squaring
-        doubles the levels covered)."""
+        its ancestors."""
         n = self._tree_inputs.shape[1]
-        seen = ((self._eye + self._eye[self._tree_inputs[2]]) > 0).float()  # itself and its parent
-        for _ in range((n - 2).bit_length()):  # 2^k levels >= the deepest node's N
-            seen = ((seen @ seen) > 0).float()
+        seen = ancestors(self._tree_inputs[2])
         at = self._cache_positions - self._start  # cache position relative to the root
-        in_tree = (seen[:, at.clamp(0, n - 1)] > 0) & (at < n)
+        in_tree = seen[:, at.clamp(0, n - 1)] & (at < n)
         return ((at < 0) | in_tree)[None]
 
     def _keep_step(self) -> None:
@@ -425,12 +421,14 @@ class GraphEngine:
         return self.tree_budget + 1
 
     def _fill_tree(self, tree: DraftTree) -> None:
-        """The tree step's inputs, in one copy to the device: tokens, depths and parents. Padding nodes
-        beyond a smaller tree are their own parents: they see the cache and themselves; no node sees them."""
+        """The tree step's inputs: tokens, depths and parents, copied as they are (a tree built on the device
+        never leaves it). Padding nodes beyond a smaller tree are their own parents: they see the cache and
+        themselves; no node sees them."""
         n, width = len(tree), self._tree_inputs.shape[1]
-        pad = [0] * (width - n)
-        parents = [0, *tree.parents[1:], *range(n, width)]
-        self._tree_inputs.copy_(torch.tensor([tree.tokens + pad, tree.depths + pad, parents]))
+        self._tree_inputs[:, :n].copy_(tree.nodes, non_blocking=True)
+        if n < width:
+            self._tree_inputs[:2, n:].zero_()
+            self._tree_inputs[2, n:].copy_(torch.arange(n, width), non_blocking=True)
 
     def keep(self, verified: Verified, path: Sequence[int]) -> Context:
         n = check_kept_path(verified, self._open, path)

@@ -222,11 +222,12 @@ def _tree_round(
     dec: Engine, anchor: int, draft_logits: Tensor, budget: int, s: Sampling, gen: torch.Generator | None
 ) -> tuple[Verified, list[int], list[int]]:
     """The tree: the budget's best branches of the drafter's per-slot top-k, verified in one pass; the
-    target chooses at every node (one copy from the device), and the walk follows its choices."""
+    target chooses at every node, and the walk follows its choices. Built and walked on the device: one
+    copy to the host per round, as the chain."""
     probs = torch.softmax(draft_logits.float(), dim=-1) if s.greedy else probabilities(draft_logits, s)
     tree = build_tree(anchor, probs, budget)
     verified = dec.verify_tree(tree)
-    path, committed = accepted_path(tree, choose(verified.logits, s, gen).tolist())
+    path, committed = accepted_path(tree, choose(verified.logits, s, gen))
     return verified, path, committed
 
 

@@ -7,13 +7,14 @@ agrees with. The method, as DDTree (block diffusion draft trees) describes it:
 
 1. **Build** (``build_tree``): the root is the anchor (the last committed token). A node at depth d holds
    one of the top-k tokens of slot d; its score is the product of the drafter's probabilities along its
-   branch. Nodes are taken best first until the **node budget** is spent: every prefix of a branch scores
-   at least as high as the branch, so the tree is the budget's best-scoring branches, parents first.
+   branch. The tree is the **node budget**'s best-scoring branches: every prefix of a branch scores at
+   least as high as the branch, so they form a tree. Found depth by depth on the device, with no copy to
+   the host: the best N nodes of depth d are children of the best N of depth d-1.
 2. **Verify** (an engine's ``verify_tree``): the target reads all nodes in one pass, after its cache. A node
    sees the cache and its own ancestors (``ancestor_mask``); its rotary position is the root's position
    plus its depth, as if its branch alone had been written. Row i of the logits is the target's
    distribution for the token after node i.
-3. **Accept** (``accepted_path``): from the root, the target chooses its own next token (argmax when
+3. **Accept** (``accepted_path``, on the device, one copy to the host): from the root, the target chooses its own next token (argmax when
    greedy, a sample otherwise); when a child of the current node holds that token, walk into it and go on;
    otherwise stop. The **accepted path** is the nodes walked (the root first); the committed tokens are the
    accepted nodes' tokens and the target's last choice. Every committed token is the target's own choice
@@ -24,16 +25,18 @@ agrees with. The method, as DDTree (block diffusion draft trees) describes it:
    them: the accepted nodes' K/V rows move to consecutive positions and the rest is dropped; the drafter's
    next context rows are the accepted path's target features.
 
-Nodes are numbered in the order they are taken, so a parent always comes before its children, and the
-root is node 0. A chain of B tokens is the tree whose node i has parent i - 1.
+Nodes are numbered depth by depth, so a parent always comes before its children, and the root is node 0.
+A chain of B tokens is the tree whose node i has parent i - 1. A tree lives on the device as one [3, n]
+tensor (token, depth, parent per node); a node that is its own parent is padding (a built tree always has
+N+1 nodes, padded when the slots hold fewer branches): it sees only the cache and itself, and is never
+accepted.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -41,101 +44,154 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class DraftTree:
-    """Tokens of the nodes (node 0: the root, the anchor) and each node's parent (the root's: -1)."""
+    """``nodes`` [3, n] long: each node's token, depth and parent (the root, node 0, is its own parent;
+    so is a padding node). Build one with ``build_tree`` (on the device) or ``DraftTree.of`` (lists)."""
 
-    tokens: list[int]
-    parents: list[int]
-    depths: list[int] = field(init=False)
-    children: list[dict[int, int]] = field(init=False)  # per node: token -> child node
+    nodes: Tensor
 
-    def __post_init__(self) -> None:
-        if not self.tokens or len(self.tokens) != len(self.parents) or self.parents[0] != -1:
+    @classmethod
+    def of(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
+        """A tree from its tokens and parents (the root's parent: -1), checked: parents before children,
+        no two siblings with one token."""
+        if not tokens or len(tokens) != len(parents) or parents[0] != -1:
             raise ValueError("a draft tree needs a root (node 0, parent -1) and one parent per node")
-        depths, children = [0], [{} for _ in self.tokens]
-        for i in range(1, len(self.tokens)):
-            parent = self.parents[i]
-            if not 0 <= parent < i:
-                raise ValueError(f"node {i}: its parent must be an earlier node, got {parent}")
-            if self.tokens[i] in children[parent]:
-                raise ValueError(f"node {i}: a sibling already holds token {self.tokens[i]}")
-            children[parent][self.tokens[i]] = i
-            depths.append(depths[parent] + 1)
-        object.__setattr__(self, "depths", depths)
-        object.__setattr__(self, "children", children)
+        depths, seen = [0], set()
+        for i in range(1, len(tokens)):
+            if not 0 <= parents[i] < i:
+                raise ValueError(f"node {i}: its parent must be an earlier node, got {parents[i]}")
+            if (parents[i], tokens[i]) in seen:
+                raise ValueError(f"node {i}: a sibling already holds token {tokens[i]}")
+            seen.add((parents[i], tokens[i]))
+            depths.append(depths[parents[i]] + 1)
+        return cls(torch.tensor([list(tokens), depths, [0, *parents[1:]]], dtype=torch.long))
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self.nodes.shape[1]
 
-    @property
-    def depth(self) -> int:
-        return max(self.depths)
+    def to(self, device: torch.device | str) -> DraftTree:
+        return DraftTree(self.nodes.to(device))
 
     def ids(self, device: torch.device | str) -> Tensor:
-        """The nodes' tokens as the target's input [1, N]."""
-        return torch.tensor([self.tokens], dtype=torch.long, device=device)
+        """The nodes' tokens as the target's input [1, n]."""
+        return self.nodes[:1].to(device)
 
-    def positions(self, start: int, device: torch.device | str) -> Tensor:
-        """Rotary positions [1, N] of the nodes when the root sits at ``start``: start + depth."""
-        return torch.tensor([[start + d for d in self.depths]], dtype=torch.long, device=device)
+    def positions(self, start: int | Tensor, device: torch.device | str) -> Tensor:
+        """Rotary positions [1, n] of the nodes when the root sits at ``start``: start + depth."""
+        return start + self.nodes[1:2].to(device)
 
     def ancestor_mask(self, device: torch.device | str) -> Tensor:
-        """[N, N] bool: node i sees node j when j is i or one of i's ancestors."""
-        n = len(self.tokens)
-        rows: list[list[bool]] = []
-        for i in range(n):
-            row = list(rows[self.parents[i]]) if i else [False] * n
-            row[i] = True
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.bool, device=device)
+        """[n, n] bool: node i sees node j when j is i or one of i's ancestors."""
+        return ancestors(self.nodes[2].to(device))
+
+    # host views, for tests and reading a tree (each one copies from the device)
+    @property
+    def tokens(self) -> list[int]:
+        return self.nodes[0].tolist()
+
+    @property
+    def depths(self) -> list[int]:
+        return self.nodes[1].tolist()
+
+    @property
+    def parents(self) -> list[int]:
+        """Each node's parent, -1 for the root and for padding."""
+        return [-1 if p == i else p for i, p in enumerate(self.nodes[2].tolist())]
+
+    @property
+    def children(self) -> list[dict[int, int]]:
+        """Per node: token -> child node."""
+        out: list[dict[int, int]] = [{} for _ in range(len(self))]
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            if parent >= 0:
+                out[parent][token] = i
+        return out
+
+
+def ancestors(parents: Tensor) -> Tensor:
+    """[n, n] bool from ``parents`` [n] (the root and padding: their own parents): row i marks node i and
+    its ancestors, the reflexive-transitive closure of the parent relation, by squaring (each squaring
+    doubles the levels covered; fixed work for a fixed n, so it can be captured)."""
+    n = parents.shape[0]
+    eye = torch.eye(n, device=parents.device)
+    seen = ((eye + eye[parents]) > 0).float()  # itself and its parent
+    for _ in range(max(n - 2, 0).bit_length()):  # 2^k levels >= the deepest node's n-1
+        seen = ((seen @ seen) > 0).float()
+    return seen > 0
 
 
 def chain(tokens: Sequence[int]) -> DraftTree:
     """The tree of a chain: node i is token i, the child of node i - 1."""
-    return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)))
+    return DraftTree.of(list(tokens), list(range(-1, len(tokens) - 1)))
 
 
-def build_tree(anchor: int, probs: Tensor, budget: int) -> DraftTree:
-    """The best-scoring tree of ``budget`` nodes below the root ``anchor``, from the drafter's
+def build_tree(anchor: int | Tensor, probs: Tensor, budget: int) -> DraftTree:
+    """The best-scoring tree of ``budget`` drafted nodes below the root ``anchor``, from the drafter's
     distributions ``probs`` [D, V] of the drafted slots 1..D (a node's score: the product of the
-    probabilities along its branch).
+    probabilities along its branch), on probs' device with no copy to the host.
 
-    Best first with a heap: taking a node makes two new candidates, its next sibling (the same parent, the
-    slot's next-ranked token) and its first child (the next slot's top token). Both score no higher than the
-    node, so each node taken is the best one left. Fewer than ``budget`` nodes only when the slots hold
-    fewer branches (a tiny vocabulary)."""
+    Depth by depth: the best k = min(budget, V) nodes of depth d are among the children of the best k of
+    depth d-1 (a parent scores at least as high as its child), each child among its slot's top k tokens; so
+    keeping the best k per depth and then the best ``budget`` of all depths is exact. Ties go to the
+    shallower node, so a parent always ranks before its child. Nodes are numbered depth by depth. Always
+    budget + 1 nodes: where the slots hold fewer branches (a tiny vocabulary), the rest is padding."""
     if budget < 1:
         raise ValueError(f"a tree needs a node budget of at least 1, got {budget}")
-    depth = probs.shape[0]
-    k = min(budget, probs.shape[-1])
-    top_p, top_ids = probs.float().topk(k, dim=-1)
-    logp = [[math.log(p) if p > 0 else -math.inf for p in row] for row in top_p.tolist()]
-    ids = top_ids.tolist()
-    tokens, parents, scores = [anchor], [-1], [0.0]
-    # candidates: (-score, depth (1-based), rank within the slot's top-k, parent node)
-    heap = [(-logp[0][0], 1, 0, 0)] if depth else []
-    while heap and len(tokens) <= budget:
-        neg, d, rank, parent = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(ids[d - 1][rank])
-        parents.append(parent)
-        scores.append(-neg)
-        if rank + 1 < k:
-            heapq.heappush(heap, (-(scores[parent] + logp[d - 1][rank + 1]), d, rank + 1, parent))
-        if d < depth:
-            heapq.heappush(heap, (-(scores[node] + logp[d][0]), d + 1, 0, node))
-    return DraftTree(tokens, parents)
+    depth, dev, n = probs.shape[0], probs.device, budget
+    t = min(n, probs.shape[-1])  # candidate tokens per slot
+    top_p, top_ids = probs.float().topk(t, dim=-1)  # [D, t]
+    logp = top_p.log()  # -inf for a token of probability 0
+    pad = torch.full((n - t,), -math.inf, device=dev)  # depth 1 holds t nodes; n per depth are kept
+    scores = [torch.cat([logp[0], pad])]
+    parents = [torch.zeros(n, dtype=torch.long, device=dev)]
+    ranks = [torch.cat([torch.arange(t, device=dev), torch.zeros(n - t, dtype=torch.long, device=dev)])]
+    for d in range(1, depth):
+        both = (scores[-1][:, None] + logp[d][None, :]).flatten()  # kept node i, token rank j: i * t + j
+        best, at = both.topk(n)
+        scores.append(best)
+        parents.append(at // t)
+        ranks.append(at % t)
+    score = torch.stack(scores).flatten()  # [D * n], depth-major: node i of depth d+1 at d * n + i
+    ties = 1e-4 * torch.arange(depth, device=dev).repeat_interleave(n)  # ties go to the shallower node
+    chosen = (score - ties).topk(n).indices.sort().values  # depth by depth, so parents first
+    valid = score[chosen] > -math.inf
+    d_of = chosen // n  # depth - 1
+    token = top_ids[d_of, torch.stack(ranks).flatten()[chosen]]
+    # a chosen node's parent: the root at depth 1, else kept node (d-1, parents[d][i]) -> its number here
+    number = torch.zeros(depth * n, dtype=torch.long, device=dev)
+    number[chosen] = torch.arange(1, n + 1, device=dev)
+    parent_at = ((d_of - 1) * n + torch.stack(parents).flatten()[chosen]).clamp(min=0)
+    parent = torch.where(d_of == 0, 0, number[parent_at])
+    own = torch.arange(n + 1, device=dev)
+    nodes = torch.stack(
+        [
+            torch.cat([torch.as_tensor(anchor, device=dev).long().reshape(1), torch.where(valid, token, 0)]),
+            torch.cat([own[:1], torch.where(valid, d_of + 1, 0)]),
+            torch.cat([own[:1], torch.where(valid, parent, own[1:])]),  # padding: its own parent
+        ]
+    )
+    return DraftTree(nodes)
 
 
-def accepted_path(tree: DraftTree, choices: Sequence[int]) -> tuple[list[int], list[int]]:
+def accepted_path(tree: DraftTree, choices: Sequence[int] | Tensor) -> tuple[list[int], list[int]]:
     """Walk from the root while a child holds the target's choice at the current node (``choices[i]``:
     the target's token after node i). Returns the accepted path (node ids, the root first) and the
-    committed tokens (the accepted nodes' tokens, then the target's choice at the last node)."""
-    node, path, committed = 0, [0], []
-    while True:
-        choice = int(choices[node])
-        committed.append(choice)
-        child = tree.children[node].get(choice)
-        if child is None:
-            return path, committed
-        path.append(child)
-        node = child
+    committed tokens (the accepted nodes' tokens, then the target's choice at the last node).
+
+    On the device, one copy to the host: a node matches when its token is its parent's choice; it is
+    accepted when it and all its ancestors match (siblings hold different tokens, so the accepted nodes
+    form one path); the path ends at the deepest accepted node."""
+    nodes = tree.nodes
+    n, dev = nodes.shape[1], nodes.device
+    choices = torch.as_tensor(choices, device=dev).long()
+    tokens, depths, parents = nodes
+    own = parents == torch.arange(n, device=dev)  # the root and padding
+    match = (tokens == choices[parents]) & ~own
+    match[0] = True
+    seen = ancestors(parents)
+    accepted = ~(seen & ~match[None, :]).any(dim=1)
+    last = torch.where(accepted, depths, -1).argmax()
+    on_path = seen[last]
+    out = torch.cat([on_path.long(), tokens, choices[last][None]]).tolist()
+    path = [i for i in range(n) if out[i]]
+    committed = [out[n + i] for i in path[1:]] + [out[-1]]
+    return path, committed
