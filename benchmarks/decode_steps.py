@@ -11,6 +11,7 @@ timing does not depend on the weights, so nothing has to be carried to the GPU) 
 - the loops: autoregressive ms/token and speculative ms/round from `autoregressive_generate` and
   `speculative_generate` over `--tokens` new tokens (a random drafter is always rejected: one token per round);
 - the engine calls alone, each synchronised: target [1, 1], target [1, B], draft [1, B] (ms, median);
+- with `--tree-budgets 8,64`: a tree round of each budget on the graphs engine, against the chain's round;
 - the break-even acceptance length (round / token) and the speedup at tau = 1.5, 2, 3, 4, B;
 - the floor: the target's weight bytes over the measured copy bandwidth (what a step would cost were it
   bound by memory, not by kernel launches and the host).
@@ -198,6 +199,7 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
         calls[f"target [1, {B}]"] = timed(lambda: verify(block), args.calls, device)
         context = after_prompt()
         calls[f"draft [1, {B}]"] = timed(lambda: engine.draft(context, prompt[-1]), args.calls, device)
+        trees = tree_rounds(target, drafter, engine_name, args, prompt, round_ms, token_ms)
     return {
         "engine": engine_name,
         "warmup_seconds": dict(warm),
@@ -210,7 +212,43 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
         "host_and_glue_ms": round_ms - calls[f"target [1, {B}]"] - calls[f"draft [1, {B}]"],
         "break_even_tau": round_ms / token_ms,
         "speedup_at_tau": {str(t): t * token_ms / round_ms for t in (*TAUS, float(B))},
+        **({"tree_rounds": trees} if trees else {}),
     }
+
+
+def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float, token_ms: float) -> dict:
+    """A tree round of each budget (``--tree-budgets``) on the eager graphs engine, timed as the chain's
+    round beside it: ms per round, in AR tokens, and against the chain. The random drafter's trees are
+    rejected at the first node, so the keep step moves no rows (a trained drafter's rounds add that copy)."""
+    import torch
+
+    from dflashkit.infer.graph_engine import GraphEngine
+    from dflashkit.infer.speculative import speculative_generate
+
+    if not args.tree_budgets or engine_name != "graphs":
+        return {}
+    out = {}
+    for n in args.tree_budgets:
+        capacity = args.prompt_len + args.tokens + n + 1 + drafter.config.block_size
+        engine = GraphEngine(target, drafter, capacity=capacity, graphs=args.compile, tree_budget=n)
+        engine.warm_up()
+        with torch.no_grad():
+            speculative_generate(target, drafter, prompt, 8, engine=engine, tree_budget=n)
+            runs = [
+                speculative_generate(target, drafter, prompt, args.tokens, engine=engine, tree_budget=n)
+                for _ in range(args.repeats)
+            ]
+        ms = statistics.median((r.seconds - r.prefill_seconds) * 1e3 / len(r.accept_lengths) for r in runs)
+        out[str(n)] = {
+            "ms_per_round": ms,
+            "round_cost_ar_tokens": ms / token_ms,
+            "vs_chain": ms / chain_ms - 1,
+        }
+        print(
+            f"tree of {n} nodes: {ms:.3f} ms a round, {ms / token_ms:.2f} AR tokens, {ms / chain_ms - 1:+.1%} vs chain"
+        )
+        del engine
+    return out
 
 
 def main() -> None:
@@ -226,6 +264,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200, help="timed engine calls of each kind (median)")
     ap.add_argument(
         "--engines", default="graphs,graphs-compiled,static", help="engines to measure, side by side"
+    )
+    ap.add_argument(
+        "--tree-budgets",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="also time tree rounds of these node budgets on the graphs engine, e.g. 8,16,32,64",
     )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-warm-start", action="store_true", help="skip the second process (graphs-compiled)")
