@@ -164,12 +164,20 @@ def build_tree(anchor: int | Tensor, probs: Tensor, budget: int) -> DraftTree:
     own = torch.arange(n + 1, device=dev)
     nodes = torch.stack(
         [
-            torch.cat([torch.as_tensor(anchor, device=dev).long().reshape(1), torch.where(valid, token, 0)]),
+            torch.cat([_root(anchor, dev), torch.where(valid, token, 0)]),
             torch.cat([own[:1], torch.where(valid, d_of + 1, 0)]),
             torch.cat([own[:1], torch.where(valid, parent, own[1:])]),  # padding: its own parent
         ]
     )
     return DraftTree(nodes)
+
+
+def _root(anchor: int | Tensor, dev: torch.device) -> Tensor:
+    """The anchor as a [1] tensor on the device: a fill for an int (a copy from the host would wait for
+    every step queued before it)."""
+    if isinstance(anchor, Tensor):
+        return anchor.to(dev).long().reshape(1)
+    return torch.full((1,), anchor, dtype=torch.long, device=dev)
 
 
 def accepted_path(tree: DraftTree, choices: Sequence[int] | Tensor) -> tuple[list[int], list[int]]:
