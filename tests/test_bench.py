@@ -287,7 +287,8 @@ def test_bench_writes_sets_table_json_figure_and_summary(
     ]
     assert main(args) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "dflashkit bench" in text and "held-out*" in text and "twoturn*" in text
+    assert "dflashkit bench" in text and "held-out" in text and "twoturn" in text
+    assert "*" not in text  # every set measured by this command: nothing to mark
     assert "train/serve agreement" in text and "decoded vs trained" in text
 
     result = json.loads((out / "bench.json").read_text())
@@ -313,7 +314,8 @@ def test_bench_writes_sets_table_json_figure_and_summary(
         main([*common, "--prompts", str(chat.rename(tmp_path / "again.jsonl")), "--temperatures", "0"]) == 0
     )
     assert list(json.loads((out / "bench.json").read_text())["sets"]) == ["heldout", "again", "twoturn"]
-    capsys.readouterr()
+    text = " ".join(capsys.readouterr().out.split())
+    assert "again*" in text and "twoturn*" not in text and "measured by this command" in text
     # ... but only with the same settings
     other = [a if a != "5" else "6" for a in common]
     assert main([*other, "--sets", "heldout", "--temperatures", "0"]) == 2

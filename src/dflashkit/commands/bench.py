@@ -250,13 +250,18 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
     from dflashkit.infer.bench import SET_TITLES
 
     s = combined["settings"]
+    mixed = set(measured) != set(combined["sets"])  # some sets came from an earlier command: mark ours
     t = Table(
         title=f"dflashkit bench: {'/'.join(Path(s['drafter']).parts[-2:])} (B={s['block_size']}) on "
         f"{s['target']}; {s['engine']} engine{rounds_note(s)}, {s['dtype']}, {s['device']}, "
         f"{s['max_new_tokens']} new tokens",
         caption="prompts: conversations (replies decoded); tau: tokens per target pass over all rounds; "
-        "p10-p90: tau per reply; fp32 lossless: replies checked, greedy; * measured by this command (the "
-        "other sets were in the folder already, with the same settings)",
+        "p10-p90: tau per reply; fp32 lossless: replies checked, greedy"
+        + (
+            "; * measured by this command (the other sets were in the folder already, with the same settings)"
+            if mixed
+            else ""
+        ),
     )
     for col in (
         "set",
@@ -269,7 +274,10 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
         "speedup",
         "fp32 lossless",
     ):
-        t.add_column(col, justify="left" if col == "set" else "right")
+        if col == "set":  # never cut: the set's name and its mark
+            t.add_column(col, justify="left", no_wrap=True, min_width=len("HumanEval*"))
+        else:
+            t.add_column(col, justify="right")
     for name, res in combined["sets"].items():
         check = res.get("lossless_fp32")
         lossless = (
@@ -278,7 +286,7 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
         for key, fig in res["temperatures"].items():
             spread = fig["tau_per_response"]
             t.add_row(
-                SET_TITLES.get(name, name) + ("*" if name in measured else ""),
+                SET_TITLES.get(name, name) + ("*" if mixed and name in measured else ""),
                 key,
                 f"{res['prompts']} ({fig['responses']})",
                 _fmt(fig["tau"], ".3f"),
