@@ -229,7 +229,7 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
         return {}
     out = {}
     for n in args.tree_budgets:
-        capacity = args.prompt_len + args.tokens + n + 1 + drafter.config.block_size
+        capacity = args.prompt_len + max(args.tokens, args.calls) + n + 1 + drafter.config.block_size
         engine = GraphEngine(target, drafter, capacity=capacity, graphs=args.compile, tree_budget=n)
         engine.warm_up()
         with torch.no_grad():
@@ -239,16 +239,47 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
                 for _ in range(args.repeats)
             ]
         ms = statistics.median((r.seconds - r.prefill_seconds) * 1e3 / len(r.accept_lengths) for r in runs)
+        calls = tree_calls(engine, prompt, n, args, target.device)
         out[str(n)] = {
             "ms_per_round": ms,
             "round_cost_ar_tokens": ms / token_ms,
             "vs_chain": ms / chain_ms - 1,
+            "calls_ms": calls,
         }
         print(
-            f"tree of {n} nodes: {ms:.3f} ms a round, {ms / token_ms:.2f} AR tokens, {ms / chain_ms - 1:+.1%} vs chain"
+            f"tree of {n} nodes: {ms:.3f} ms a round, {ms / token_ms:.2f} AR tokens, {ms / chain_ms - 1:+.1%} "
+            "vs chain; calls (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in calls.items())
         )
         del engine
     return out
+
+
+def tree_calls(engine, prompt, n: int, args, device) -> dict:
+    """A tree round's calls alone, each synchronised (ms, median): the drafted slots' probabilities, the
+    build, the tree step (each verify keeps its root: the cache grows by one per call) and the walk."""
+    import torch
+
+    from dflashkit.infer.tree import accepted_path
+
+    with torch.no_grad():
+        context = engine.prefill(torch.tensor([prompt], device=device))[1]
+        logits = engine.draft(context, prompt[-1])
+        probs = torch.softmax(logits.float(), dim=-1)
+        tree = engine.build_tree(prompt[-1], probs, n)
+
+        def verify():
+            engine.keep(engine.verify_tree(tree), [0])
+
+        calls = {
+            "probabilities": timed(lambda: torch.softmax(logits.float(), dim=-1), args.calls, device),
+            "build": timed(lambda: engine.build_tree(prompt[-1], probs, n), args.calls, device),
+            f"tree step [1, {n + 1}]": timed(verify, args.calls, device),
+        }
+        verified = engine.verify_tree(tree)
+        choices = verified.logits.argmax(dim=-1)
+        calls["walk"] = timed(lambda: accepted_path(tree, choices), args.calls, device)
+        engine.keep(verified, [0])
+    return calls
 
 
 def main() -> None:

@@ -100,6 +100,12 @@ for s in "$@"; do
       # no GGUF needed: random target and drafter of the embedded shapes; both engines side by side
       stage decode
       timeout $(cap 360) python3 benchmarks/decode_steps.py --engines ${ENGINES:-graphs,graphs-compiled} 2>&1 | tail -8 ;;
+    trees)
+      # no GGUF needed: tree rounds of 8-64 nodes beside the chain on the graphs engine, with each call timed
+      stage trees
+      timeout $(cap 240) python3 benchmarks/decode_steps.py --engines graphs --tree-budgets ${BUDGETS:-8,16,32,64} \
+        --repeats 3 --calls 100 2>&1 | grep -v "Loading weights\|Writing model" | tail -8
+      mv "$OUT/decode_steps.json" "$OUT/decode_steps-trees.json" 2>/dev/null ;;
     recipe) prepare recipe configs/embedded-gpu-recipe.yaml ;;
     train-recipe) train recipe configs/embedded-gpu-recipe.yaml ;;
     bench)

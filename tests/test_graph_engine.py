@@ -13,7 +13,7 @@ from dflashkit.errors import DflashkitError
 from dflashkit.infer.engine import DynamicEngine, make_engine, ready_engine
 from dflashkit.infer.graph_engine import GraphEngine
 from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
-from dflashkit.infer.tree import DraftTree
+from dflashkit.infer.tree import DraftTree, build_tree
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
@@ -94,6 +94,21 @@ def test_graphs_engine_errors(target, drafter):
     assert isinstance(engine, GraphEngine) and warm == {}  # the CPU: eager, nothing to capture
 
 
+def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
+    """The engine's build is the tree module's, written into the tree step's inputs (verify_tree then
+    copies nothing); another budget is built eagerly."""
+    engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=True, tree_budget=6)
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(B - 1, target.vocab_size, generator=gen) * 3, dim=-1)
+    tree = engine.build_tree(900, probs, 6)
+    assert torch.equal(tree.nodes, build_tree(900, probs, 6).nodes)
+    assert tree.nodes.data_ptr() == engine._tree_inputs.data_ptr()
+    assert torch.equal(engine.build_tree(900, probs, 3).nodes, build_tree(900, probs, 3).nodes)
+    assert engine._tree_inputs.data_ptr() == tree.nodes.data_ptr() and torch.equal(
+        tree.nodes, build_tree(900, probs, 6).nodes
+    ), "an eager build of another budget left the engine's tree alone"
+
+
 @pytest.mark.gpu
 def test_graphs_engine_replays_cuda_graphs_on_gpu():
     """On CUDA (fp32, so the attention is the masked reference over the whole capacity): each step shape
@@ -125,14 +140,18 @@ def test_graphs_engine_replays_the_tree_step_on_gpu():
     engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget)
     eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
     warmed = engine.warm_up()
-    assert list(warmed)[3:] == [f"target tree [1, {budget + 1}]", f"tree keep [{budget + 1} rows]"]
-    assert len(engine.steps) == 5
+    n = budget + 1
+    assert list(warmed)[3:] == [f"tree build [{n} nodes]", f"target tree [1, {n}]", f"tree keep [{n} rows]"]
+    assert len(engine.steps) == 6
     tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
     for e in (engine, eager):
         e.prefill(torch.tensor([prompts(9)[0]], device="cuda"))
     ours, theirs = engine.verify_tree(tree), eager.verify_tree(tree)
     torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours.features, theirs.features, atol=1e-4, rtol=1e-4)
+    for seed in range(3):  # the replayed build: the eager build's tree
+        probs = torch.softmax(torch.randn(B - 1, gpu.vocab_size, device="cuda") * (2 + seed), dim=-1)
+        assert torch.equal(engine.build_tree(900, probs, budget).nodes, build_tree(900, probs, budget).nodes)
     for prompt in prompts(5, 40):
         ar = autoregressive_generate(gpu, prompt, 32, layer_ids=LAYERS)
         runs = {}
@@ -144,7 +163,7 @@ def test_graphs_engine_replays_the_tree_step_on_gpu():
             assert any(p != list(range(len(p))) for p in script.paths), name
             runs[name] = (scripted.accept_lengths, real.accept_lengths)
         assert runs["graphs"] == runs["eager"]
-    assert len(engine.steps) == 5, "a step was captured after warm-up"
+    assert len(engine.steps) == 6, "a step was captured after warm-up"
 
 
 def test_auto_engine_is_the_fastest_lossless_one(target):
@@ -308,7 +327,9 @@ def test_compiled_graphs_engine_decodes_as_the_dynamic_engine(tmp_path):
 
     tiny = tiny_target(tmp_path / "target")
     layers = [0, 2]
-    cfg = config_for_target(tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers)
+    cfg = config_for_target(
+        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
+    )
     torch.manual_seed(1)
     d = DFlashDrafter(cfg).eval()
     cache = tmp_path / "graphs.cache"

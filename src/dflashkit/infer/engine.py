@@ -10,6 +10,9 @@ for batch 1, and what passes from one call to the next is a value the loop holds
   ``context.end``; the logits are those of the B-1 drafted slots.
 - ``verify(ids)`` -> ``Verified``: the target reads ids [1, t] after everything cached (t = 1 for a
   token, B for a block); ``Verified`` holds their logits [t, V], features and start position.
+- ``build_tree(anchor, probs, budget)`` -> ``DraftTree``: the budget's best tree from the drafted slots'
+  probabilities (``dflashkit.infer.tree.build_tree``, on the device; the graphs engine replays it as one
+  captured step).
 - ``verify_tree(tree)`` -> ``Verified``: the target reads the nodes of a ``DraftTree``
   (``dflashkit.infer.tree``) in one pass, node i at position start + depth(i), seeing the cache and its
   ancestors; logits and features per node.
@@ -56,7 +59,7 @@ from torch import Tensor
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.graph_engine import GraphEngine
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
-from dflashkit.infer.tree import DraftTree
+from dflashkit.infer.tree import DraftTree, build_tree
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 from dflashkit.target.slot_decoder import check_supported
@@ -75,6 +78,7 @@ class Engine(Protocol):
     def prefill(self, prompt: Tensor) -> tuple[Tensor, Context]: ...
     def draft(self, context: Context, anchor: int) -> Tensor: ...
     def verify(self, ids: Tensor) -> Verified: ...
+    def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree: ...
     def verify_tree(self, tree: DraftTree) -> Verified: ...
     def keep(self, verified: Verified, path: Sequence[int]) -> Context: ...
 
@@ -157,6 +161,9 @@ class DynamicEngine:
         logits, feats = self.target.forward_step(ids, self._tcache, self.layer_ids)
         self._open = Verified(logits[0], feats, start)
         return self._open
+
+    def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:
+        return build_tree(anchor, probs, budget)
 
     def verify_tree(self, tree: DraftTree) -> Verified:
         dev = self.target.device
@@ -323,6 +330,9 @@ class StaticEngine:
         self._open = Verified(logits, feats, self._length)
         self._length += t
         return self._open
+
+    def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:
+        return build_tree(anchor, probs, budget)
 
     def verify_tree(self, tree: DraftTree) -> Verified:
         dev = self.target.device

@@ -58,7 +58,7 @@ from torch import Tensor
 from dflashkit.data.generator import Steps
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
-from dflashkit.infer.tree import DraftTree, ancestors
+from dflashkit.infer.tree import DraftTree, ancestors, build_tree
 from dflashkit.model.drafter import DFlashDrafter, StaticDraftCache
 from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
 from dflashkit.runtime.compile_cache import CacheUse, portable_cache
@@ -228,6 +228,11 @@ class GraphEngine:
             self._tree_rows = torch.zeros(1, n, self._rows.shape[-1], dtype=self.w.dtype, device=dev)
         self._cache_positions = torch.arange(self.capacity, device=dev)
         self._moves = torch.zeros(2, n, dtype=long, device=dev)  # cache rows: from (the path's), to
+        if (
+            self.drafter is not None
+        ):  # the build step's inputs: the root's token, the drafted slots' probabilities
+            self._anchor = torch.zeros(1, dtype=long, device=dev)
+            self._tree_probs = torch.zeros(self.block_size - 1, self.w.vocab_size, device=dev)
 
     # --- the steps (fixed shapes; one CUDA graph each with graphs) ----------------------------------
 
@@ -269,6 +274,11 @@ class GraphEngine:
         self._tree_logits.copy_(logits(self.w, x[0]))
         if self._tree_rows is not None:
             self._tree_rows.copy_(torch.cat(kept, dim=-1))
+
+    def _build_step(self) -> None:
+        """The tree of the engine's budget from ``_tree_probs``, written as the tree step's inputs."""
+        assert self.tree_budget is not None
+        self._tree_inputs.copy_(build_tree(self._anchor, self._tree_probs, self.tree_budget).nodes)
 
     def _tree_mask(self) -> Tensor:
         """[1, N+1, capacity] bool: node i sees the cache before start and, at start .. start+N, itself and
@@ -388,6 +398,20 @@ class GraphEngine:
         return self._open
 
     @torch.no_grad()
+    def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:
+        """``dflashkit.infer.tree.build_tree`` as one step (captured on a GPU: ~90 small kernels in one
+        replay): the tree of the engine's budget from the drafted slots' probabilities ``probs`` [B-1, V],
+        written straight into the tree step's inputs (the returned tree is a view of them, valid until the
+        next build). Another budget is built eagerly."""
+        if budget != self.tree_budget or self.drafter is None or probs.shape != self._tree_probs.shape:
+            return build_tree(anchor, probs, budget)
+        self._anchor.fill_(anchor)
+        if probs.data_ptr() != self._tree_probs.data_ptr():
+            self._tree_probs.copy_(probs)
+        self.steps.run(("build", budget + 1), self._build_step)
+        return DraftTree(self._tree_inputs)
+
+    @torch.no_grad()
     def verify_tree(self, tree: DraftTree) -> Verified:
         """The nodes of ``tree`` in one target step of N+1 tokens (padded when the tree is smaller): logits
         [len(tree), V] and features, valid until the next tree step."""
@@ -425,6 +449,8 @@ class GraphEngine:
         never leaves it). Padding nodes beyond a smaller tree are their own parents: they see the cache and
         themselves; no node sees them."""
         n, width = len(tree), self._tree_inputs.shape[1]
+        if tree.nodes.data_ptr() == self._tree_inputs.data_ptr():  # built by build_tree: in place already
+            return
         self._tree_inputs[:, :n].copy_(tree.nodes, non_blocking=True)
         if n < width:
             self._tree_inputs[:2, n:].zero_()
@@ -490,6 +516,12 @@ class GraphEngine:
         row onto itself)."""
         n, dev = self._tree_inputs.shape[1], self.target.device
         seconds: dict[str, float] = {}
+        if self.drafter is not None:
+            t0 = time.perf_counter()
+            self._tree_probs.fill_(1.0 / self.w.vocab_size)
+            self.steps.run(("build", n), self._build_step)
+            torch.cuda.synchronize(dev)
+            seconds[f"tree build [{n} nodes]"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self._start.zero_()
         nodes = torch.arange(n, device=dev)

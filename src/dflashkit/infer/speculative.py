@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.infer.engine import Engine, Verified, make_engine, round_width
-from dflashkit.infer.tree import accepted_path, build_tree
+from dflashkit.infer.tree import accepted_path
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 
@@ -225,7 +225,7 @@ def _tree_round(
     target chooses at every node, and the walk follows its choices. Built and walked on the device: one
     copy to the host per round, as the chain."""
     probs = torch.softmax(draft_logits.float(), dim=-1) if s.greedy else probabilities(draft_logits, s)
-    tree = build_tree(anchor, probs, budget)
+    tree = dec.build_tree(anchor, probs, budget)
     verified = dec.verify_tree(tree)
     path, committed = accepted_path(tree, choose(verified.logits, s, gen))
     return verified, path, committed

@@ -151,7 +151,7 @@ def build_tree(anchor: int | Tensor, probs: Tensor, budget: int) -> DraftTree:
         parents.append(at // t)
         ranks.append(at % t)
     score = torch.stack(scores).flatten()  # [D * n], depth-major: node i of depth d+1 at d * n + i
-    ties = 1e-4 * torch.arange(depth, device=dev).repeat_interleave(n)  # ties go to the shallower node
+    ties = 1e-4 * (torch.arange(depth * n, device=dev) // n)  # ties go to the shallower node
     chosen = (score - ties).topk(n).indices.sort().values  # depth by depth, so parents first
     valid = score[chosen] > -math.inf
     d_of = chosen // n  # depth - 1
