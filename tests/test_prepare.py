@@ -101,6 +101,17 @@ def test_prepare_writes_manifest_and_records(full_run: tuple[Path, dict[str, Any
     assert manifest["splits"]["train"]["records"] == 4 and manifest["splits"]["validation"]["records"] == 2
     assert manifest["generation"]["new_tokens"] == counts["new_tokens"] > 0
     assert manifest["generation"]["new_tokens_per_second"] > 0
+    stages = manifest["stage_seconds"]  # where the command's time went, stage by stage
+    assert list(stages) == [
+        "read_sources",
+        "load_target",
+        "start_generator",
+        "generate",
+        "read_cache",
+        "encode_records",
+        "write_splits",
+    ]
+    assert all(v >= 0 for v in stages.values()) and stages["generate"] >= manifest["generation"]["seconds"]
     assert (out / "fingerprint.json").is_file()
 
     train, val = load_dataset(out, "train"), load_dataset(out, "validation")

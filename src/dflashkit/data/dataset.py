@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,10 +300,21 @@ def prepare_dataset(
 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
+    stages: dict[str, float] = {}  # wall seconds of each stage, for the manifest
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        stages[stage] = round(now - clock, 3)
+        clock = now
+
     plans = plan_records(settings)
+    lap("read_sources")
     model, tokenizer = load_target(
         settings.target, dtype=settings.dtype, device=settings.device, weights=not settings.servers
     )
+    lap("load_target")
     target = identity_of_folder(settings.target)
     template = template_identity(tokenizer, settings.enable_thinking)
     _check_generation_identity(out / GENERATION_FILE, _generation_identity(settings, target, template))
@@ -316,12 +328,16 @@ def prepare_dataset(
     )
     jobs = [j for plan in plans for j in plan.train + plan.validation]
     backend = make_backend(settings, model, tokenizer, eos_ids)
+    lap("start_generator")
     with TokenizerPool(tokenizer) as pool:
         stats = regenerate(
             jobs, backend, tokenizer, out / CACHE_FILE, gen, on_flush=on_flush, progress=progress, pool=pool
         )
+        lap("generate")
         cache, _ = read_cache(out / CACHE_FILE)
+        lap("read_cache")
         encoded = _encode_records(jobs, cache, settings.enable_thinking, eos_ids, pool)
+        lap("encode_records")
     counts = dict.fromkeys(
         (
             "prompt_too_long",
@@ -353,6 +369,7 @@ def prepare_dataset(
             f"{settings.max_prompt_tokens} and {counts['unsupervised']} had no assistant token to learn; "
             "raise max_prompt_tokens, or use other prompts"
         )
+    lap("write_splits")
     fingerprint.save(fingerprint.collect(), out)
 
     manifest = {
@@ -374,6 +391,7 @@ def prepare_dataset(
             **counts,
         },
         "splits": splits,
+        "stage_seconds": stages,  # this command's stages (generate: of the records not cached before)
         "generation": {
             "backend": stats.backend,
             "eos_token_ids": eos_ids,
