@@ -252,7 +252,10 @@ def test_replies_at_every_budget_and_window_boundary(steps: int, fixed: bool) ->
     assert stats.new_tokens == sum(len(x.ids) for x in source.replies.values())
     x = stats.extra  # the split: decode + prefill + host = the run; the source's and the overlapped parts
     assert abs(x["decode_seconds"] + x["prefill_seconds"] + x["host_seconds"] - stats.seconds) < 0.01
-    assert 0 <= x["host_overlap_seconds"] <= x["host_source_seconds"] <= x["host_seconds"] + 0.002
+    # both parts of the host's time: the source's work, and what ran while steps were in flight (the handing
+    # of ended replies: the source's work and its bookkeeping, so neither holds the other)
+    assert 0 <= x["host_source_seconds"] <= x["host_seconds"] + 0.002
+    assert 0 <= x["host_overlap_seconds"] <= x["host_seconds"] + 0.002
 
 
 def test_sampled_replies_depend_on_their_seeds_only() -> None:
