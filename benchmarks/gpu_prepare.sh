@@ -19,6 +19,13 @@
 #   bash benchmarks/gpu_prepare.sh decode tree                         # engines side by side; tree vs chain
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
+# Next session's plan (2026-12-01, after the fourth session; ~29 device minutes):
+#   bash benchmarks/gpu_prepare.sh part tests trees          # carry .bench/p1 .whl: GPU tests; tree rounds by call
+#   bash benchmarks/gpu_prepare.sh part placements           # carry .bench/p2: fan-out vs capture, data parallel
+#   TRAIN_OVERRIDES="drafter.init=/root/work/drafter0/best train.max_steps=2000 train.lr=3e-4 train.seed=3" \
+#     bash benchmarks/gpu_prepare.sh part join drafter recipe train-recipe   # carry .bench/p3 .bench/drafter-recipe
+#   BENCH_PROMPTS=20 bash benchmarks/gpu_prepare.sh keep bench tree etests
+#
 # Outputs (logs, JSON reports, manifests, training metrics and plots) go to $OUT when it is set.
 set -uo pipefail
 M=/root/m                                   # outside the repository: survives between commands on a warm machine
