@@ -167,16 +167,19 @@ def test_graphs_engine_replays_the_tree_step_on_gpu():
 
 
 def test_auto_engine_is_the_fastest_lossless_one(target):
-    """--engine auto: the graphs engine on a GPU, the dynamic engine on the CPU, for chain and tree rounds;
-    --help spells the same choices as the engine module (without importing torch)."""
+    """--engine auto: the graphs engine for a supported family, on a GPU and on the CPU, for chain and tree
+    rounds; the dynamic engine for any other target; --help spells the same choices as the engine module
+    (without importing torch)."""
     from dflashkit.commands.infer import ENGINE_CHOICES
     from dflashkit.infer.engine import ENGINE_CHOICES as choices
     from dflashkit.infer.engine import resolve_engine
 
     assert choices == ENGINE_CHOICES
-    assert resolve_engine("auto", target) == ("graphs" if target.device.type == "cuda" else "dynamic")
+    assert resolve_engine("auto", target) == resolve_engine("auto", target, tree_budget=8) == "graphs"
     on_gpu = SimpleNamespace(device=torch.device("cuda"), config=target.config)  # what auto reads
     assert resolve_engine("auto", on_gpu) == resolve_engine("auto", on_gpu, tree_budget=8) == "graphs"
+    other = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(model_type="gpt2"))
+    assert resolve_engine("auto", other) == "dynamic"
     assert resolve_engine("static", target) == "static"
 
 
