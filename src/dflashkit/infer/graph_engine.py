@@ -85,10 +85,24 @@ def target_step(
     kv_len: int,
     attention: Attention,
     keep: tuple[int, ...],
+    positions: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> None:
     """ids [1, t] written at position ``start`` of the cache; their float32 logits into ``out_logits`` [t, V]
-    and the outputs of the layers ``keep`` (concatenated) into ``out_rows`` [1, t, n*H]."""
-    x, kept = decode(w, cache, ids, slot, start, kv_len=kv_len, attention=attention, keep=keep)
+    and the outputs of the layers ``keep`` (concatenated) into ``out_rows`` [1, t, n*H]. A tree's nodes give
+    their own rotary ``positions`` and attention ``mask`` (``slot_decoder.decode``)."""
+    x, kept = decode(
+        w,
+        cache,
+        ids,
+        slot,
+        start,
+        kv_len=kv_len,
+        attention=attention,
+        keep=keep,
+        positions=positions,
+        mask=mask,
+    )
     out_logits.copy_(logits(w, x[0]))
     if keep:
         assert out_rows is not None
@@ -212,7 +226,6 @@ class GraphEngine:
             self._block_start = torch.zeros(1, **long)  # type: ignore[arg-type]
             self._draft_logits = torch.zeros(B - 1, V, dtype=torch.float32, device=dev)
         self._offsets = torch.arange(B, device=dev)[None]
-        self._rows_out = self._rows if drafter is not None else None
         self.tree_budget = tree_budget or None
         if self.tree_budget:
             self._new_tree_buffers(self.tree_budget + 1)
@@ -250,30 +263,28 @@ class GraphEngine:
             self._slot,
             self._start,
             self._logits[t],
-            self._rows_out if keep else None,
+            self._rows if keep else None,
             self._kv_len(t),
             self.attention,
             keep,
         )
 
     def _tree_step(self) -> None:
-        n = self._tree_inputs.shape[1]
-        keep = tuple(self.layer_ids) if self.drafter is not None else ()
-        x, kept = decode(
+        """The target step over the tree's nodes (eager: captured, not compiled)."""
+        target_step(
             self.w,
             self.cache,
             self._tree_inputs[:1],
             self._slot,
             self._start,
-            kv_len=self._kv_len(n),
-            attention=self.attention,
-            keep=keep,
+            self._tree_logits,
+            self._tree_rows,
+            self._kv_len(self._tree_inputs.shape[1]),
+            self.attention,
+            tuple(self.layer_ids) if self.drafter is not None else (),
             positions=self._start + self._tree_inputs[1:2],  # the root's position + depth
             mask=self._tree_mask(),
         )
-        self._tree_logits.copy_(logits(self.w, x[0]))
-        if self._tree_rows is not None:
-            self._tree_rows.copy_(torch.cat(kept, dim=-1))
 
     def _build_step(self) -> None:
         """The tree of the engine's budget from ``_tree_probs``, written as the tree step's inputs."""
@@ -406,8 +417,7 @@ class GraphEngine:
         if budget != self.tree_budget or self.drafter is None or probs.shape != self._tree_probs.shape:
             return build_tree(anchor, probs, budget)
         self._anchor.fill_(anchor)
-        if probs.data_ptr() != self._tree_probs.data_ptr():
-            self._tree_probs.copy_(probs)
+        self._tree_probs.copy_(probs)
         self.steps.run(("build", budget + 1), self._build_step)
         return DraftTree(self._tree_inputs)
 
@@ -500,11 +510,7 @@ class GraphEngine:
                 self._row_start.zero_()
                 self._block_start.fill_(B)
             for name, (key, step) in steps.items():
-                t0 = time.perf_counter()
-                self.steps.run(key, step)  # a step that fails to compile raises one line (the region's)
-                if self.target.device.type == "cuda":
-                    torch.cuda.synchronize(self.target.device)
-                seconds[name] = time.perf_counter() - t0
+                seconds[name] = self._warm_step(key, step)  # a failed compile raises one line (the region's)
             if self.tree_budget and self.graphs:  # eager steps: nothing to do without graphs
                 seconds.update(self._warm_tree())
         seconds.compiled, seconds.cached, seconds.cache_loaded = use.compiled, use.cached, use.loaded
@@ -517,24 +523,23 @@ class GraphEngine:
         n, dev = self._tree_inputs.shape[1], self.target.device
         seconds: dict[str, float] = {}
         if self.drafter is not None:
-            t0 = time.perf_counter()
             self._tree_probs.fill_(1.0 / self.w.vocab_size)
-            self.steps.run(("build", n), self._build_step)
-            torch.cuda.synchronize(dev)
-            seconds[f"tree build [{n} nodes]"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+            seconds[f"tree build [{n} nodes]"] = self._warm_step(("build", n), self._build_step)
         self._start.zero_()
         nodes = torch.arange(n, device=dev)
         self._tree_inputs.copy_(torch.stack([torch.zeros_like(nodes), nodes, (nodes - 1).clamp(min=0)]))
-        self.steps.run(("tree", n), self._tree_step)
-        torch.cuda.synchronize(dev)
-        seconds[f"target tree [1, {n}]"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self._moves.copy_(torch.arange(n, device=dev).expand(2, n))
-        self.steps.run(("keep",), self._keep_step)
-        torch.cuda.synchronize(dev)
-        seconds[f"tree keep [{n} rows]"] = time.perf_counter() - t0
+        seconds[f"target tree [1, {n}]"] = self._warm_step(("tree", n), self._tree_step)
+        self._moves.copy_(nodes.expand(2, n))
+        seconds[f"tree keep [{n} rows]"] = self._warm_step(("keep",), self._keep_step)
         return seconds
+
+    def _warm_step(self, key: tuple[Any, ...], step: Callable[[], None]) -> float:
+        """Run a step for the first time (compile and/or capture it); its seconds, to the device's end."""
+        t0 = time.perf_counter()
+        self.steps.run(key, step)
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+        return time.perf_counter() - t0
 
     @contextlib.contextmanager
     def _cache(self) -> Iterator[CacheUse]:
