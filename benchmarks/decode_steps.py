@@ -14,7 +14,10 @@ timing does not depend on the weights, so nothing has to be carried to the GPU) 
 - with `--tree-budgets 8,64`: a tree round of each budget on the graphs engine, against the chain's round;
 - the break-even acceptance length (round / token) and the speedup at tau = 1.5, 2, 3, 4, B;
 - the floor: the target's weight bytes over the measured copy bandwidth (what a step would cost were it
-  bound by memory, not by kernel launches and the host).
+  bound by memory, not by kernel launches and the host);
+- with `--profile N` (graphs engines): the one-token target step run N times uncaptured under the torch
+  profiler: kernels per step, their summed device time per step (against the captured step's time: what
+  is left is the gaps between kernels) and the kernels that take the most of it.
 
 Engines (``--engines``, side by side): ``static`` (torch.compile, CUDA-graph mode), ``graphs`` (the fused
 target forward, each step one CUDA graph of eager kernels) and ``graphs-compiled`` (the same steps compiled by
@@ -200,6 +203,11 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
         context = after_prompt()
         calls[f"draft [1, {B}]"] = timed(lambda: engine.draft(context, prompt[-1]), args.calls, device)
         trees = tree_rounds(target, drafter, engine_name, args, prompt, round_ms, token_ms)
+        try:
+            profile = step_profile(target, drafter, engine_name, args, prompt)
+        except Exception as e:  # a profiler that fails must not cost the run's other figures
+            print(f"profile of {engine_name} failed: {type(e).__name__}: {e}")
+            profile = {}
     return {
         "engine": engine_name,
         "warmup_seconds": dict(warm),
@@ -213,7 +221,68 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
         "break_even_tau": round_ms / token_ms,
         "speedup_at_tau": {str(t): t * token_ms / round_ms for t in (*TAUS, float(B))},
         **({"tree_rounds": trees} if trees else {}),
+        **({"one_token_profile": profile} if profile else {}),
     }
+
+
+def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
+    """The one-token target step of a graphs engine, uncaptured (the same kernels a captured step replays;
+    compiled ones for graphs-compiled), ``--profile`` times under the torch profiler: kernels per step, their
+    device time per step and the ten kernels that take the most of it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflashkit.infer.graph_engine import GraphEngine
+
+    if not args.profile or engine_name not in GRAPH_ENGINES or target.device.type != "cuda":
+        return {}
+    capacity = args.prompt_len + args.profile + 16 + drafter.config.block_size
+    engine = GraphEngine(
+        target,
+        drafter,
+        capacity=capacity,
+        graphs=False,
+        fixed_shapes=True,
+        compile=GRAPH_ENGINES[engine_name],
+    )
+    engine.warm_up()
+    one = torch.tensor([[prompt[-1]]], device=target.device)
+    with torch.no_grad():
+        engine.prefill(torch.tensor([prompt], device=target.device))
+        for _ in range(3):
+            engine.verify(one)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.profile):
+                engine.verify(one)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total_us = sum(sum(v) for v in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    out = {
+        "steps": args.profile,
+        "kernels_per_step": len(kernels) / args.profile,
+        "kernel_ms_per_step": total_us / 1e3 / args.profile,
+        "top_kernels": [
+            {
+                "name": name[:90],
+                "calls_per_step": len(v) / args.profile,
+                "ms_per_step": sum(v) / 1e3 / args.profile,
+            }
+            for name, v in top
+        ],
+    }
+    print(
+        f"{engine_name} one-token step, uncaptured: {out['kernels_per_step']:.0f} kernels, "
+        f"{out['kernel_ms_per_step']:.3f} ms of kernel time a step; the most:"
+    )
+    for k in out["top_kernels"]:
+        print(f"  {k['ms_per_step']:.4f} ms  x{k['calls_per_step']:.0f}  {k['name']}")
+    del engine
+    return out
 
 
 def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float, token_ms: float) -> dict:
@@ -301,6 +370,13 @@ def main() -> None:
         type=lambda v: [int(x) for x in v.split(",") if x],
         default=[],
         help="also time tree rounds of these node budgets on the graphs engine, e.g. 8,16,32,64",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile N uncaptured one-token steps of each graphs engine (kernels, device time; GPU)",
     )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-warm-start", action="store_true", help="skip the second process (graphs-compiled)")

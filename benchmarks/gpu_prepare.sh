@@ -19,12 +19,13 @@
 #   bash benchmarks/gpu_prepare.sh decode tree                         # engines side by side; tree vs chain
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
-# Next session's plan (2026-12-01, after the fourth session; ~29 device minutes):
-#   bash benchmarks/gpu_prepare.sh part tests trees          # carry .bench/p1 .whl: GPU tests; tree rounds by call
-#   bash benchmarks/gpu_prepare.sh part placements           # carry .bench/p2: fan-out vs capture, data parallel
-#   TRAIN_OVERRIDES="drafter.init=/root/work/drafter0/best train.max_steps=2000 train.lr=3e-4 train.seed=3" \
-#     bash benchmarks/gpu_prepare.sh part join drafter recipe train-recipe   # carry .bench/p3 .bench/drafter-recipe
-#   BENCH_PROMPTS=20 bash benchmarks/gpu_prepare.sh keep bench tree etests
+# Fifth session's plan (2026-12-01; ~29 device minutes; no training: the 3,800-step drafter, compiled steps):
+#   bash benchmarks/gpu_prepare.sh part trees               # carry .bench/p1 .whl: tree rounds by call (captured
+#                                                           #   build), both graphs engines, one-token profiles
+#   bash benchmarks/gpu_prepare.sh part placements          # carry .bench/p2: fan-out vs capture, data parallel
+#   DRAFTER=/root/work/drafter0/best bash benchmarks/gpu_prepare.sh part join drafter recipe tree
+#                                                           # carry .bench/p3 .bench/drafter-recipe
+#   DRAFTER=/root/work/drafter0/best BENCH_PROMPTS=20 bash benchmarks/gpu_prepare.sh bench etests
 #
 # Outputs (logs, JSON reports, manifests, training metrics and plots) go to $OUT when it is set.
 set -uo pipefail
@@ -95,7 +96,7 @@ for s in "$@"; do
     tree)
       # tree vs chain at node budgets 8-64 on MT-Bench and the held-out set (graphs engine, bf16)
       stage tree
-      timeout $(cap 420) python3 benchmarks/tree_vs_chain.py --drafter $W/run-recipe/best --data $W/recipe \
+      timeout $(cap 420) python3 benchmarks/tree_vs_chain.py --drafter ${DRAFTER:-$W/run-recipe/best} --data $W/recipe \
         --engine graphs --dtype bfloat16 --sets mtbench,heldout --budgets ${BUDGETS:-8,16,32,64} \
         --max-prompts ${TREE_PROMPTS:-16} --max-new-tokens 256 --out "$OUT" 2>&1 | grep -v "Loading weights" | tail -20 ;;
     placements)
@@ -108,17 +109,19 @@ for s in "$@"; do
       stage decode
       timeout $(cap 360) python3 benchmarks/decode_steps.py --engines ${ENGINES:-graphs,graphs-compiled} 2>&1 | tail -8 ;;
     trees)
-      # no GGUF needed: tree rounds of 8-64 nodes beside the chain on the graphs engine, with each call timed
+      # no GGUF needed: tree rounds of 8-64 nodes beside the chain on the graphs engine, with each call timed;
+      # the one-token step of both graphs engines profiled (kernels, device time)
       stage trees
-      timeout $(cap 240) python3 benchmarks/decode_steps.py --engines graphs --tree-budgets ${BUDGETS:-8,16,32,64} \
-        --repeats 3 --calls 100 2>&1 | grep -v "Loading weights\|Writing model" | tail -8
+      timeout $(cap 300) python3 benchmarks/decode_steps.py --engines ${ENGINES:-graphs,graphs-compiled} \
+        --tree-budgets ${BUDGETS:-8,16,32,64} --repeats 3 --calls 100 --profile 50 --no-warm-start 2>&1 \
+        | grep -v "Loading weights\|Writing model" | tail -40
       mv "$OUT/decode_steps.json" "$OUT/decode_steps-trees.json" 2>/dev/null ;;
     recipe) prepare recipe configs/embedded-gpu-recipe.yaml ;;
     train-recipe) train recipe configs/embedded-gpu-recipe.yaml ;;
     bench)
-      # the paper's table for the recipe's drafter (T=0 and T=1), on the graphs engine (--engine auto)
+      # the paper's table for the recipe's drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
       stage bench
-      timeout $(cap 420) $DK bench --drafter $W/run-recipe/best --data $W/recipe --out $W/bench \
+      timeout $(cap 420) $DK bench --drafter ${DRAFTER:-$W/run-recipe/best} --data $W/recipe --out $W/bench \
         --max-prompts ${BENCH_PROMPTS:-40} --check-lossless --lossless-prompts 4 \
         --summary "$OUT/drafter_table.json" 2>&1 | grep -v "Loading weights" | tail -30
       for f in bench.json bench.md bench.png; do cp "$W/bench/$f" "$OUT/" 2>/dev/null; done ;;

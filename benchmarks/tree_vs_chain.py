@@ -111,8 +111,9 @@ def main() -> None:
     ap.add_argument(
         "--engine",
         default="auto",
-        choices=["auto", "dynamic", "static", "graphs"],
-        help="decode engine of every configuration: auto (graphs on a GPU, else dynamic), dynamic, static or graphs",
+        choices=["auto", "dynamic", "static", "graphs", "graphs-compiled"],
+        help="decode engine of every configuration: auto (graphs, or dynamic for targets it does not cover), "
+        "dynamic, static, graphs or graphs-compiled",
     )
     ap.add_argument("--sets", default="mtbench,heldout")
     ap.add_argument("--budgets", default="8,16,32,64", help="node budgets of the trees")

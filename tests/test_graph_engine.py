@@ -3,6 +3,7 @@ dynamic engine in fp32: eager with exact attention widths, with the fixed shapes
 its steps compiled (warmed up once, nothing compiled after, a second engine warm from the portable cache);
 chain and tree rounds (a kept tree path leaves the caches of a chain)."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -94,6 +95,20 @@ def test_graphs_engine_errors(target, drafter):
     assert isinstance(engine, GraphEngine) and warm == {}  # the CPU: eager, nothing to capture
 
 
+def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafter, tmp_path, monkeypatch):
+    """graphs-compiled: the graphs engine with compiled steps and a portable compile cache under
+    $DFLASHKIT_CACHE/compile, one file per target, drafter shape and capacity."""
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
+    engine = make_engine("graphs-compiled", target, drafter, capacity=24)
+    assert isinstance(engine, GraphEngine) and engine.compiled and not engine.graphs  # the CPU: no capture
+    path = Path(engine.compile_cache)
+    assert path.parent == tmp_path / "compile" and path.suffix == ".cache"
+    assert make_engine("graphs-compiled", target, drafter, capacity=24).compile_cache == path
+    assert make_engine("graphs-compiled", target, drafter, capacity=32).compile_cache != path
+    assert make_engine("graphs-compiled", target, None, capacity=24, layer_ids=[1]).compile_cache != path
+    assert not make_engine("graphs", target, drafter, capacity=24).compiled
+
+
 def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
     """The engine's build is the tree module's, written into the tree step's inputs (verify_tree then
     copies nothing); another budget is built eagerly."""
@@ -178,6 +193,9 @@ def test_auto_engine_is_the_fastest_lossless_one(target):
     assert resolve_engine("auto", target) == resolve_engine("auto", target, tree_budget=8) == "graphs"
     on_gpu = SimpleNamespace(device=torch.device("cuda"), config=target.config)  # what auto reads
     assert resolve_engine("auto", on_gpu) == resolve_engine("auto", on_gpu, tree_budget=8) == "graphs"
+    # commands that measure over many prompts (bench, eval) take the compiled steps on a GPU only
+    assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-compiled"
+    assert resolve_engine("auto", target, long_run=True) == "graphs"
     other = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(model_type="gpt2"))
     assert resolve_engine("auto", other) == "dynamic"
     assert resolve_engine("static", target) == "static"
