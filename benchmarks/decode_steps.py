@@ -89,6 +89,13 @@ def copy_bandwidth(device) -> float | None:
     return 2 * x.numel() / (ms / 1e3)  # read + write
 
 
+def engine_capacity(args, drafter) -> int:
+    """One capacity for every engine of a run (chain, trees, profiles): the compiled steps' shapes include it,
+    so the tree and profile engines reuse the chain engine's compiled steps instead of compiling again."""
+    widest = max([drafter.config.block_size, *(n + 1 for n in args.tree_budgets)])
+    return args.prompt_len + max(args.tokens, args.calls, args.profile + 8) + widest
+
+
 def build_engine(engine_name: str, target, drafter, args, capacity: int, cache: Path | None):
     """The engine and its warm-up (seconds per step shape; a graphs engine's says how the caches served it)."""
     from dflashkit.infer.engine import ready_engine
@@ -133,7 +140,7 @@ def first_token(target, drafter, engine_name: str, args, cache: Path | None):
     from dflashkit.infer.speculative import autoregressive_generate
 
     prompt = the_prompt(target, args)
-    capacity = args.prompt_len + max(args.tokens, args.calls) + drafter.config.block_size
+    capacity = engine_capacity(args, drafter)
     t0 = time.perf_counter()
     engine, warm = build_engine(engine_name, target, drafter, args, capacity, cache)
     first = autoregressive_generate(
@@ -230,17 +237,15 @@ def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
     compiled ones for graphs-compiled), ``--profile`` times under the torch profiler: kernels per step, their
     device time per step and the ten kernels that take the most of it."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from dflashkit.infer.graph_engine import GraphEngine
 
     if not args.profile or engine_name not in GRAPH_ENGINES or target.device.type != "cuda":
         return {}
-    capacity = args.prompt_len + args.profile + 16 + drafter.config.block_size
     engine = GraphEngine(
         target,
         drafter,
-        capacity=capacity,
+        capacity=engine_capacity(args, drafter),
         graphs=False,
         fixed_shapes=True,
         compile=GRAPH_ENGINES[engine_name],
@@ -249,44 +254,52 @@ def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
     one = torch.tensor([[prompt[-1]]], device=target.device)
     with torch.no_grad():
         engine.prefill(torch.tensor([prompt], device=target.device))
-        for _ in range(3):
-            engine.verify(one)
+        out = profile_calls(lambda: engine.verify(one), args.profile)
+    print_profile(f"{engine_name} one-token step", out)
+    return out
+
+
+def profile_calls(call, n: int) -> dict:
+    """``call`` run n times (after 3 unprofiled) under the torch profiler: kernels per call, their device time
+    per call (ms) and the ten kernels that take the most of it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.profile):
-                engine.verify(one)
-            torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
     total_us = sum(sum(v) for v in by_name.values())
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
-    out = {
-        "steps": args.profile,
-        "kernels_per_step": len(kernels) / args.profile,
-        "kernel_ms_per_step": total_us / 1e3 / args.profile,
+    return {
+        "calls": n,
+        "kernels_per_step": len(kernels) / n,
+        "kernel_ms_per_step": total_us / 1e3 / n,
         "top_kernels": [
-            {
-                "name": name[:90],
-                "calls_per_step": len(v) / args.profile,
-                "ms_per_step": sum(v) / 1e3 / args.profile,
-            }
+            {"name": name[:90], "calls_per_step": len(v) / n, "ms_per_step": sum(v) / 1e3 / n}
             for name, v in top
         ],
     }
+
+
+def print_profile(label: str, out: dict) -> None:
     print(
-        f"{engine_name} one-token step, uncaptured: {out['kernels_per_step']:.0f} kernels, "
+        f"{label}, uncaptured: {out['kernels_per_step']:.0f} kernels, "
         f"{out['kernel_ms_per_step']:.3f} ms of kernel time a step; the most:"
     )
     for k in out["top_kernels"]:
         print(f"  {k['ms_per_step']:.4f} ms  x{k['calls_per_step']:.0f}  {k['name']}")
-    del engine
-    return out
 
 
 def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float, token_ms: float) -> dict:
-    """A tree round of each budget (``--tree-budgets``) on the eager graphs engine, timed as the chain's
+    """A tree round of each budget (``--tree-budgets``) on this graphs engine, timed as the chain's
     round beside it: ms per round, in AR tokens, and against the chain. The random drafter's trees are
     rejected at the first node, so the keep step moves no rows (a trained drafter's rounds add that copy)."""
     import torch
@@ -294,12 +307,19 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
     from dflashkit.infer.graph_engine import GraphEngine
     from dflashkit.infer.speculative import speculative_generate
 
-    if not args.tree_budgets or engine_name != "graphs":
+    if not args.tree_budgets or engine_name not in GRAPH_ENGINES:
         return {}
     out = {}
+    compiled = GRAPH_ENGINES[engine_name]
     for n in args.tree_budgets:
-        capacity = args.prompt_len + max(args.tokens, args.calls) + n + 1 + drafter.config.block_size
-        engine = GraphEngine(target, drafter, capacity=capacity, graphs=args.compile, tree_budget=n)
+        engine = GraphEngine(
+            target,
+            drafter,
+            capacity=engine_capacity(args, drafter),
+            graphs=args.compile,
+            compile=compiled,
+            tree_budget=n,
+        )
         engine.warm_up()
         with torch.no_grad():
             speculative_generate(target, drafter, prompt, 8, engine=engine, tree_budget=n)
@@ -315,11 +335,43 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
             "vs_chain": ms / chain_ms - 1,
             "calls_ms": calls,
         }
+        if args.profile and n == args.tree_budgets[0] and target.device.type == "cuda":
+            try:
+                out[str(n)]["tree_step_profile"] = tree_step_profile(
+                    target, drafter, engine_name, args, prompt, n
+                )
+            except Exception as e:  # a profiler that fails must not cost the run's other figures
+                print(f"profile of the tree step failed: {type(e).__name__}: {e}")
         print(
             f"tree of {n} nodes: {ms:.3f} ms a round, {ms / token_ms:.2f} AR tokens, {ms / chain_ms - 1:+.1%} "
             "vs chain; calls (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in calls.items())
         )
         del engine
+    return out
+
+
+def tree_step_profile(target, drafter, engine_name: str, args, prompt, n: int) -> dict:
+    """The tree step [1, n+1] (and its keep of the root) of a graphs engine, uncaptured, under the profiler."""
+    import torch
+
+    from dflashkit.infer.graph_engine import GraphEngine
+
+    engine = GraphEngine(
+        target,
+        drafter,
+        capacity=engine_capacity(args, drafter),
+        graphs=False,
+        fixed_shapes=True,
+        compile=GRAPH_ENGINES[engine_name],
+        tree_budget=n,
+    )
+    engine.warm_up()
+    with torch.no_grad():
+        context = engine.prefill(torch.tensor([prompt], device=target.device))[1]
+        probs = torch.softmax(engine.draft(context, prompt[-1]).float(), dim=-1)
+        tree = engine.build_tree(prompt[-1], probs, n)
+        out = profile_calls(lambda: engine.keep(engine.verify_tree(tree), [0]), args.profile)
+    print_profile(f"{engine_name} tree step [1, {n + 1}]", out)
     return out
 
 

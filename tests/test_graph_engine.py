@@ -376,6 +376,41 @@ def test_compiled_graphs_engine_decodes_as_the_dynamic_engine(tmp_path):
         decodes_as_dynamic(tiny, d, second, layers)
 
 
+@pytest.mark.slow
+def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
+    """compile=True with a tree budget (the CPU: compiled steps without graphs): warm-up compiles the tree
+    step [1, N+1] beside the chain's steps; tree rounds, scripted (rows moved) and real, decode as the
+    dynamic engine's, with nothing compiled after warm-up."""
+    from dflashkit.infer import graph_engine
+    from dflashkit.runtime.compile import is_frozen
+
+    tiny = tiny_target(tmp_path / "target")
+    layers, budget = [0, 2], 5
+    cfg = config_for_target(
+        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
+    )
+    torch.manual_seed(1)
+    d = DFlashDrafter(cfg).eval()
+    before = graph_engine.TARGET_STEP.graphs()
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile=True, tree_budget=budget)
+    warmed = engine.warm_up()
+    n = budget + 1
+    assert f"target tree [1, {n}]" in warmed and f"tree build [{n} nodes]" in warmed and not is_frozen()
+    after = graph_engine.TARGET_STEP.graphs()
+    assert after >= before + 1  # the tree step's own graph (the chain's may come from an earlier engine)
+    for length in (5, 13):
+        prompt = torch.randint(5, 500, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        ar = autoregressive_generate(tiny, prompt, 20, layer_ids=layers).tokens
+        for scripted in (False, True):
+            make = (lambda e, known=prompt + ar: ScriptedTree(e, known)) if scripted else (lambda e: e)
+            ref = speculative_generate(
+                tiny, d, prompt, 20, engine=make(DynamicEngine(tiny, d)), tree_budget=budget
+            )
+            ours = speculative_generate(tiny, d, prompt, 20, engine=make(engine), tree_budget=budget)
+            assert ours.tokens == ref.tokens == ar and ours.accept_lengths == ref.accept_lengths
+    assert graph_engine.TARGET_STEP.graphs() == after, "compiled after warm-up"
+
+
 @pytest.mark.gpu
 def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu():
     """On CUDA in fp32: the compiled steps, captured as CUDA graphs, replay and decode as the eager graphs

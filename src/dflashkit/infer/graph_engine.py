@@ -26,10 +26,10 @@ Steps (fixed shapes, as the static engine's):
   every layer (one gather and one index_copy per cache tensor), so the caches are a chain's. A path that is
   the tree's first nodes (0 .. k-1) moves nothing and runs no step.
 
-With ``compile=True`` (opt-in: the default stays the eager steps until the compiled ones are measured on
-a GPU) each step function is first compiled by torch.compile (Inductor,
-fullgraph, static shapes, no CUDA-graph mode: ``Steps`` captures the graph itself), so each layer's norms,
-rotary, SwiGLU product, casts and cache writes fuse into a few Triton kernels around the matmuls and the
+With ``compile=True`` (the ``"graphs-compiled"`` engine, which ``--engine auto`` takes on a GPU for bench and
+eval) each target step (the tree step included) and the draft step is first compiled by torch.compile
+(Inductor, fullgraph, static shapes, no CUDA-graph mode: ``Steps`` captures the graph itself), so each layer's
+norms, rotary, SwiGLU product, casts and cache writes fuse into a few Triton kernels around the matmuls and the
 attention; the compiled step is then captured as one CUDA graph as before. Compiles follow the rules of
 ``dflashkit.runtime.compile`` (one lock, one clear line on a failure, frozen after ``warm_up()``), and their
 artifacts go to the portable compile cache (``compile_cache=``), so a second process starts in seconds. On
@@ -161,10 +161,10 @@ class GraphEngine:
     without graphs the same steps run eagerly with exact attention widths (the CPU path).
     ``fixed_shapes`` (default: with graphs or compile) makes attention read the whole capacity, as a graph
     and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default: with
-    graphs, i.e. on a GPU) compiles the target and draft steps before they are captured; ``compile_cache``:
+    False) compiles the target and draft steps before they are captured; ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
-    of N+1 tokens (a smaller tree is padded; the tree and keep steps run eagerly, captured on a GPU). Build
+    of N+1 tokens (a smaller tree is padded; the build and keep steps run eagerly, captured on a GPU). Build
     one per (target, drafter, capacity, tree budget) and reuse it across prompts.
     """
 
@@ -187,7 +187,7 @@ class GraphEngine:
         graphs = dev.type == "cuda" if graphs is None else graphs
         if graphs and dev.type != "cuda":
             raise DflashkitError("the graphs engine captures CUDA graphs: it needs the target on a GPU")
-        compile = False if compile is None else compile  # compiled steps: opt-in until measured on a GPU
+        compile = False if compile is None else compile  # compiled steps: the "graphs-compiled" engine
         fixed_shapes = graphs or compile if fixed_shapes is None else fixed_shapes
         if compile and not fixed_shapes:
             raise DflashkitError(
@@ -270,8 +270,8 @@ class GraphEngine:
         )
 
     def _tree_step(self) -> None:
-        """The target step over the tree's nodes (eager: captured, not compiled)."""
-        target_step(
+        """The target step over the tree's nodes (compiled as the other target steps with ``compile``)."""
+        self._target_fn(
             self.w,
             self.cache,
             self._tree_inputs[:1],
@@ -282,8 +282,8 @@ class GraphEngine:
             self._kv_len(self._tree_inputs.shape[1]),
             self.attention,
             tuple(self.layer_ids) if self.drafter is not None else (),
-            positions=self._start + self._tree_inputs[1:2],  # the root's position + depth
-            mask=self._tree_mask(),
+            self._start + self._tree_inputs[1:2],  # positions: the root's + depth
+            self._tree_mask(),  # mask (positional: a compiled region takes no keywords)
         )
 
     def _build_step(self) -> None:
@@ -433,7 +433,7 @@ class GraphEngine:
             )
         self._fill_tree(tree)
         self._start.fill_(start)
-        self.steps.run(("tree", n), self._tree_step)
+        self._run(("tree", n), self._tree_step)
         features = None if self._tree_rows is None else self._tree_rows[:, : len(tree)]
         self._open = Verified(self._tree_logits[: len(tree)], features, start)
         self._tree_open = True
@@ -491,8 +491,8 @@ class GraphEngine:
         """Compile (``compile``) and capture (``graphs``) every step shape now, serially under COMPILE_LOCK,
         around the portable compile cache when there is one; compiles are frozen afterwards. Returns
         seconds per step shape (a ``WarmUp``: it also says whether the caches served every compile);
-        eager without graphs, a no-op. The tree and keep steps too when built with a tree budget (captured,
-        not compiled). The writes land at positions 0 .. max(B, N+1) - 1: rows beyond a sequence's length,
+        eager without graphs, a no-op. The build, tree and keep steps too when built with a tree budget (the
+        tree step compiled as the other target steps; build and keep captured only). The writes land at positions 0 .. max(B, N+1) - 1: rows beyond a sequence's length,
         which no step reads."""
         seconds = WarmUp()
         if not (self.graphs or self.compiled):
@@ -511,7 +511,7 @@ class GraphEngine:
                 self._block_start.fill_(B)
             for name, (key, step) in steps.items():
                 seconds[name] = self._warm_step(key, step)  # a failed compile raises one line (the region's)
-            if self.tree_budget and self.graphs:  # eager steps: nothing to do without graphs
+            if self.tree_budget and (self.graphs or self.compiled):  # eager steps: nothing to warm
                 seconds.update(self._warm_tree())
         seconds.compiled, seconds.cached, seconds.cache_loaded = use.compiled, use.cached, use.loaded
         self._warm = True

@@ -285,7 +285,10 @@ def decode(
     x = w.embed[tokens]  # [R, C, hidden]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     if mask is not None:
-        attend = _masked_plan(slots, mask[:, :, :kv_len], nq, nk)  # once for all layers
+        if rows == 1 and tokens.device.type == "cuda":  # a decode engine's tree step: fewest kernels
+            attend = _tree_plan(slots, mask[:, :, :kv_len], nq, nk, cache.capacity, cache.slots + 1, w.dtype)
+        else:
+            attend = _masked_plan(slots, mask[:, :, :kv_len], nq, nk)  # once for all layers
     else:
         plan = _flash_plan if attention == "flash" else _sdpa_plan
         attend = plan(slots, written, kv_len, nq, nk, cache.capacity, cache.slots + 1)  # once for all layers
@@ -352,6 +355,37 @@ def _masked_plan(slots: Tensor, allowed: Tensor, nq: int, nk: int) -> Attend:
         qg = q.view(rows, chunk, nk, rep, d).permute(0, 2, 3, 1, 4).reshape(rows, nk, rep * chunk, d)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=d**-0.5)
         return out.view(rows, nk, rep, chunk, d).permute(0, 3, 1, 2, 4).reshape(rows, chunk, nq * d)
+
+    return attend
+
+
+def _tree_plan(
+    slots: Tensor, allowed: Tensor, nq: int, nk: int, capacity: int, slots_n: int, dtype: torch.dtype
+) -> Attend:
+    """``_masked_plan`` for one row on a GPU, where a step's cost is its kernel count: the mask, widened to
+    every slot's positions (only the row's own slot allowed) and stacked per query head, becomes one additive
+    bias once per step, its rows 16-aligned as the memory-efficient kernel wants them; each layer then reads
+    its keys and values straight from the cache (a view: no gather of the slot's rows, no mask conversion, no
+    padding per layer). Exact under any mask: the same scores, the other positions at -inf."""
+    _, chunk, kv_len = allowed.shape
+    rep = nq // nk
+    width = slots_n * capacity
+    flat = torch.arange(width, device=allowed.device)
+    local = flat % capacity
+    own = (flat // capacity == slots[0]) & (local < kv_len)
+    seen = allowed[0][:, local.clamp(max=kv_len - 1)] & own  # [C, slots_n * capacity]
+    padded = -(-width // 16) * 16
+    bias = torch.zeros(1, 1, rep, chunk, padded, dtype=dtype, device=allowed.device)
+    bias[..., :width].masked_fill_(~seen[None, None, None], float("-inf"))
+    bias = bias.view(1, 1, rep * chunk, padded)[..., :width]
+
+    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        d = q.shape[-1]
+        k = k_cache.view(1, width, nk, d).transpose(1, 2)  # [1, nk, slots_n * capacity, d], a view
+        v = v_cache.view(1, width, nk, d).transpose(1, 2)
+        qg = q.view(1, chunk, nk, rep, d).permute(0, 2, 3, 1, 4).reshape(1, nk, rep * chunk, d)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=d**-0.5)
+        return out.view(1, nk, rep, chunk, d).permute(0, 3, 1, 2, 4).reshape(1, chunk, nq * d)
 
     return attend
 
