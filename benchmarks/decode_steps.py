@@ -238,10 +238,22 @@ def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
     device time per step and the ten kernels that take the most of it."""
     import torch
 
-    from dflashkit.infer.graph_engine import GraphEngine
-
     if not args.profile or engine_name not in GRAPH_ENGINES or target.device.type != "cuda":
         return {}
+    engine = uncaptured_engine(target, drafter, engine_name, args)
+    one = torch.tensor([[prompt[-1]]], device=target.device)
+    with torch.no_grad():
+        engine.prefill(torch.tensor([prompt], device=target.device))
+        out = profile_calls(lambda: engine.verify(one), args.profile)
+    print_profile(f"{engine_name} one-token step", out)
+    return out
+
+
+def uncaptured_engine(target, drafter, engine_name: str, args, tree_budget: int | None = None):
+    """A graphs engine whose steps run uncaptured (so the profiler sees each kernel), warmed up, at the run's
+    shared capacity: compiled for graphs-compiled, reusing the compiled steps of the captured engine."""
+    from dflashkit.infer.graph_engine import GraphEngine
+
     engine = GraphEngine(
         target,
         drafter,
@@ -249,14 +261,10 @@ def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
         graphs=False,
         fixed_shapes=True,
         compile=GRAPH_ENGINES[engine_name],
+        tree_budget=tree_budget,
     )
     engine.warm_up()
-    one = torch.tensor([[prompt[-1]]], device=target.device)
-    with torch.no_grad():
-        engine.prefill(torch.tensor([prompt], device=target.device))
-        out = profile_calls(lambda: engine.verify(one), args.profile)
-    print_profile(f"{engine_name} one-token step", out)
-    return out
+    return engine
 
 
 def profile_calls(call, n: int) -> dict:
@@ -354,18 +362,7 @@ def tree_step_profile(target, drafter, engine_name: str, args, prompt, n: int) -
     """The tree step [1, n+1] (and its keep of the root) of a graphs engine, uncaptured, under the profiler."""
     import torch
 
-    from dflashkit.infer.graph_engine import GraphEngine
-
-    engine = GraphEngine(
-        target,
-        drafter,
-        capacity=engine_capacity(args, drafter),
-        graphs=False,
-        fixed_shapes=True,
-        compile=GRAPH_ENGINES[engine_name],
-        tree_budget=n,
-    )
-    engine.warm_up()
+    engine = uncaptured_engine(target, drafter, engine_name, args, tree_budget=n)
     with torch.no_grad():
         context = engine.prefill(torch.tensor([prompt], device=target.device))[1]
         probs = torch.softmax(engine.draft(context, prompt[-1]).float(), dim=-1)

@@ -19,13 +19,14 @@
 #   bash benchmarks/gpu_prepare.sh decode tree                         # engines side by side; tree vs chain
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
-# Fifth session's plan (2026-12-01; ~29 device minutes; no training: the 3,800-step drafter, compiled steps):
-#   bash benchmarks/gpu_prepare.sh part trees               # carry .bench/p1 .whl: tree rounds by call (captured
-#                                                           #   build), both graphs engines, one-token profiles
-#   bash benchmarks/gpu_prepare.sh part placements          # carry .bench/p2: fan-out vs capture, data parallel
-#   DRAFTER=/root/work/drafter0/best bash benchmarks/gpu_prepare.sh part join drafter recipe tree
-#                                                           # carry .bench/p3 .bench/drafter-recipe
-#   DRAFTER=/root/work/drafter0/best BENCH_PROMPTS=20 bash benchmarks/gpu_prepare.sh bench etests
+# Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Next session's plan (~29 device minutes):
+#   ENGINES=graphs,graphs-compiled BUDGETS=8,32 bash benchmarks/gpu_prepare.sh part trees
+#                                   # carry .bench/p1 .whl: the in-place residual add and the tree step, by call
+#   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2 (and a sweep or more data prepared on the CPU)
+#   TRAIN_OVERRIDES="drafter.init=/root/work/drafter0/best train.max_steps=2000 train.lr=3e-4 train.seed=3" \
+#     bash benchmarks/gpu_prepare.sh part join drafter recipe train-recipe   # carry .bench/p3 .bench/drafter-recipe
+#   BENCH_PROMPTS=40 bash benchmarks/gpu_prepare.sh keep bench etests
 #
 # Outputs (logs, JSON reports, manifests, training metrics and plots) go to $OUT when it is set.
 set -uo pipefail
