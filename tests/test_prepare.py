@@ -107,11 +107,20 @@ def test_prepare_writes_manifest_and_records(full_run: tuple[Path, dict[str, Any
         "load_target",
         "start_generator",
         "generate",
+        "generate.resume",  # generate's parts: the cache read and checked,
+        "generate.first_round",  # every record's first prompt rendered and queued,
+        "generate.backend",  # the generator's own run,
+        "generate.flush",  # the last records written
         "read_cache",
         "encode_records",
         "write_splits",
     ]
     assert all(v >= 0 for v in stages.values()) and stages["generate"] >= manifest["generation"]["seconds"]
+    parts = [v for k, v in stages.items() if k.startswith("generate.")]
+    assert stages["generate.backend"] >= manifest["generation"]["seconds"] - 0.002  # (rounding)
+    assert abs(sum(parts) - stages["generate"]) < 0.01
+    # 6 records: too few for the tokenizer's worker processes, everything ran in-process
+    assert manifest["tokenizer_pool"] == {"workers": 0, "ready_seconds": None, "wait_seconds": 0.0}
     assert (out / "fingerprint.json").is_file()
 
     train, val = load_dataset(out, "train"), load_dataset(out, "validation")
@@ -134,6 +143,28 @@ def test_prepare_writes_manifest_and_records(full_run: tuple[Path, dict[str, Any
         # ...and follow the exact prompt the target was given.
         prompt = generation_prompt_ids(tok, rec["messages"][:-1], enable_thinking=False)
         assert r.input_ids[: len(prompt) + len(reply_ids)].tolist() == prompt + reply_ids
+
+
+def test_tokenizer_workers_started_early_give_the_same_dataset(
+    tmp_path: Path,
+    prompts_file: Path,
+    full_run: tuple[Path, dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the tokenizer's worker processes (started while the target loads) rendering the prompts and
+    encoding the records, the cache and the splits are those of the in-process run."""
+    import functools
+
+    from dflashkit.data import dataset
+    from dflashkit.data.parallel import TokenizerPool
+
+    monkeypatch.setattr(dataset, "TokenizerPool", functools.partial(TokenizerPool, workers=2, min_items=1))
+    out = tmp_path / "data"
+    manifest = prepare_dataset(settings(out, prompts_file), progress=False)
+    assert manifest["tokenizer_pool"]["workers"] == 2
+    assert manifest["tokenizer_pool"]["ready_seconds"] > 0
+    assert cache_lines(out) == cache_lines(full_run[0])
+    assert records(out) == records(full_run[0])
 
 
 def test_interrupted_prepare_resumes_to_the_same_records(

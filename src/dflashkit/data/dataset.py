@@ -37,6 +37,7 @@ from dflashkit.data.regenerate import (
     Job,
     eos_token_ids,
     load_target,
+    load_tokenizer,
     read_cache,
     record_id,
     regenerate,
@@ -310,34 +311,43 @@ def prepare_dataset(
         clock = now
 
     plans = plan_records(settings)
-    lap("read_sources")
-    model, tokenizer = load_target(
-        settings.target, dtype=settings.dtype, device=settings.device, weights=not settings.servers
-    )
-    lap("load_target")
-    target = identity_of_folder(settings.target)
-    template = template_identity(tokenizer, settings.enable_thinking)
-    _check_generation_identity(out / GENERATION_FILE, _generation_identity(settings, target, template))
-    eos_ids = eos_token_ids(model, tokenizer)
-    gen = GenerationSettings(
-        max_new_tokens=settings.max_new_tokens,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        seed=settings.seed,
-        enable_thinking=settings.enable_thinking,
-        flush_records=flush_records,
-    )
     jobs = [j for plan in plans for j in plan.train + plan.validation]
-    backend = make_backend(settings, model, tokenizer, eos_ids)
-    lap("start_generator")
-    with TokenizerPool(tokenizer) as pool:
+    lap("read_sources")
+    with TokenizerPool(load_tokenizer(settings.target)) as pool:
+        if len(jobs) >= pool.min_items:  # enough work for the pool: its workers start while the target loads
+            pool.start()
+        model, tokenizer = load_target(
+            settings.target,
+            dtype=settings.dtype,
+            device=settings.device,
+            weights=not settings.servers,
+            tokenizer=pool.tokenizer,
+        )
+        lap("load_target")
+        target = identity_of_folder(settings.target)
+        template = template_identity(tokenizer, settings.enable_thinking)
+        _check_generation_identity(out / GENERATION_FILE, _generation_identity(settings, target, template))
+        eos_ids = eos_token_ids(model, tokenizer)
+        gen = GenerationSettings(
+            max_new_tokens=settings.max_new_tokens,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            seed=settings.seed,
+            enable_thinking=settings.enable_thinking,
+            flush_records=flush_records,
+        )
+        backend = make_backend(settings, model, tokenizer, eos_ids)
+        lap("start_generator")
         stats = regenerate(
             jobs, backend, tokenizer, out / CACHE_FILE, gen, on_flush=on_flush, progress=progress, pool=pool
         )
         lap("generate")
+        # ...its parts: the generator's own run ("generate.backend") and what runs around it
+        stages.update({f"generate.{k}": v for k, v in stats.stages.items()})
         cache, _ = read_cache(out / CACHE_FILE)
         lap("read_cache")
         encoded = _encode_records(jobs, cache, settings.enable_thinking, eos_ids, pool)
         lap("encode_records")
+        pool_stats = pool.stats()
     counts = dict.fromkeys(
         (
             "prompt_too_long",
@@ -392,6 +402,9 @@ def prepare_dataset(
         },
         "splits": splits,
         "stage_seconds": stages,  # this command's stages (generate: of the records not cached before)
+        # the tokenizer's worker processes (rendering prompts, encoding records): how many (0: none, the
+        # work ran in-process), seconds from their start until all were ready, and seconds waited for that
+        "tokenizer_pool": pool_stats,
         "generation": {
             "backend": stats.backend,
             "eos_token_ids": eos_ids,

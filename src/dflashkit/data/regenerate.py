@@ -21,7 +21,8 @@ import heapq
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,15 +39,27 @@ DTYPES = ("bfloat16", "float16", "float32")
 # --- the target -------------------------------------------------------------------------------
 
 
+def load_tokenizer(target: str) -> Any:
+    """The target's tokenizer alone (what `load_target` loads first; pass it back to `load_target`, which
+    then loads the model only). `target` is "embedded" or a transformers model folder."""
+    from transformers import AutoTokenizer
+
+    from dflashkit.target.hf import resolve_target
+
+    path, _name = resolve_target(target)
+    with _loading(target):
+        return AutoTokenizer.from_pretrained(path)
+
+
 def load_target(
-    target: str, *, dtype: str = "bfloat16", device: str = "auto", weights: bool = True
+    target: str, *, dtype: str = "bfloat16", device: str = "auto", weights: bool = True, tokenizer: Any = None
 ) -> tuple[Any, Any]:
     """(model, tokenizer) for generation, in eval mode on `device` ("auto": CUDA when present); model is
     None with `weights=False` (a serving engine generates). `target` is "embedded" or a transformers
-    model folder; its identity (for manifests) is `dflashkit.target.hf.identity_of_folder(target)`."""
+    model folder; its identity (for manifests) is `dflashkit.target.hf.identity_of_folder(target)`.
+    `tokenizer`: the one `load_tokenizer(target)` returned (else it is loaded here)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM
 
     from dflashkit.target.hf import resolve_target
 
@@ -55,10 +68,25 @@ def load_target(
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     path, _name = resolve_target(target)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(target)
+    with _loading(target):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)) if weights else None
+    if model is not None:
+        model.to(device).eval()
+    else:
+        tokenizer.dflashkit_folder = str(path)  # where eos_token_ids finds the generation config
+    return model, tokenizer
+
+
+@contextmanager
+def _loading(target: str) -> Iterator[None]:
+    """Loading the target's files: no progress bars, and one clear error when they are not there."""
+    from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)) if weights else None
+        yield
     except (OSError, ValueError) as e:
         raise DflashkitError(
             f"cannot load target {target!r} ({e.__class__.__name__}: {str(e).splitlines()[0]}); pass "
@@ -66,11 +94,6 @@ def load_target(
         ) from None
     finally:
         hf_logging.enable_progress_bar()
-    if model is not None:
-        model.to(device).eval()
-    else:
-        tokenizer.dflashkit_folder = str(path)  # where eos_token_ids finds the generation config
-    return model, tokenizer
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -336,6 +359,10 @@ class RegenerationStats:
     seconds: float = 0.0  # time spent generating
     backend: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+    # wall seconds of this call's parts: "resume" (reading the cache, checking it), "first_round" (every
+    # record's first prompt rendered and queued; the tokenizer pool's start when it is not done yet),
+    # "backend" (the backend's run, which its own `seconds` time), "flush" (the last records to the disk)
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -371,11 +398,20 @@ def regenerate(
     done so far, in all)."""
     from tqdm.auto import tqdm
 
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        stats.stages[stage] = round(now - clock, 3)
+        clock = now
+
     done, torn = read_cache(cache_path)
     check_cached_sampling(jobs, done, cache_path)
     stats = RegenerationStats(torn_lines=torn, backend=backend.name)
     stats.cached = sum(1 for j in jobs if j.record_id in done)
     todo = [j for j in jobs if j.record_id not in done]
+    lap("resume")
     if not todo:
         return stats
     bar = tqdm(
@@ -400,11 +436,14 @@ def regenerate(
         bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):,.0f}", refresh=False)
 
     source = Conversations(todo, tokenizer, gen, write, pool)
+    lap("first_round")
     try:
         run = backend.run(source, on_progress=advance)
+        lap("backend")
     finally:
         source.flush()  # whatever finished reaches the disk, also when the run is interrupted
         bar.close()
+    lap("flush")
     stats.new_tokens, stats.prompt_tokens, stats.seconds = run.new_tokens, run.prompt_tokens, run.seconds
     stats.extra = dict(run.extra)
     if len(source):
