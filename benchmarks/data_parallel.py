@@ -153,7 +153,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps per case (default 20; smoke 6)")
     ap.add_argument("--batch", type=int, default=1, help="rows per rank per step (b)")
     ap.add_argument(
-        "--ranks", type=int, choices=(1, 2), default=None, help="1: the one-rank cases only (default: 2 with 2+ GPUs or --smoke)"
+        "--ranks",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="1: the one-rank cases only (default: 2 with 2+ GPUs or --smoke)",
     )
     ap.add_argument("--out", default=None, help="folder for data_parallel.json (default: $OUT)")
     ap.add_argument(
@@ -180,7 +184,9 @@ def main() -> int:
     t0 = time.perf_counter()
     target, data = work / "target", work / "data"
     if not (target / "config.json").is_file():
-        make_target(p["shape"], target, p["dtype"], "cpu" if args.smoke else "cuda")  # GPU: seconds, not minutes
+        make_target(
+            p["shape"], target, p["dtype"], "cpu" if args.smoke else "cuda"
+        )  # GPU: seconds, not minutes
     if not (data / "manifest.json").is_file():
         make_dataset(data, str(target), steps * 2 * b + 8, 4, p["length"])
     print(f"target and data made in {time.perf_counter() - t0:.0f} s under {work}", flush=True)
@@ -213,7 +219,9 @@ def main() -> int:
     def gap(a: dict, c: dict) -> float:
         return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a["losses"], c["losses"], strict=True))
 
-    summary: dict[str, float | str | None] = {"batch_2b_vs_b_rows_per_s": one_2b["rows_per_s"] / one_b["rows_per_s"]}
+    summary: dict[str, float | str | None] = {
+        "batch_2b_vs_b_rows_per_s": one_2b["rows_per_s"] / one_b["rows_per_s"]
+    }
     if two:
         ddp, fsdp = two
         summary |= {

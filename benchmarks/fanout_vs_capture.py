@@ -248,7 +248,9 @@ def main() -> int:
             "capture_s": cap.get("seconds"),
             "capture_bytes": cap.get("bytes"),
             "drafter_process_s": [r.get("seconds") for r in trains],
-            "errors": [e for e in [cap.get("errors"), *(r.get("errors") for r in trains), short(sep_steps)] if e]
+            "errors": [
+                e for e in [cap.get("errors"), *(r.get("errors") for r in trains), short(sep_steps)] if e
+            ]
             or None,
             "peak_bytes": merge_peaks([cap, *trains]),
         },

@@ -219,7 +219,10 @@ def test_ranks_split_every_global_micro_batch():
 def test_validation_rows_are_dealt_in_lockstep():
     for n in (1, 5, 8):
         for world in (1, 2, 3):
-            shares = [distributed.lockstep_rows(n, distributed.Dist(torch.device("cpu"), r, world)) for r in range(world)]
+            shares = [
+                distributed.lockstep_rows(n, distributed.Dist(torch.device("cpu"), r, world))
+                for r in range(world)
+            ]
             assert len({len(s) for s in shares}) == 1  # every rank runs as many forwards
             counted = sorted(i for s in shares for i, c in s if c)
             assert counted == list(range(n))  # every row counted exactly once
@@ -236,9 +239,7 @@ def test_anchor_draw_of_a_row_does_not_depend_on_its_batch():
     seeds = [anchor_seed(0, 0, p) for p in (4, 5, 6)]
     together = draw_anchors(rows, 8, 4, torch.Generator(), seeds)
     for i in range(3):
-        alone = draw_anchors(
-            rows.take([i], torch.device("cpu")), 8, 4, torch.Generator(), seeds[i : i + 1]
-        )
+        alone = draw_anchors(rows.take([i], torch.device("cpu")), 8, 4, torch.Generator(), seeds[i : i + 1])
         assert torch.equal(alone.anchors[0], together.anchors[i])
         assert torch.equal(alone.block_valid[0], together.block_valid[i])
     other = draw_anchors(rows, 8, 4, torch.Generator(), [anchor_seed(0, 1, p) for p in (4, 5, 6)])
@@ -260,7 +261,9 @@ def test_resume_note_names_the_change():
     two = distributed.Dist(torch.device("cpu"), 0, 2)
     assert distributed.resume_note({"world_size": 2, "global_batch": 4}, two, 4) is None
     assert "written by 1 rank(s), this run has 2" in distributed.resume_note({"global_batch": 4}, two, 4)
-    assert "global batch changed from 2 to 4" in distributed.resume_note({"world_size": 2, "global_batch": 2}, two, 4)
+    assert "global batch changed from 2 to 4" in distributed.resume_note(
+        {"world_size": 2, "global_batch": 2}, two, 4
+    )
 
 
 def test_launch_command_for_one_and_several_hosts():

@@ -50,6 +50,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
     from dflashkit.data.dataset import PrepareSettings
+
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         cfg = load_config(args.config, list(args.overrides))
@@ -209,6 +210,7 @@ def _capture(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from dflashkit.data.features import CaptureSettings, capture_features, verify_features
+
     cfg = load_config(args.config, list(args.overrides))
     out = args.out or cfg.data.features_dir
     if not out:

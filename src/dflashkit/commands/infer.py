@@ -89,6 +89,7 @@ def eval_prompts(args: argparse.Namespace, tokenizer: Any, thinking: bool) -> tu
 
     if args.prompts == "validation":
         from dflashkit.data.dataset import load_dataset, prompt_ids
+
         if not args.data:
             raise ConfigError("--prompts validation needs the dataset folder (--data DIR or --config)")
         ids = prompt_ids(load_dataset(args.data, "validation")[: args.max_prompts])

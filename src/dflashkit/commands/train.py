@@ -130,7 +130,9 @@ def _launch_command(args: argparse.Namespace) -> list[str] | None:
         return None
     if distributed.launched_by_torchrun():
         raise ConfigError("this process was started by torchrun already; drop --nproc")
-    return distributed.launch_command(distributed.train_argv(args), args.nproc, args.nnodes, args.rdzv_endpoint)
+    return distributed.launch_command(
+        distributed.train_argv(args), args.nproc, args.nnodes, args.rdzv_endpoint
+    )
 
 
 TRAIN_EXAMPLES = """\

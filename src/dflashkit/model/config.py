@@ -165,7 +165,6 @@ class DrafterConfig(BaseModel):
         return out
 
 
-
 def target_layer_ids_of(drafter: Any, num_target_layers: int) -> list[int]:
     """The target layers a run's drafter reads (``drafter``: the run config's drafter section): its
     target_layer_ids, else `default_target_layer_ids` of its num_target_layers."""

@@ -32,7 +32,11 @@ def show(fp: dict[str, Any], console: Console) -> None:
             table.add_row(section, "-", "(none set)" if section == "env" else "-")
             continue
         for i, (k, v) in enumerate(values.items()):
-            style = "bold" if fingerprint.flatten({section: {k: v}}).keys() & set(fingerprint.CRITICAL_KEYS) else ""
+            style = (
+                "bold"
+                if fingerprint.flatten({section: {k: v}}).keys() & set(fingerprint.CRITICAL_KEYS)
+                else ""
+            )
             table.add_row(section if i == 0 else "", k, f"[{style}]{_fmt(v)}[/]" if style else _fmt(v))
     console.print(table)
 
