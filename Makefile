@@ -21,6 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports --no-cache  # the layers of pyproject.toml's [tool.importlinter]
 	$(PY) -m pytest -q -m "not llamacpp" tests
 
