@@ -145,14 +145,15 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu():
 
 
 @pytest.mark.gpu
-def test_graphs_engine_replays_the_tree_step_on_gpu():
-    """On CUDA in fp32: warm-up captures the tree step [1, N+1] and the keep step beside the chain's steps;
-    the replayed tree step gives the eager step's logits and features, and tree rounds (scripted: rows
-    moved; and the real drafter) decode as autoregressive decoding with the eager engine's acceptance
-    lengths; nothing is captured after warm-up."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
+    """On CUDA in fp32: warm-up captures the tree step [1, N+1] (compiled first with ``compile``, as the
+    graphs-compiled engine does) and the keep step beside the chain's steps; the replayed tree step gives the
+    eager step's logits and features, and tree rounds (scripted: rows moved; and the real drafter) decode as
+    autoregressive decoding with the eager engine's acceptance lengths; nothing is captured after warm-up."""
     gpu, d = on_gpu()
     budget = 10
-    engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget)
+    engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget, compile=compiled)
     eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
     warmed = engine.warm_up()
     n = budget + 1
