@@ -142,33 +142,29 @@ def test_a_malformed_tree_is_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_tree_plan_attends_as_the_masked_plan(dtype):
-    """The GPU tree step's attention (``_tree_plan``: the cache read as a view over every slot, one additive
-    bias per step) gives the masked plan's output under a tree mask, whatever slot the row uses."""
+    """The GPU tree step's attention (``_tree_plan``: slot 0 of a one-slot cache read as a view, one additive
+    bias per step) gives the masked plan's output under a tree mask; the scratch slot and the positions beyond
+    the mask's width change nothing."""
     from dflashkit.target.slot_decoder import _masked_plan, _tree_plan
 
     g = torch.Generator().manual_seed(0)
-    nq, nk, d, capacity, slots_n, chunk, kv_len = 6, 2, 8, 24, 3, 5, 19
-    k = torch.randn(slots_n, capacity, nk, d, generator=g).to(dtype)
-    v = torch.randn(slots_n, capacity, nk, d, generator=g).to(dtype)
+    nq, nk, d, capacity, chunk, kv_len = 6, 2, 8, 24, 5, 19
+    k = torch.randn(2, capacity, nk, d, generator=g).to(dtype)  # slot 0 and the scratch slot
+    v = torch.randn(2, capacity, nk, d, generator=g).to(dtype)
     q = torch.randn(1, chunk, nq, d, generator=g).to(dtype)
     tree = DraftTree.of([5, 6, 7, 8, 9], [-1, 0, 0, 1, 2])
     start = 11
     seen = ancestors_of(tree)  # [chunk, chunk]
     at = torch.arange(kv_len) - start
     allowed = ((at < 0)[None, :] | (seen[:, at.clamp(0, chunk - 1)] & (at >= 0) & (at < chunk)))[None]
-    for slot in range(slots_n - 1):
-        slots = torch.tensor([slot])
-        want = _masked_plan(slots, allowed, nq, nk)(q, k, v)
-        got = _tree_plan(slots, allowed, nq, nk, capacity, slots_n, dtype)(q, k, v)
-        tol = 1e-6 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-        # a position the mask hides (another slot's, or beyond kv_len) changes nothing
-        k2 = k.clone()
-        k2[slot + 1] = 100.0
-        k2[slot, kv_len:] = 100.0
-        torch.testing.assert_close(
-            _tree_plan(slots, allowed, nq, nk, capacity, slots_n, dtype)(q, k2, v), got, atol=0, rtol=0
-        )
+    want = _masked_plan(torch.tensor([0]), allowed, nq, nk)(q, k, v)
+    got = _tree_plan(allowed, nq, nk, dtype)(q, k, v)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    k2 = k.clone()
+    k2[1] = 100.0  # the scratch slot
+    k2[0, kv_len:] = 100.0  # beyond the mask's width
+    torch.testing.assert_close(_tree_plan(allowed, nq, nk, dtype)(q, k2, v), got, atol=0, rtol=0)
 
 
 def ancestors_of(tree: DraftTree) -> torch.Tensor:

@@ -285,8 +285,10 @@ def decode(
     x = w.embed[tokens]  # [R, C, hidden]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     if mask is not None:
-        if rows == 1 and tokens.device.type == "cuda":  # a decode engine's tree step: fewest kernels
-            attend = _tree_plan(slots, mask[:, :, :kv_len], nq, nk, cache.capacity, cache.slots + 1, w.dtype)
+        if (
+            rows == cache.slots == 1 and tokens.device.type == "cuda"
+        ):  # a decode engine's tree step: fewest kernels
+            attend = _tree_plan(mask[:, :, :kv_len], nq, nk, w.dtype)
         else:
             attend = _masked_plan(slots, mask[:, :, :kv_len], nq, nk)  # once for all layers
     else:
@@ -360,30 +362,24 @@ def _masked_plan(slots: Tensor, allowed: Tensor, nq: int, nk: int) -> Attend:
     return attend
 
 
-def _tree_plan(
-    slots: Tensor, allowed: Tensor, nq: int, nk: int, capacity: int, slots_n: int, dtype: torch.dtype
-) -> Attend:
-    """``_masked_plan`` for one row on a GPU, where a step's cost is its kernel count: the mask, widened to
-    every slot's positions (only the row's own slot allowed) and stacked per query head, becomes one additive
-    bias once per step, its rows 16-aligned as the memory-efficient kernel wants them; each layer then reads
-    its keys and values straight from the cache (a view: no gather of the slot's rows, no mask conversion, no
-    padding per layer). Exact under any mask: the same scores, the other positions at -inf."""
+def _tree_plan(allowed: Tensor, nq: int, nk: int, dtype: torch.dtype) -> Attend:
+    """``_masked_plan`` for a cache of one slot (a decode engine's: its row is slot 0, the other slot is the
+    scratch one) on a GPU, where a step's cost is its kernel count: the mask, stacked per query head, becomes
+    one additive bias once per step, its rows 16-aligned as the fused attention kernels want them; each layer
+    then reads slot 0's keys and values straight from the cache (a view: no gather of the slot's rows, no
+    mask conversion, no padding per layer). Exact under any mask: the same scores, the hidden positions at
+    -inf."""
     _, chunk, kv_len = allowed.shape
     rep = nq // nk
-    width = slots_n * capacity
-    flat = torch.arange(width, device=allowed.device)
-    local = flat % capacity
-    own = (flat // capacity == slots[0]) & (local < kv_len)
-    seen = allowed[0][:, local.clamp(max=kv_len - 1)] & own  # [C, slots_n * capacity]
-    padded = -(-width // 16) * 16
+    padded = -(-kv_len // 16) * 16
     bias = torch.zeros(1, 1, rep, chunk, padded, dtype=dtype, device=allowed.device)
-    bias[..., :width].masked_fill_(~seen[None, None, None], float("-inf"))
-    bias = bias.view(1, 1, rep * chunk, padded)[..., :width]
+    bias[..., :kv_len].masked_fill_(~allowed[:, None, None], float("-inf"))
+    bias = bias.view(1, 1, rep * chunk, padded)[..., :kv_len]
 
     def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         d = q.shape[-1]
-        k = k_cache.view(1, width, nk, d).transpose(1, 2)  # [1, nk, slots_n * capacity, d], a view
-        v = v_cache.view(1, width, nk, d).transpose(1, 2)
+        k = k_cache[0, :kv_len].transpose(0, 1)[None]  # [1, nk, kv_len, d], a view of slot 0
+        v = v_cache[0, :kv_len].transpose(0, 1)[None]
         qg = q.view(1, chunk, nk, rep, d).permute(0, 2, 3, 1, 4).reshape(1, nk, rep * chunk, d)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=d**-0.5)
         return out.view(1, nk, rep, chunk, d).permute(0, 3, 1, 2, 4).reshape(1, chunk, nq * d)
