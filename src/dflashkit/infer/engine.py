@@ -38,8 +38,8 @@ Engines:
   fixed-shape steps, the tree step [1, N+1] included when built with ``tree_budget``, on the fused target
   forward of ``dflashkit.target.slot_decoder``, each step captured once as a CUDA graph on a GPU.
 - ``"graphs-compiled"``: the graphs engine with its target and draft steps compiled by Inductor before
-  they are captured (fewer, fused kernels: a round of 1.28 instead of 1.51 autoregressive tokens on the
-  H200, benchmarks/RESULTS.md), through a portable compile cache under ``$DFLASHKIT_CACHE/compile`` (a
+  they are captured (fewer, fused kernels: a round of 1.17-1.28 instead of 1.51 autoregressive tokens on
+  the H200, benchmarks/RESULTS.md), through a portable compile cache under ``$DFLASHKIT_CACHE/compile`` (a
   start of ~64 s cold, ~24 s with the cache, against 0.4 s eager).
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on all engines (tested).

@@ -160,8 +160,9 @@ class GraphEngine:
     ``capacity`` bounds prompt + new tokens + block. ``graphs`` (default: on a GPU) captures each step;
     without graphs the same steps run eagerly with exact attention widths (the CPU path).
     ``fixed_shapes`` (default: with graphs or compile) makes attention read the whole capacity, as a graph
-    and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default: with
-    False) compiles the target and draft steps before they are captured; ``compile_cache``:
+    and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default
+    False; the "graphs-compiled" engine) compiles the target and draft steps before they are captured;
+    ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
     of N+1 tokens (a smaller tree is padded; the build and keep steps run eagerly, captured on a GPU). Build
@@ -492,8 +493,8 @@ class GraphEngine:
         around the portable compile cache when there is one; compiles are frozen afterwards. Returns
         seconds per step shape (a ``WarmUp``: it also says whether the caches served every compile);
         eager without graphs, a no-op. The build, tree and keep steps too when built with a tree budget (the
-        tree step compiled as the other target steps; build and keep captured only). The writes land at positions 0 .. max(B, N+1) - 1: rows beyond a sequence's length,
-        which no step reads."""
+        tree step compiled as the other target steps; build and keep captured only). The writes land at
+        positions 0 .. max(B, N+1) - 1: rows beyond a sequence's length, which no step reads."""
         seconds = WarmUp()
         if not (self.graphs or self.compiled):
             return seconds

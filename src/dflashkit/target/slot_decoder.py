@@ -285,9 +285,7 @@ def decode(
     x = w.embed[tokens]  # [R, C, hidden]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     if mask is not None:
-        if (
-            rows == cache.slots == 1 and tokens.device.type == "cuda"
-        ):  # a decode engine's tree step: fewest kernels
+        if rows == cache.slots == 1:  # a decode engine's tree step: its one slot, read as a view
             attend = _tree_plan(mask[:, :, :kv_len], nq, nk, w.dtype)
         else:
             attend = _masked_plan(slots, mask[:, :, :kv_len], nq, nk)  # once for all layers
@@ -364,11 +362,11 @@ def _masked_plan(slots: Tensor, allowed: Tensor, nq: int, nk: int) -> Attend:
 
 def _tree_plan(allowed: Tensor, nq: int, nk: int, dtype: torch.dtype) -> Attend:
     """``_masked_plan`` for a cache of one slot (a decode engine's: its row is slot 0, the other slot is the
-    scratch one) on a GPU, where a step's cost is its kernel count: the mask, stacked per query head, becomes
-    one additive bias once per step, its rows 16-aligned as the fused attention kernels want them; each layer
-    then reads slot 0's keys and values straight from the cache (a view: no gather of the slot's rows, no
-    mask conversion, no padding per layer). Exact under any mask: the same scores, the hidden positions at
-    -inf."""
+    scratch one), with the fewest kernels a layer (on a GPU a step's cost is its kernel count): the mask,
+    stacked per query head, becomes one additive bias once per step, its rows 16-aligned as the fused
+    attention kernels want them; each layer then reads slot 0's keys and values straight from the cache (a
+    view: no gather of the slot's rows, no mask conversion, no padding per layer). Exact under any mask: the
+    same scores, the hidden positions at -inf."""
     _, chunk, kv_len = allowed.shape
     rep = nq // nk
     padded = -(-kv_len // 16) * 16
