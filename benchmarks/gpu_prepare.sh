@@ -20,13 +20,14 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Next session's plan (~29 device minutes):
-#   ENGINES=graphs,graphs-compiled BUDGETS=8,32 bash benchmarks/gpu_prepare.sh part trees
+# Sixth session's plan (~29 device minutes): the recipe's new mixture (maths and code prompts the target writes)
+#   ENGINES=graphs BUDGETS=8 bash benchmarks/gpu_prepare.sh part trees
 #                                   # carry .bench/p1 .whl: the in-place residual add and the tree step, by call
-#   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2 (and a sweep or more data prepared on the CPU)
-#   TRAIN_OVERRIDES="drafter.init=/root/work/drafter0/best train.max_steps=2000 train.lr=3e-4 train.seed=3" \
-#     bash benchmarks/gpu_prepare.sh part join drafter recipe train-recipe   # carry .bench/p3 .bench/drafter-recipe
-#   BENCH_PROMPTS=40 bash benchmarks/gpu_prepare.sh keep bench etests
+#   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2
+#   PREPARE_CAP=520 bash benchmarks/gpu_prepare.sh part join drafter recipe   # carry .bench/p3 .bench/drafter-recipe
+#   TRAIN_CAP=560 TRAIN_OVERRIDES="drafter.init=/root/work/drafter0/best train.max_steps=3000 train.lr=3e-4 \
+#     train.seed=3 train.eval_every=500 train.save_every=500" bash benchmarks/gpu_prepare.sh train-recipe
+#   BENCH_PROMPTS=16 bash benchmarks/gpu_prepare.sh keep bench
 #
 # Outputs (logs, JSON reports, manifests, training metrics and plots) go to $OUT when it is set.
 set -uo pipefail
@@ -44,13 +45,13 @@ cap() { local left=$(( ${BUDGET:-570} - SECONDS )); (( left < $1 )) && echo $(( 
 
 prepare() {  # name, config
   stage "prepare $1"
-  timeout $(cap 420) $DK prepare -c "$2" data.dir=$W/$1 --no-progress 2>&1 | grep -v "Loading weights" | tail -16
+  timeout $(cap ${PREPARE_CAP:-420}) $DK prepare -c "$2" data.dir=$W/$1 --no-progress 2>&1 | grep -v "Loading weights" | tail -16
   cp $W/$1/manifest.json "$OUT/manifest-$1.json" 2>/dev/null
 }
 
 train() {  # name, config
   stage "train $1"
-  timeout $(cap 420) $DK train -c "$2" data.dir=$W/$1 run.out_dir=$W/run-$1 run.compile_cache=$W/compile-$1.cache ${TRAIN_OVERRIDES:-} \
+  timeout $(cap ${TRAIN_CAP:-420}) $DK train -c "$2" data.dir=$W/$1 run.out_dir=$W/run-$1 run.compile_cache=$W/compile-$1.cache ${TRAIN_OVERRIDES:-} \
     2>&1 | grep -v "Loading weights" | tail -12
   for f in metrics.jsonl training.png summary.json; do cp "$W/run-$1/$f" "$OUT/$1-$f" 2>/dev/null; done
 }

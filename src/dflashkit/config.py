@@ -39,7 +39,8 @@ class SourceSpec(Section):
     """One prompt source of a mixture (`data.sources`): how many of its prompts to take, and how to
     answer them. Give `count` (prompts) or `weight` (a share of `data.max_prompts`), or neither (all)."""
 
-    source: str  # "chitchat", "sharegpt", "mtbench" or a file
+    source: str  # "chitchat", "sharegpt", "mtbench", "self" or a file
+    name: str | None = None  # what the manifest and the records call it (default: `source`)
     format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
     count: int | None = Field(None, ge=1)
     weight: float | None = Field(None, gt=0)
@@ -51,9 +52,30 @@ class SourceSpec(Section):
     # A fixed number of held-out prompts instead: the first of the seeded order, so that a larger count
     # (or another dataset with the same seed) holds out the same prompts and never trains on them.
     val_count: int | None = Field(None, ge=0)
+    # source "self": the target writes the user turns itself (`dflashkit.data.self_prompts`): each turn
+    # starts with one of `seeds` (in turn; none: the target starts it), the target writes on until its end
+    # token (at most `prompt_max_tokens`, sampled with `prompt_temperature` and `prompt_top_p`), and
+    # `suffix` is appended (an answer-format instruction, say).
+    seeds: list[str] = Field(default_factory=list)
+    suffix: str = ""
+    prompt_max_tokens: int = Field(128, ge=8)
+    prompt_temperature: float = Field(1.0, gt=0)
+    prompt_top_p: float = Field(0.95, gt=0, le=1)
+
+    @property
+    def label(self) -> str:
+        """The source's name in the manifest, the records and the held-out metrics."""
+        return self.name or self.source
 
     @model_validator(mode="after")
     def _check(self) -> SourceSpec:
+        if self.source != "self" and (self.seeds or self.suffix):
+            raise ValueError(
+                f"source {self.source!r}: seeds and suffix are settings of source 'self' (prompts the target "
+                "writes); remove them"
+            )
+        if self.source == "self" and self.count is None and self.weight is None:
+            raise ValueError("source 'self': give count (how many prompts the target writes) or weight")
         if self.count is not None and self.weight is not None:
             raise ValueError(f"source {self.source!r}: give count or weight, not both")
         if self.val_count is not None and self.val_fraction is not None:
@@ -70,6 +92,15 @@ class SourceSpec(Section):
         return self
 
 
+def unique_source_labels(sources: list[SourceSpec]) -> list[SourceSpec]:
+    """A mixture's sources, checked: no two share a name (`SourceSpec.label`)."""
+    labels = [s.label for s in sources]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise ValueError(f"data.sources names {', '.join(twice)} more than once; give each a distinct `name`")
+    return sources
+
+
 class DataSection(Section):
     """Where the prepared dataset lives, and how `dflashkit prepare --config` makes it (the fields
     besides `dir` and `features_dir` are `dflashkit.data.dataset.PrepareSettings` fields).
@@ -84,6 +115,7 @@ class DataSection(Section):
     source: str = "chitchat"  # "chitchat", "sharegpt", "mtbench" or a file
     format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
     sources: list[SourceSpec] = Field(default_factory=list)
+    _labels = field_validator("sources")(unique_source_labels)
     max_prompts: int | None = Field(400, ge=1)
     val_fraction: float = Field(0.1, ge=0, le=1)
     max_turns: int | None = Field(None, ge=1)

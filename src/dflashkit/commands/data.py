@@ -104,6 +104,13 @@ def _prepare(args: argparse.Namespace) -> int:
             f"skipped, {src['duplicates']} duplicates): {src.get('train_records', 0)} training records "
             f"({src.get('train_tokens', 0):,} tokens), {src.get('validation_records', 0)} held out",
         )
+        if "self_attempts" in src:  # prompts the target wrote
+            table.add_row(
+                "",
+                f"written by the target: {src['self_kept']} kept of {src['self_attempts']} attempts "
+                f"({src['self_unfinished']} unfinished, {src['self_too_short']} too short, "
+                f"{src['self_duplicates']} duplicates, {src['self_benchmark']} benchmark questions); {src['file']}",
+            )
     table.add_row(
         "generated",
         f"{counts['generated']} now, {counts['cached']} from the cache ({counts['torn_lines']} torn lines dropped)",

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dflashkit import __version__
-from dflashkit.config import SourceSpec
+from dflashkit.config import SourceSpec, unique_source_labels
 from dflashkit.data.chat import encode_chat, template_identity
 from dflashkit.data.parallel import TokenizerPool
 from dflashkit.data.regenerate import (
@@ -42,7 +42,9 @@ from dflashkit.data.regenerate import (
     record_id,
     regenerate,
 )
+from dflashkit.data.self_prompts import SELF_SOURCE, write_self_prompts
 from dflashkit.data.sources import (
+    PromptSet,
     benchmark_questions,
     check_benchmark_overlap,
     load_prompts,
@@ -75,6 +77,7 @@ class PrepareSettings(BaseModel):
     source: str = "chitchat"  # "chitchat", "sharegpt", "mtbench" or a file
     format: Literal["auto", "chat", "sharegpt", "prompts"] = "auto"
     sources: list[SourceSpec] = Field(default_factory=list)  # a mixture; replaces the one-source fields
+    _labels = field_validator("sources")(unique_source_labels)
     max_prompts: int | None = Field(1000, ge=1)  # None: every prompt of the source
     val_fraction: float = Field(0.05, ge=0.0, le=1.0)
     max_turns: int | None = Field(None, ge=1)  # user turns kept per conversation; None: all
@@ -202,29 +205,35 @@ class SourcePlan:
     validation: list[Job]
 
 
-def plan_records(settings: PrepareSettings) -> list[SourcePlan]:
+def plan_records(settings: PrepareSettings, written: dict[str, PromptSet] | None = None) -> list[SourcePlan]:
     """Read every source, de-duplicate (within a source, and against earlier sources), select (seeded
     shuffle, `count`), split off the held-out prompts per source, and make the records: `samples_per_prompt`
     sampled records per training prompt, one greedy record per held-out prompt (held-out replies are what
     serving at temperature 0 produces, which is what the held-out acceptance length predicts). A selected
-    prompt that holds a question of an installed benchmark set (MT-Bench, GSM8K, HumanEval) is refused."""
+    prompt that holds a question of an installed benchmark set (MT-Bench, GSM8K, HumanEval) is refused.
+    `written`: the prompts of each `"self"` source by name (`write_self_prompts`), which the target wrote."""
     plans: list[SourcePlan] = []
     seen: set[str] = set()
     questions = benchmark_questions()
     for spec in settings.source_specs():
-        read = load_prompts(
-            spec.source, spec.format, skip_malformed=settings.skip_malformed, max_turns=spec.max_turns
-        )
+        if spec.source == SELF_SOURCE:
+            if written is None or spec.label not in written:
+                raise DflashkitError(f"source {spec.label!r}: the target has not written its prompts yet")
+            read = written[spec.label]
+        else:
+            read = load_prompts(
+                spec.source, spec.format, skip_malformed=settings.skip_malformed, max_turns=spec.max_turns
+            )
         unique = [p for p in read.prompts if p.id not in seen]
         seen.update(p.id for p in unique)
         selected = select_prompts(unique, spec.count, settings.seed)
-        check_benchmark_overlap(spec.source, selected, questions)
+        check_benchmark_overlap(spec.label, selected, questions)
         if spec.val_count is not None:  # a fixed held-out set: the first prompts of the seeded order
             validation, train = selected[: spec.val_count], selected[spec.val_count :]
         else:
             val_fraction = settings.val_fraction if spec.val_fraction is None else spec.val_fraction
             train, validation = split_prompts(selected, val_fraction)
-        name = spec.source
+        name = spec.label
         plans.append(
             SourcePlan(
                 spec=spec,
@@ -245,7 +254,7 @@ def plan_records(settings: PrepareSettings) -> list[SourcePlan]:
             )
         )
     if not any(plan.train or plan.validation for plan in plans):
-        sources = ", ".join(f"{p.spec.source} ({p.counts['records']} records read)" for p in plans)
+        sources = ", ".join(f"{p.spec.label} ({p.counts['records']} records read)" for p in plans)
         raise DataError(f"no prompts found in {sources}; check the source")
     return plans
 
@@ -310,11 +319,13 @@ def prepare_dataset(
         stages[stage] = round(now - clock, 3)
         clock = now
 
-    plans = plan_records(settings)
+    # sources the target writes ("self") are read once the target has written them, after it loads
+    writes = [s for s in settings.source_specs() if s.source == SELF_SOURCE]
+    plans = [] if writes else plan_records(settings)
     jobs = [j for plan in plans for j in plan.train + plan.validation]
     lap("read_sources")
     with TokenizerPool(load_tokenizer(settings.target)) as pool:
-        if len(jobs) >= pool.min_items:  # enough work for the pool: its workers start while the target loads
+        if writes or len(jobs) >= pool.min_items:  # enough work: the workers start while the target loads
             pool.start()
         model, tokenizer = load_target(
             settings.target,
@@ -337,6 +348,24 @@ def prepare_dataset(
         )
         backend = make_backend(settings, model, tokenizer, eos_ids)
         lap("start_generator")
+        written: dict[str, Any] = {}
+        if writes:
+            questions = benchmark_questions()
+            for spec in writes:
+                written[spec.label] = write_self_prompts(
+                    spec,
+                    out,
+                    backend,
+                    tokenizer,
+                    eos_ids,
+                    questions,
+                    run_seed=settings.seed,
+                    enable_thinking=settings.enable_thinking,
+                    progress=progress,
+                )
+            plans = plan_records(settings, {k: w.prompts for k, w in written.items()})
+            jobs = [j for plan in plans for j in plan.train + plan.validation]
+            lap("write_prompts")
         stats = regenerate(
             jobs, backend, tokenizer, out / CACHE_FILE, gen, on_flush=on_flush, progress=progress, pool=pool
         )
@@ -361,7 +390,9 @@ def prepare_dataset(
         0,
     )
     splits: dict[str, Any] = {}
-    per_source: dict[str, dict[str, Any]] = {p.spec.source: dict(p.counts) for p in plans}
+    per_source: dict[str, dict[str, Any]] = {p.spec.label: dict(p.counts) for p in plans}
+    for label, w in written.items():  # what became of the target's attempts, and where they are kept
+        per_source[label].update({**w.counts.as_dict(), "file": w.path.name})
     for name in SPLITS:
         split_jobs = [j for plan in plans for j in (plan.train if name == "train" else plan.validation)]
         ids, input_ids, masks = _collect_split(split_jobs, cache, encoded, counts, per_source, name)
