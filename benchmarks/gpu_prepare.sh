@@ -20,7 +20,13 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Sixth session's plan (~29 device minutes): the recipe's new mixture (maths and code prompts the target writes)
+# Seventh session's plan: the shared prefill measured (prepare), then the recipe sweep on the recipe's data
+#   bash benchmarks/gpu_prepare.sh part         # carry .bench/p1 .whl
+#   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2
+#   PREPARE_CAP=540 bash benchmarks/gpu_prepare.sh part join drafter recipe   # carry .bench/p3 .bench/drafter-recipe
+#   VARIANTS=... SWEEP_OVERRIDES="train.batch_size=32 train.max_steps=..." bash benchmarks/gpu_prepare.sh sweep
+#                                               # twice or more (it resumes); then `keep bench` of the winner
+# Sixth session (done; ~28 device minutes): the recipe's new mixture (maths and code prompts the target writes)
 #   ENGINES=graphs BUDGETS=8 bash benchmarks/gpu_prepare.sh part trees
 #                                   # carry .bench/p1 .whl: the in-place residual add and the tree step, by call
 #   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2
@@ -118,6 +124,15 @@ for s in "$@"; do
         --tree-budgets ${BUDGETS:-8,16,32,64} --repeats 3 --calls 100 --profile 50 --no-warm-start 2>&1 \
         | grep -v "Loading weights\|Writing model" | tail -40
       mv "$OUT/decode_steps.json" "$OUT/decode_steps-trees.json" 2>/dev/null ;;
+    sweep)
+      # drafter variants of configs/embedded-gpu-sweep.yaml on the recipe's data through the fan-out, one
+      # command at a time (a later command resumes them); VARIANTS: a comma-separated subset
+      stage sweep
+      R=""; [ -d $W/sweep ] && R=--resume
+      timeout $(cap 590) python3 benchmarks/drafter_sweep.py -c configs/embedded-gpu-sweep.yaml --data $W/recipe \
+        --out $W/sweep $R --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} ${SWEEP_OVERRIDES:-} \
+        2>&1 | grep -v "Loading weights" | tail -30
+      for f in sweep.json sweep.md sweep.png; do cp "$W/sweep/$f" "$OUT/" 2>/dev/null; done ;;
     recipe) prepare recipe configs/embedded-gpu-recipe.yaml ;;
     train-recipe) train recipe configs/embedded-gpu-recipe.yaml ;;
     bench)

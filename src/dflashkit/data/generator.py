@@ -5,7 +5,10 @@ A fixed number of slots each hold one reply in progress, in a K/V cache allocate
 
 1. **Refill**: free slots take the shortest ready requests; their prompts are prefilled in chunks (rows of
    up to ``prefill_rows`` prompts, up to ``max_chunk`` tokens each per pass), which also samples each
-   reply's first token.
+   reply's first token. Requests whose prompt another request of the same refill has (the samples of one
+   prompt) are not prefilled: they copy its keys and values but for the last prompt position, and their
+   first decode step feeds that last token, which samples their first reply token from their own seed at
+   the position a prefill would have (`_share`).
 2. **Decode**: one step feeds every slot's last token and samples the next, all on the device (the token
    and position of each slot stay there); ``steps_per_sync`` steps run back to back before the host looks.
 3. **Look**: on the device, in one pass over all slots, each live reply keeps its new tokens up to its first
@@ -57,6 +60,7 @@ class SlotSettings:
     max_chunk: int = 512  # prompt tokens per row per prefill pass
     steps_per_sync: int = 4  # decode steps between two looks of the host (GPU; 1 on the CPU)
     cuda_graphs: bool = True  # on a GPU: capture each step shape once, then replay it
+    share_prompts: bool = True  # requests of one refill with the same prompt share its prefill
 
 
 def power_buckets(smallest: int, largest: int) -> list[int]:
@@ -73,6 +77,22 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
         if n <= b:
             return b
     raise DflashkitError(f"length {n} is beyond the largest bucket {buckets[-1]}")
+
+
+def split_shared(requests: list[Request]) -> tuple[list[Request], list[tuple[Request, int]]]:
+    """(the requests with a prompt not seen before in `requests`, in order; every other request with the
+    index of the first request of its prompt in the first list)."""
+    first: dict[tuple[int, ...], int] = {}
+    unique: list[Request] = []
+    copies: list[tuple[Request, int]] = []
+    for r in requests:
+        j = first.get(r.prompt_ids)
+        if j is None:
+            first[r.prompt_ids] = len(unique)
+            unique.append(r)
+        else:
+            copies.append((r, j))
+    return unique, copies
 
 
 # --- sampling ---------------------------------------------------------------------------------
@@ -317,6 +337,7 @@ class SlotGenerator:
         held: list[Request] = []  # taken, waiting for enough free slots to make a prefill pass worth it
         ended: list[tuple[Request, Reply]] = []  # replies not yet handed to the source
         since_refill = 0
+        shared = 0  # prompt tokens not prefilled: copied from another request's prefill
         # wall seconds: each phase up to its device sync; "source": in the source's take and complete (part
         # of the host's); "overlap": host work done while decode steps ran
         clock = {"prefill": 0.0, "decode": 0.0, "source": 0.0, "overlap": 0.0}
@@ -337,6 +358,7 @@ class SlotGenerator:
                     ):
                         since_refill = 0
                         rows = self.row_buckets[-1]
+                        held, copies = split_shared(held) if self.settings.share_prompts else (held, [])
                         for i in range(0, len(held), rows):
                             group = held[i : i + rows]
                             tp = time.perf_counter()
@@ -344,6 +366,15 @@ class SlotGenerator:
                             clock["prefill"] += time.perf_counter() - tp
                             prefills += 1
                             ended += self._end(done)
+                        if copies:
+                            tp = time.perf_counter()
+                            shared += self._share(
+                                [r for r, _ in copies],
+                                [free[j] for _, j in copies],
+                                free[len(held) : len(held) + len(copies)],
+                                stats,
+                            )
+                            clock["prefill"] += time.perf_counter() - tp
                         held = []
                         continue  # replies that ended at their first token free slots and may ready new requests
                     if live == 0:
@@ -362,6 +393,7 @@ class SlotGenerator:
         stats.extra = {
             "decode_steps": steps,
             "prefill_groups": prefills,
+            "shared_prompt_tokens": shared,
             "slot_occupancy": busy / max(1, steps * self.settings.slots),
             "cuda_graphs": len(self.graphs),
             "capture_seconds": round(self.graphs.capture_seconds, 3),
@@ -414,11 +446,7 @@ class SlotGenerator:
         n = len(group)
         lengths = [len(r.prompt_ids) for r in group]
         for r, length in zip(group, lengths, strict=True):
-            if length == 0 or length + r.max_new_tokens + self.sync_every > self.capacity:
-                raise DflashkitError(
-                    f"request {r.key}: a prompt of {length} tokens and a reply of up to {r.max_new_tokens} "
-                    f"do not fit a slot of {self.capacity - self.sync_every} positions"
-                )
+            self._check_fits(r, length)
         rows = bucket(n, self.row_buckets) if self.pad else n
         longest = max(lengths)
         chunk = bucket(min(longest, self.chunk), self.chunk_buckets) if self.pad else min(longest, self.chunk)
@@ -469,6 +497,50 @@ class SlotGenerator:
         self.live_d[idx] = torch.from_numpy(~done).to(dev)
         stats.prompt_tokens += sum(lengths)
         return where[done].tolist()
+
+    def _share(
+        self, group: list[Request], sources: list[int], slots: list[int], stats: GenerationStats
+    ) -> int:
+        """Start `group` in `slots`: each request's prompt was just prefilled into the slot `sources[i]`
+        by another request. Its keys and values are copied (all positions but the last prompt position,
+        one copy per cache tensor for the whole group), and the request starts as a decoding slot whose
+        next input is the prompt's last token at its position: the first decode step writes that
+        position and samples the first reply token from the request's own seed, at the position a
+        prefill samples it. Returns the prompt tokens not prefilled."""
+        lengths = [len(r.prompt_ids) for r in group]
+        for r, length in zip(group, lengths, strict=True):
+            self._check_fits(r, length)
+        dev = self.device
+        idx = torch.tensor(slots, device=dev)
+        upto = max(lengths) - 1  # beyond a shorter prompt's own length the copy is stale rows no query reads
+        if upto > 0:
+            src = torch.tensor(sources, device=dev)
+            for t in (*self.cache.k, *self.cache.v):
+                t[idx, :upto] = t[src, :upto]
+        self.tokens[idx] = torch.tensor([r.prompt_ids[-1] for r in group], device=dev)
+        self.pos[idx] = torch.tensor([length - 1 for length in lengths], device=dev)
+        self.temperature[idx] = torch.tensor([r.temperature for r in group], device=dev)
+        self.top_p[idx] = torch.tensor([r.top_p for r in group], device=dev)
+        self.seed[idx] = torch.tensor([r.seed for r in group], device=dev)
+        where = np.array(slots, dtype=np.int64)
+        for r, s in zip(group, slots, strict=True):
+            self.req[s] = r
+        self.count[where] = 0
+        self.at[where] = [length - 1 for length in lengths]
+        self.live[where] = True
+        self.sampled[where] = [r.temperature > 0 for r in group]
+        self.count_d[idx] = 0
+        self.budget_d[idx] = torch.tensor([r.max_new_tokens for r in group], device=dev)
+        self.live_d[idx] = True
+        stats.prompt_tokens += sum(lengths)
+        return sum(lengths) - len(group)
+
+    def _check_fits(self, r: Request, length: int) -> None:
+        if length == 0 or length + r.max_new_tokens + self.sync_every > self.capacity:
+            raise DflashkitError(
+                f"request {r.key}: a prompt of {length} tokens and a reply of up to {r.max_new_tokens} "
+                f"do not fit a slot of {self.capacity - self.sync_every} positions"
+            )
 
     def _collect(self, look: np.ndarray) -> np.ndarray:
         """Append the tokens of the last group of steps (`look`, as `_look` wrote it) to the live replies;
