@@ -165,3 +165,18 @@ def test_prepare_with_two_sources_the_target_writes(tmp_path: Path, monkeypatch:
     assert maths and all(r["messages"][-2]["content"].endswith("\nReason step by step.") for r in maths)
     again = prepare_dataset(st, progress=False)
     assert again["counts"]["generated"] == 0 and again["sources"]["code"]["self_new_tokens"] == 0
+
+
+def test_one_source_flags_end_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`prepare --source self` needs a number of prompts; a rule across the one-source flags is one line,
+    not a traceback."""
+    from dflashkit.cli import main
+
+    assert main(["prepare", "--source", "self", "--max-prompts", "0", "--out", str(tmp_path / "a")]) == 2
+    assert "give a number (--max-prompts N" in capsys.readouterr().err
+    assert (
+        main(["prepare", "--source", "chitchat", "--samples-per-prompt", "2", "--out", str(tmp_path / "b")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "set a temperature" in err and "Traceback" not in err

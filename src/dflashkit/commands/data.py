@@ -146,7 +146,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "-c", help="run config: its target and data sections give the defaults")
     p.add_argument("--out", help="dataset folder (re-running the same command resumes)")
     p.add_argument("--target", help="'embedded' (default) or a transformers model folder")
-    p.add_argument("--source", help="'chitchat' (default), 'sharegpt', 'mtbench', or a file")
+    p.add_argument(
+        "--source",
+        help="'chitchat' (default), 'sharegpt', 'mtbench', 'self' (prompts the target writes), or a file",
+    )
     p.add_argument(
         "--format", choices=("auto", "chat", "sharegpt", "prompts"), help="file format (default auto)"
     )

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dflashkit import __version__
 from dflashkit.config import SourceSpec, unique_source_labels
@@ -102,15 +102,25 @@ class PrepareSettings(BaseModel):
         """The sources to read: the mixture, or the one source the flat fields describe. Weights become
         counts (shares of max_prompts)."""
         if not self.sources:
-            spec = SourceSpec(
-                source=self.source,
-                format=self.format,
-                count=self.max_prompts,
-                max_turns=self.max_turns,
-                samples_per_prompt=self.samples_per_prompt,
-                temperature=self.temperature,
-                top_p=self.top_p,
-            )
+            if self.source == SELF_SOURCE and self.max_prompts is None:
+                raise ConfigError(
+                    "source 'self' has the target write as many prompts as max_prompts asks: give a number "
+                    "(--max-prompts N, N > 0)"
+                )
+            try:
+                spec = SourceSpec(
+                    source=self.source,
+                    format=self.format,
+                    count=self.max_prompts,
+                    max_turns=self.max_turns,
+                    samples_per_prompt=self.samples_per_prompt,
+                    temperature=self.temperature,
+                    top_p=self.top_p,
+                )
+            except ValidationError as e:  # a rule across the one-source flags (samples with no temperature)
+                raise ConfigError(
+                    "; ".join(x["msg"].removeprefix("Value error, ") for x in e.errors())
+                ) from None
             return [spec]
         weights = [s.weight for s in self.sources if s.weight is not None]
         if weights and self.max_prompts is None:

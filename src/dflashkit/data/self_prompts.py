@@ -180,7 +180,7 @@ def write_self_prompts(
         while len(kept) < spec.count and len(attempts) < limit:
             need = spec.count - len(kept)
             # the attempts asked so far and this batch's (a kept share of ~3/4 is typical; ask a little more)
-            upto = min(limit, len(attempts) + math.ceil(need * 1.4) + 16)
+            upto = min(limit, len(attempts) + math.ceil(need * 1.4) + 2)
             todo = [k for k in range(upto) if str(k) not in attempts]
             requests = [
                 Request(
