@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,8 +155,6 @@ def write_self_prompts(
 ) -> SelfPrompts:
     """Have the target write `spec.count` prompts (resuming from the attempts already on disk) and return
     them as the source's `PromptSet`."""
-    import time
-
     from tqdm.auto import tqdm
 
     if spec.count is None:
