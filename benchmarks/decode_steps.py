@@ -377,8 +377,6 @@ def tree_calls(engine, prompt, n: int, args, device) -> dict:
     build, the tree step (each verify keeps its root: the cache grows by one per call) and the walk."""
     import torch
 
-    from dflashkit.infer.tree import accepted_path
-
     with torch.no_grad():
         context = engine.prefill(torch.tensor([prompt], device=device))[1]
         logits = engine.draft(context, prompt[-1])
@@ -395,7 +393,7 @@ def tree_calls(engine, prompt, n: int, args, device) -> dict:
         }
         verified = engine.verify_tree(tree)
         choices = verified.logits.argmax(dim=-1)
-        calls["walk"] = timed(lambda: accepted_path(tree, choices), args.calls, device)
+        calls["walk"] = timed(lambda: engine.walk(tree, choices), args.calls, device)
         engine.keep(verified, [0])
     return calls
 

@@ -243,11 +243,14 @@ def test_graphs_engine_tree_rounds_decode_as_autoregressive(
     assert any(p != list(range(len(p))) for p in script.paths), "no accepted branch needed its rows moved"
 
 
-@pytest.mark.parametrize("fixed_shapes", [False, True])
-def test_a_kept_tree_path_on_the_graphs_engine_leaves_the_caches_of_a_chain(target, drafter, fixed_shapes):
+@pytest.mark.parametrize(("fixed_shapes", "walked"), [(False, False), (True, False), (True, True)])
+def test_a_kept_tree_path_on_the_graphs_engine_leaves_the_caches_of_a_chain(
+    target, drafter, fixed_shapes, walked
+):
     """Verify a tree smaller than the engine's budget (padding nodes), keep a branch that is not the first
     nodes: the target cache rows, the logits, the drafter's next context and its next draft equal those of
-    verifying that branch as a chain."""
+    verifying that branch as a chain. `walked`: the tree sits in the engine's own inputs (as its build
+    leaves it) and the engine's walk step finds the branch and writes the row moves that keep uses."""
     prompt = torch.tensor([prompts(9)[0]])
     #  0 - 1 - 2
     #   \- 3 - 4 - 5     the kept branch: 0, 3, 4, 5
@@ -262,7 +265,19 @@ def test_a_kept_tree_path_on_the_graphs_engine_leaves_the_caches_of_a_chain(targ
     engine, reference = make(), make()
     with torch.no_grad():
         engine.prefill(prompt)
+        if walked:  # the tree in the engine's inputs, padded to its budget (padding nodes: their own parents)
+            width = engine._tree_inputs.shape[1]
+            engine._tree_inputs[:, :6].copy_(tree.nodes)
+            engine._tree_inputs[:2, 6:].zero_()
+            engine._tree_inputs[2, 6:].copy_(torch.arange(6, width))
+            tree = DraftTree(engine._tree_inputs)
         verified = engine.verify_tree(tree)
+        if walked:  # the target's choices: 41 after the root, then 42, 43 along the branch, 7 at its end
+            choices = torch.zeros(engine._tree_inputs.shape[1], dtype=torch.long)
+            choices[[0, 3, 4, 5]] = torch.tensor([41, 42, 43, 7])
+            assert engine.walk(tree, choices) == (path, [41, 42, 43, 7])
+            assert engine._moves[0, :4].tolist() == [9 + node for node in path]
+            assert engine._walked == path  # keep moves the rows the walk step wrote, nothing from the host
         context = engine.keep(verified, path)
         reference.prefill(prompt)
         chain = reference.verify(branch)  # B = 4 tokens: the block step

@@ -212,16 +212,17 @@ def test_tree_sampling_is_lossless_statistically(tiny):
 def test_the_tree_test_catches_a_walk_that_is_not_exact(tiny, monkeypatch):
     """The same test fails a walk that takes the drafter's best child whenever the target's sample is not
     among the children: the harness can see a wrong tree rule."""
-    from dflashkit.infer import speculative, tree
+    from dflashkit.infer import tree
+    from dflashkit.infer.engine import DynamicEngine
 
-    def biased(t, choices):
+    def biased(self, t, choices):
         path, committed = tree.accepted_path(t, choices)
         if len(path) == 1 and t.children[0]:
             best = min(t.children[0].values())  # node 1: the drafter's best first token
             return [0, best], [t.tokens[best], committed[0]]
         return path, committed
 
-    monkeypatch.setattr(speculative, "accepted_path", biased)
+    monkeypatch.setattr(DynamicEngine, "walk", biased)  # the engine the harness decodes on
     target, drafter = tiny
     assert _two_token_p_value(target, drafter, "exact", tree_budget=5) < 1e-6
 

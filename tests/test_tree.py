@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from dflashkit.infer.speculative import _exact
-from dflashkit.infer.tree import DraftTree, accepted_path, build_tree, chain
+from dflashkit.infer.tree import (
+    DraftTree,
+    accepted_path,
+    build_tree,
+    chain,
+    path_moves,
+    read_walk,
+    walk_outputs,
+)
 
 
 def brute_force_best(probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
@@ -119,6 +127,17 @@ def test_the_walk_follows_the_targets_choices():
     assert accepted_path(tree, choices) == ([0, 2, 4], [12, 14, 9])
     assert accepted_path(tree, [5, 0, 0, 0, 0, 0]) == ([0], [5])  # no child holds it: the bonus only
     assert accepted_path(tree, [11, 13, 0, 15, 0, 8]) == ([0, 1, 3, 5], [11, 13, 15, 8])
+
+
+def test_the_row_moves_keep_the_walked_path_as_a_chain():
+    """`path_moves` on the device (from the walk's output) equals the host's rule: row start + j takes the
+    path's j-th node, rows past the path's end stay."""
+    tree = DraftTree.of([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 2, 3])
+    for choices in ([12, 0, 14, 0, 9, 0], [5, 0, 0, 0, 0, 0], [11, 13, 0, 15, 0, 8]):
+        out = walk_outputs(tree.nodes, torch.tensor(choices))
+        path, _ = read_walk(out.tolist(), 6)
+        moves = path_moves(out[:6].bool(), torch.tensor(40)).tolist()
+        assert moves == [[40 + x for x in path] + list(range(40 + len(path), 46)), list(range(40, 46))]
 
 
 def test_a_chain_walks_as_the_exact_rule():

@@ -66,7 +66,7 @@ from torch import Tensor
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.graph_engine import GraphEngine
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
-from dflashkit.infer.tree import DraftTree, build_tree
+from dflashkit.infer.tree import DraftTree, accepted_path, build_tree
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.embedded import cache_root
 from dflashkit.target.hf import TargetModel
@@ -88,6 +88,7 @@ class Engine(Protocol):
     def verify(self, ids: Tensor) -> Verified: ...
     def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree: ...
     def verify_tree(self, tree: DraftTree) -> Verified: ...
+    def walk(self, tree: DraftTree, choices: Tensor) -> tuple[list[int], list[int]]: ...
     def keep(self, verified: Verified, path: Sequence[int]) -> Context: ...
 
 
@@ -172,6 +173,9 @@ class DynamicEngine:
 
     def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:
         return build_tree(anchor, probs, budget)
+
+    def walk(self, tree: DraftTree, choices: Tensor) -> tuple[list[int], list[int]]:
+        return accepted_path(tree, choices)
 
     def verify_tree(self, tree: DraftTree) -> Verified:
         dev = self.target.device
@@ -341,6 +345,9 @@ class StaticEngine:
 
     def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:
         return build_tree(anchor, probs, budget)
+
+    def walk(self, tree: DraftTree, choices: Tensor) -> tuple[list[int], list[int]]:
+        return accepted_path(tree, choices)
 
     def verify_tree(self, tree: DraftTree) -> Verified:
         dev = self.target.device

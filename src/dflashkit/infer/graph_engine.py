@@ -58,7 +58,15 @@ from torch import Tensor
 from dflashkit.data.generator import Steps
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
-from dflashkit.infer.tree import DraftTree, ancestors, build_tree
+from dflashkit.infer.tree import (
+    DraftTree,
+    accepted_path,
+    ancestors,
+    build_tree,
+    path_moves,
+    read_walk,
+    walk_outputs,
+)
 from dflashkit.model.drafter import DFlashDrafter, StaticDraftCache
 from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
 from dflashkit.runtime.compile_cache import CacheUse, portable_cache
@@ -242,6 +250,10 @@ class GraphEngine:
             self._tree_rows = torch.zeros(1, n, self._rows.shape[-1], dtype=self.w.dtype, device=dev)
         self._cache_positions = torch.arange(self.capacity, device=dev)
         self._moves = torch.zeros(2, n, dtype=long, device=dev)  # cache rows: from (the path's), to
+        # the walk step's input (the target's choice after each node) and output (`walk_outputs`)
+        self._choices = torch.zeros(n, dtype=long, device=dev)
+        self._walked_out = torch.zeros(2 * n + 1, dtype=long, device=dev)
+        self._walked: list[int] | None = None  # the path whose row moves the walk step wrote
         if (
             self.drafter is not None
         ):  # the build step's inputs: the root's token, the drafted slots' probabilities
@@ -300,6 +312,13 @@ class GraphEngine:
         at = self._cache_positions - self._start  # cache position relative to the root
         in_tree = seen[:, at.clamp(0, n - 1)] & (at < n)
         return ((at < 0) | in_tree)[None]
+
+    def _walk_step(self) -> None:
+        """The walk over the tree step's nodes and ``_choices`` (``walk_outputs``), and the keep step's row
+        moves for the path it finds, so that keeping it needs nothing from the host."""
+        out = walk_outputs(self._tree_inputs, self._choices)
+        self._walked_out.copy_(out)
+        self._moves.copy_(path_moves(out[: self._choices.shape[0]].bool(), self._start))
 
     def _keep_step(self) -> None:
         """Move the cache rows ``_moves[0]`` to ``_moves[1]`` in every layer's keys and values (all rows
@@ -441,6 +460,20 @@ class GraphEngine:
         self._length = start + n
         return self._open
 
+    @torch.no_grad()
+    def walk(self, tree: DraftTree, choices: Tensor) -> tuple[list[int], list[int]]:
+        """``dflashkit.infer.tree.accepted_path`` for the tree just verified, as one step (captured on a GPU:
+        the walk's ~30 small kernels in one replay) that also writes the row moves ``keep`` needs; one copy
+        to the host. Another tree (not built by ``build_tree`` into this engine's inputs) walks eagerly."""
+        own = tree.nodes.data_ptr() == self._tree_inputs.data_ptr() and choices.shape == self._choices.shape
+        if not (self._tree_open and own):
+            return accepted_path(tree, choices)
+        self._choices.copy_(choices)
+        self.steps.run(("walk",), self._walk_step)
+        path, committed = read_walk(self._walked_out.tolist(), self._choices.shape[0])
+        self._walked = path
+        return path, committed
+
     def _tree_width(self, nodes: int) -> int:
         """The tree step's tokens (N+1), once a tree of ``nodes`` (its root included) fits it."""
         if not self.tree_budget:
@@ -474,15 +507,17 @@ class GraphEngine:
                 raise ValueError(f"a chain keeps its first tokens, not the path {list(path)}")
             self._move_rows(verified.start, path)
         self._open = None
+        self._walked = None
         self._length = verified.start + n  # the next step writes from here; positions beyond are never read
         return Context(kept_rows(verified.features, path), verified.start)
 
     def _move_rows(self, start: int, path: Sequence[int]) -> None:
         """The keep step: the path's K/V rows to start .. start+len(path)-1. The step moves N+1 rows: row
         start+j takes the path's j-th node, or itself past the path's end."""
-        width = self._moves.shape[1]
-        frm = [start + node for node in path] + list(range(start + len(path), start + width))
-        self._moves.copy_(torch.tensor([frm, list(range(start, start + width))]))
+        if self._walked is None or list(path) != self._walked:  # else the walk step wrote the moves
+            width = self._moves.shape[1]
+            frm = [start + node for node in path] + list(range(start + len(path), start + width))
+            self._moves.copy_(torch.tensor([frm, list(range(start, start + width))]))
         self.steps.run(("keep",), self._keep_step)
 
     # --- warm-up -----------------------------------------------------------------------------------
@@ -519,8 +554,8 @@ class GraphEngine:
         return seconds
 
     def _warm_tree(self) -> dict[str, float]:
-        """Capture the tree step (over a chain of N+1 tokens at positions 0 .. N) and the keep step (every
-        row onto itself)."""
+        """Capture the tree step (over a chain of N+1 tokens at positions 0 .. N), the walk step and the keep
+        step (every row onto itself)."""
         n, dev = self._tree_inputs.shape[1], self.target.device
         seconds: dict[str, float] = {}
         if self.drafter is not None:
@@ -530,6 +565,8 @@ class GraphEngine:
         nodes = torch.arange(n, device=dev)
         self._tree_inputs.copy_(torch.stack([torch.zeros_like(nodes), nodes, (nodes - 1).clamp(min=0)]))
         seconds[f"target tree [1, {n}]"] = self._warm_step(("tree", n), self._tree_step)
+        self._choices.zero_()
+        seconds[f"tree walk [{n} nodes]"] = self._warm_step(("walk",), self._walk_step)
         self._moves.copy_(nodes.expand(2, n))
         seconds[f"tree keep [{n} rows]"] = self._warm_step(("keep",), self._keep_step)
         return seconds

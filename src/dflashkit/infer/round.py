@@ -3,6 +3,7 @@
     logits, context = engine.prefill(prompt)           # context: rows the drafter has not read yet
     draft_logits = engine.draft(context, anchor)       # the block [anchor, MASK x (B-1)] at context.end
     verified = engine.verify(block)                    # or engine.verify_tree(tree)
+    path, tokens = engine.walk(tree, choices)          # a tree: the target's choices along its nodes
     context = engine.keep(verified, accepted_path)     # the caches end as a chain of the kept tokens
 
 No engine hides what the next call needs in its own state: ``keep`` takes the ``Verified`` it settles, and

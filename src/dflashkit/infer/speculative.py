@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 
 from dflashkit.infer.engine import Engine, Verified, make_engine, round_width
-from dflashkit.infer.tree import accepted_path
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 
@@ -227,7 +226,7 @@ def _tree_round(
     probs = torch.softmax(draft_logits.float(), dim=-1) if s.greedy else probabilities(draft_logits, s)
     tree = dec.build_tree(anchor, probs, budget)
     verified = dec.verify_tree(tree)
-    path, committed = accepted_path(tree, choose(verified.logits, s, gen))
+    path, committed = dec.walk(tree, choose(verified.logits, s, gen))
     return verified, path, committed
 
 

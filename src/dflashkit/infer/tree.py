@@ -14,7 +14,7 @@ agrees with. The method, as DDTree (block diffusion draft trees) describes it:
    sees the cache and its own ancestors (``ancestor_mask``); its rotary position is the root's position
    plus its depth, as if its branch alone had been written. Row i of the logits is the target's
    distribution for the token after node i.
-3. **Accept** (``accepted_path``, on the device, one copy to the host): from the root, the target chooses its own next token (argmax when
+3. **Accept** (``accepted_path``: ``walk_outputs`` on the device, one copy to the host, ``read_walk``): from the root, the target chooses its own next token (argmax when
    greedy, a sample otherwise); when a child of the current node holds that token, walk into it and go on;
    otherwise stop. The **accepted path** is the nodes walked (the root first); the committed tokens are the
    accepted nodes' tokens and the target's last choice. Every committed token is the target's own choice
@@ -185,12 +185,20 @@ def accepted_path(tree: DraftTree, choices: Sequence[int] | Tensor) -> tuple[lis
     the target's token after node i). Returns the accepted path (node ids, the root first) and the
     committed tokens (the accepted nodes' tokens, then the target's choice at the last node).
 
-    On the device, one copy to the host: a node matches when its token is its parent's choice; it is
-    accepted when it and all its ancestors match (siblings hold different tokens, so the accepted nodes
-    form one path); the path ends at the deepest accepted node."""
+    On the device (`walk_outputs`: fixed work for a fixed tree size, so it can be captured), then one copy
+    to the host (`read_walk`)."""
     nodes = tree.nodes
+    choices = torch.as_tensor(choices, device=nodes.device).long()
+    return read_walk(walk_outputs(nodes, choices).tolist(), nodes.shape[1])
+
+
+def walk_outputs(nodes: Tensor, choices: Tensor) -> Tensor:
+    """The walk on the device, for a tree's ``nodes`` [3, n] and the target's ``choices`` [n]: [2n + 1] long,
+    whether each node is on the accepted path, each node's token, and the target's choice at the path's
+    last node. A node matches when its token is its parent's choice; it is accepted when it and all its
+    ancestors match (siblings hold different tokens, so the accepted nodes form one path); the path ends
+    at the deepest accepted node."""
     n, dev = nodes.shape[1], nodes.device
-    choices = torch.as_tensor(choices, device=dev).long()
     tokens, depths, parents = nodes
     own = parents == torch.arange(n, device=dev)  # the root and padding
     match = (tokens == choices[parents]) & ~own
@@ -199,7 +207,22 @@ def accepted_path(tree: DraftTree, choices: Sequence[int] | Tensor) -> tuple[lis
     accepted = ~(seen & ~match[None, :]).any(dim=1)
     last = torch.where(accepted, depths, -1).argmax()
     on_path = seen[last]
-    out = torch.cat([on_path.long(), tokens, choices[last][None]]).tolist()
+    return torch.cat([on_path.long(), tokens, choices[last][None]])
+
+
+def read_walk(out: Sequence[int], n: int) -> tuple[list[int], list[int]]:
+    """(the accepted path, the committed tokens) from `walk_outputs`' values on the host."""
     path = [i for i in range(n) if out[i]]
-    committed = [out[n + i] for i in path[1:]] + [out[-1]]
-    return path, committed
+    return path, [out[n + i] for i in path[1:]] + [out[2 * n]]
+
+
+def path_moves(on_path: Tensor, start: Tensor) -> Tensor:
+    """[2, n] long, on the device: the cache rows that keep an accepted path as a chain, from (the path's
+    j-th node, written at start + node) to (start + j); rows past the path's end stay where they are. The
+    path's nodes in node order are its nodes by depth (parents come before children)."""
+    n, dev = on_path.shape[0], on_path.device
+    along = torch.arange(n, device=dev)
+    rank = torch.where(on_path, on_path.long().cumsum(0) - 1, n)  # j for the path's j-th node, else n
+    frm = torch.arange(n + 1, device=dev)  # index n: where the nodes off the path land, dropped
+    frm.scatter_(0, rank, along)
+    return torch.stack([frm[:n], along]) + start
