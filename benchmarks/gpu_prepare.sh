@@ -21,8 +21,9 @@
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
 # Seventh session's plan: the shared prefill measured (prepare), then the recipe sweep on the recipe's data
-#   bash benchmarks/gpu_prepare.sh part steady  # carry .bench/p1 .whl: the decode step of `prepare`, by kernel
-#                                               #   (never profiled on the GPU: 7.9 ms a step for 1,024 slots)
+#   ENGINES=graphs BUDGETS=8,32 bash benchmarks/gpu_prepare.sh part steady trees   # carry .bench/p1 .whl:
+#                       # the decode step of `prepare` by kernel (never profiled on the GPU: 7.9 ms a step for
+#                       # 1,024 slots), and the tree round with the captured walk (NOTES: predicted ~+20-25%)
 #   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2
 #   PREPARE_CAP=540 bash benchmarks/gpu_prepare.sh part join drafter recipe   # carry .bench/p3 .bench/drafter-recipe
 #   VARIANTS=... SWEEP_OVERRIDES="train.batch_size=32 train.max_steps=..." bash benchmarks/gpu_prepare.sh sweep
