@@ -31,22 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import fill_defaults, write_report  # noqa: E402
 
 
-class ListSource:
-    """A fixed list of requests, shortest first; each reply recorded once."""
-
-    def __init__(self, requests: list[Any]):
-        self.ready = sorted(requests, key=lambda r: len(r.prompt_ids))
-        self.replies: dict[str, Any] = {}
-
-    def take(self, n: int, idle: bool = False) -> list[Any]:
-        out, self.ready = self.ready[:n], self.ready[n:]
-        return out
-
-    def complete(self, request: Any, reply: Any) -> None:
-        assert request.key not in self.replies
-        self.replies[request.key] = reply
-
-
 def make_requests(tokenizer: Any, sources: list[str], n: int, max_prompt: int, max_new: int) -> list[Any]:
     from dflashkit.data.chat import generation_prompt_ids
     from dflashkit.data.generation import Request
@@ -125,6 +109,8 @@ def copy_bandwidth(device: Any) -> float | None:
 
 def run_backend(backend: Any, requests: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
+
+    from dflashkit.data.generation import ListSource
 
     source = ListSource(requests)
     if torch.cuda.is_available():

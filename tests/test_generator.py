@@ -19,6 +19,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from dflashkit.data import generation
 from dflashkit.data.generation import Reply, Request, cut_reply
 from dflashkit.data.generator import SlotGenerator, SlotSettings, sample
 from dflashkit.errors import DflashkitError
@@ -80,22 +81,16 @@ def test_forward_equals_transformers(arch: str) -> None:
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
-class ListSource:
+class ListSource(generation.ListSource):
     """A fixed list of requests; each reply recorded once. `follow_up` adds a second round to each
     request when it is answered (as a multi-turn conversation does)."""
 
     def __init__(self, requests: list[Request], follow_up: bool = False):
-        self.ready = sorted(requests, key=lambda r: len(r.prompt_ids))
-        self.replies: dict[str, Reply] = {}
+        super().__init__(requests)
         self.follow_up = follow_up
 
-    def take(self, n: int, idle: bool = False) -> list[Request]:
-        out, self.ready = self.ready[:n], self.ready[n:]
-        return out
-
     def complete(self, request: Request, reply: Reply) -> None:
-        assert request.key not in self.replies, f"{request.key} answered twice"
-        self.replies[request.key] = reply
+        super().complete(request, reply)  # a second reply to one request raises
         if self.follow_up and not request.key.endswith("#1"):
             prompt = request.prompt_ids + tuple(reply.ids) + (7, 8, 9)
             self.ready.append(Request(request.key + "#1", prompt, request.max_new_tokens))

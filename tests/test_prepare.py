@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from dflashkit.cli import main
 from dflashkit.data.chat import encode_chat, generation_prompt_ids, template_identity
 from dflashkit.data.dataset import CACHE_FILE, PrepareSettings, load_dataset, prepare_dataset, read_manifest
-from dflashkit.data.generation import Request
+from dflashkit.data.generation import ListSource, Request
 from dflashkit.data.generator import SlotGenerator, SlotSettings
 from dflashkit.data.hf_generate import generate_replies
 from dflashkit.data.regenerate import eos_token_ids, load_target, read_cache
@@ -277,22 +277,6 @@ def test_greedy_regeneration_equals_transformers_generate(target: tuple[Any, Any
     source = ListSource([Request(f"r{i}", tuple(p), 10) for i, p in enumerate(prompts)])
     gen.run(source)
     assert [source.replies[f"r{i}"] for i in range(3)] == singles
-
-
-class ListSource:
-    """The simplest RequestSource: a fixed list, each reply recorded once."""
-
-    def __init__(self, requests: list[Request]):
-        self.ready = sorted(requests, key=lambda r: len(r.prompt_ids))
-        self.replies: dict[str, Any] = {}
-
-    def take(self, n: int, idle: bool = False) -> list[Request]:
-        out, self.ready = self.ready[:n], self.ready[n:]
-        return out
-
-    def complete(self, request: Request, reply: Any) -> None:
-        assert request.key not in self.replies
-        self.replies[request.key] = reply
 
 
 def test_sampling_is_fixed_by_each_request_seed(target: tuple[Any, Any]) -> None:

@@ -42,7 +42,7 @@ from dflashkit.data.regenerate import (
     record_id,
     regenerate,
 )
-from dflashkit.data.self_prompts import SELF_SOURCE, write_self_prompts
+from dflashkit.data.self_prompts import SELF_SOURCE, SelfPrompts, write_self_prompts
 from dflashkit.data.sources import (
     PromptSet,
     benchmark_questions,
@@ -358,7 +358,9 @@ def prepare_dataset(
         )
         backend = make_backend(settings, model, tokenizer, eos_ids)
         lap("start_generator")
-        written: dict[str, Any] = {}
+        written: dict[
+            str, SelfPrompts
+        ] = {}  # each "self" source: its prompts and what became of the attempts
         if writes:
             questions = benchmark_questions()
             for spec in writes:

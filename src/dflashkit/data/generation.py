@@ -79,6 +79,24 @@ class RequestSource(Protocol):
         ...
 
 
+class ListSource:
+    """The simplest `RequestSource`: a fixed list of requests, handed out shortest first; each reply kept
+    in `replies` by request key (a second reply to one request is an error)."""
+
+    def __init__(self, requests: list[Request]):
+        self.ready = sorted(requests, key=lambda r: len(r.prompt_ids))
+        self.replies: dict[str, Reply] = {}
+
+    def take(self, n: int, idle: bool = False) -> list[Request]:
+        out, self.ready = self.ready[:n], self.ready[n:]
+        return out
+
+    def complete(self, request: Request, reply: Reply) -> None:
+        if request.key in self.replies:
+            raise ValueError(f"request {request.key} answered twice")
+        self.replies[request.key] = reply
+
+
 @dataclass
 class GenerationStats:
     """What one backend run did (new tokens count every token of every reply, end tokens included)."""

@@ -475,26 +475,12 @@ class SlotGenerator:
                 partial(self._prefill, rows, chunk, kv_len, sampling),
             )
             first = torch.where(last_pass.to(dev) == j, self.p_out[:rows], first)
-        idx = torch.tensor(slots, device=dev)
-        self.tokens[idx] = first[:n]
-        self.pos[idx] = torch.tensor(lengths, device=dev)
-        self.temperature[idx] = self.p_temperature[:n]
-        self.top_p[idx] = self.p_top_p[:n]
-        self.seed[idx] = self.p_seed[:n]
         first_host = first[:n].cpu().numpy()
         budget = np.array([r.max_new_tokens for r in group], dtype=np.int64)
         done = np.isin(first_host, self.eos) | (budget <= 1)
         where = np.array(slots, dtype=np.int64)
-        for r, s in zip(group, slots, strict=True):
-            self.req[s] = r
         self.out[where, 0] = first_host
-        self.count[where] = 1
-        self.at[where] = lengths
-        self.live[where] = ~done
-        self.sampled[where] = [r.temperature > 0 for r in group]
-        self.count_d[idx] = 1
-        self.budget_d[idx] = torch.from_numpy(budget).to(dev)
-        self.live_d[idx] = torch.from_numpy(~done).to(dev)
+        self._seat(group, slots, first[:n], lengths, replied=1, live=~done)
         stats.prompt_tokens += sum(lengths)
         return where[done].tolist()
 
@@ -517,23 +503,41 @@ class SlotGenerator:
             src = torch.tensor(sources, device=dev)
             for t in (*self.cache.k, *self.cache.v):
                 t[idx, :upto] = t[src, :upto]
-        self.tokens[idx] = torch.tensor([r.prompt_ids[-1] for r in group], device=dev)
-        self.pos[idx] = torch.tensor([length - 1 for length in lengths], device=dev)
+        last = torch.tensor([r.prompt_ids[-1] for r in group], device=dev)
+        live = np.ones(len(group), dtype=bool)
+        self._seat(group, slots, last, [length - 1 for length in lengths], replied=0, live=live)
+        stats.prompt_tokens += sum(lengths)
+        return sum(lengths) - len(group)
+
+    def _seat(
+        self,
+        group: list[Request],
+        slots: list[int],
+        tokens: Tensor,
+        positions: list[int],
+        replied: int,
+        live: np.ndarray,
+    ) -> None:
+        """Seat `group` in `slots`, on the host and on the device: each slot's next input token (`tokens`,
+        on the device) at `positions`, its sampling, the reply tokens it holds already (`replied`: 1 after a
+        prefill sampled the first, 0 when the first decode step will), its budget and whether it runs."""
+        dev = self.device
+        idx = torch.tensor(slots, device=dev)
+        self.tokens[idx] = tokens
+        self.pos[idx] = torch.tensor(positions, device=dev)
         self.temperature[idx] = torch.tensor([r.temperature for r in group], device=dev)
         self.top_p[idx] = torch.tensor([r.top_p for r in group], device=dev)
         self.seed[idx] = torch.tensor([r.seed for r in group], device=dev)
         where = np.array(slots, dtype=np.int64)
         for r, s in zip(group, slots, strict=True):
             self.req[s] = r
-        self.count[where] = 0
-        self.at[where] = [length - 1 for length in lengths]
-        self.live[where] = True
+        self.count[where] = replied
+        self.at[where] = positions
+        self.live[where] = live
         self.sampled[where] = [r.temperature > 0 for r in group]
-        self.count_d[idx] = 0
+        self.count_d[idx] = replied
         self.budget_d[idx] = torch.tensor([r.max_new_tokens for r in group], device=dev)
-        self.live_d[idx] = True
-        stats.prompt_tokens += sum(lengths)
-        return sum(lengths) - len(group)
+        self.live_d[idx] = torch.from_numpy(live).to(dev)
 
     def _check_fits(self, r: Request, length: int) -> None:
         if length == 0 or length + r.max_new_tokens + self.sync_every > self.capacity:

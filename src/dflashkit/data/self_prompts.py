@@ -29,7 +29,7 @@ from typing import Any
 
 from dflashkit.config import SourceSpec
 from dflashkit.data.chat import encode_text, render_text
-from dflashkit.data.generation import Backend, Reply, Request, request_seed
+from dflashkit.data.generation import Backend, ListSource, Request, request_seed
 from dflashkit.data.regenerate import append_records, read_cache
 from dflashkit.data.sources import Prompt, PromptSet, make_prompt, normalise_text
 from dflashkit.errors import ConfigError
@@ -117,21 +117,6 @@ def keep_prompts(
     return kept, counts
 
 
-class _Attempts:
-    """The `RequestSource` of one batch of attempts: hands them out shortest first, keeps each reply."""
-
-    def __init__(self, requests: list[Request]):
-        self.ready = sorted(requests, key=lambda r: len(r.prompt_ids))
-        self.replies: dict[str, Reply] = {}
-
-    def take(self, n: int, idle: bool = False) -> list[Request]:
-        out, self.ready = self.ready[:n], self.ready[n:]
-        return out
-
-    def complete(self, request: Request, reply: Reply) -> None:
-        self.replies[request.key] = reply
-
-
 @dataclass
 class SelfPrompts:
     """A `"self"` source's prompts, as `plan_records` reads them, and what became of the attempts."""
@@ -192,7 +177,7 @@ def write_self_prompts(
                 )
                 for k in todo
             ]
-            batch = _Attempts(requests)
+            batch = ListSource(requests)
             t0 = time.perf_counter()
             run = backend.run(batch)
             seconds += time.perf_counter() - t0
