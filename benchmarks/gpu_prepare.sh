@@ -85,7 +85,7 @@ for s in "$@"; do
       # no GGUF needed: a random target of the embedded shape, replies of 256 tokens; the kernels by device time
       stage steady
       timeout $(cap 240) python3 benchmarks/prepare_speed.py --random-weights smollm2-135m --skip-hf \
-        --slots 512,1024,2048 --prompts 4096 --profile 512 2>&1 | tail -45
+        --slots ${SLOTS:-512,1024,2048} --prompts 4096 --profile 512 2>&1 | tail -45
       mv "$OUT/prepare_speed.json" "$OUT/prepare_speed-random.json" 2>/dev/null ;;
     speed)
       stage speed
