@@ -200,9 +200,10 @@ def walk_outputs(nodes: Tensor, choices: Tensor) -> Tensor:
     at the deepest accepted node."""
     n, dev = nodes.shape[1], nodes.device
     tokens, depths, parents = nodes
-    own = parents == torch.arange(n, device=dev)  # the root and padding
-    match = (tokens == choices[parents]) & ~own
-    match[0] = True
+    along = torch.arange(n, device=dev)
+    own = parents == along  # the root and padding
+    # the root always matches (no in-place write of a host value: that would copy during a capture)
+    match = ((tokens == choices[parents]) & ~own) | (along == 0)
     seen = ancestors(parents)
     accepted = ~(seen & ~match[None, :]).any(dim=1)
     last = torch.where(accepted, depths, -1).argmax()
