@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import test_engine
 from dflashkit.errors import DflashkitError
@@ -241,6 +242,39 @@ def test_graphs_engine_tree_rounds_decode_as_autoregressive(
     # a budget of 3 holds one right node (second after a wrong one), a budget of 10 two levels of them
     assert max(scripted.accept_lengths) == (2 if budget == 3 else 3)
     assert any(p != list(range(len(p))) for p in script.paths), "no accepted branch needed its rows moved"
+
+
+class NoHostRead(TorchDispatchMode):
+    """Fails on any op that reads a tensor's value on the host (a sync, which ends a CUDA graph capture)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+            raise AssertionError(f"{func} reads the device on the host inside a captured step")
+        return func(*args, **(kwargs or {}))
+
+
+def test_graphs_engine_steps_never_read_the_device_on_the_host(target, drafter, monkeypatch):
+    """Every step the graphs engine captures (target steps, the tree step, build, walk, keep, draft) runs
+    without a host read of a tensor's value: on the CPU the steps run eagerly, so this is the check that
+    they would capture on a GPU (the walk's `x[0-d tensor]` did not, and only a GPU run showed it)."""
+    engine = GraphEngine(target, drafter, capacity=48, graphs=False, fixed_shapes=True, tree_budget=10)
+    ran: set[str] = set()
+    run = engine.steps.run
+
+    def checked(key: tuple, step) -> None:  # type: ignore[no-untyped-def]
+        ran.add(str(key[0]))
+        with NoHostRead():
+            run(key, step)
+
+    monkeypatch.setattr(engine.steps, "run", checked)
+    prompt = prompts(9)[0]
+    ar = autoregressive_generate(target, prompt, 12, engine=engine)
+    chain = speculative_generate(target, drafter, prompt, 12, engine=engine)
+    tree = speculative_generate(target, drafter, prompt, 12, engine=engine, tree_budget=10)
+    script = ScriptedTree(engine, prompt + ar.tokens)  # accepted branches whose rows keep must move
+    branched = speculative_generate(target, drafter, prompt, 12, engine=script, tree_budget=10)
+    assert chain.tokens == tree.tokens == branched.tokens == ar.tokens
+    assert ran == {"target", "tree", "build", "walk", "keep", "draft"}, ran
 
 
 @pytest.mark.parametrize(("fixed_shapes", "walked"), [(False, False), (True, False), (True, True)])

@@ -206,9 +206,10 @@ def walk_outputs(nodes: Tensor, choices: Tensor) -> Tensor:
     match = ((tokens == choices[parents]) & ~own) | (along == 0)
     seen = ancestors(parents)
     accepted = ~(seen & ~match[None, :]).any(dim=1)
-    last = torch.where(accepted, depths, -1).argmax()
-    on_path = seen[last]
-    return torch.cat([on_path.long(), tokens, choices[last][None]])
+    last = torch.where(accepted, depths, -1).argmax().view(1)
+    # index_select, not seen[last]: indexing by a 0-d tensor reads it on the host (a sync, fatal in a capture)
+    on_path = seen.index_select(0, last)[0]
+    return torch.cat([on_path.long(), tokens, choices.index_select(0, last)])
 
 
 def read_walk(out: Sequence[int], n: int) -> tuple[list[int], list[int]]:
