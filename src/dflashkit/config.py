@@ -418,8 +418,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def apply_overrides(cfg: RunConfig, overrides: Mapping[str, Any], where: str) -> RunConfig:
-    """A validated copy of ``cfg`` with dotted overrides (``{"train.lr": 3e-4}``) applied."""
-    data = cfg.model_dump(mode="json")
+    """A validated copy of ``cfg`` with dotted overrides (``{"train.lr": 3e-4}``) applied. The keys the
+    config left unset stay unset (``model_fields_set``: a run from drafter.init takes the checkpoint's shape
+    for them)."""
+    data = cfg.model_dump(mode="json", exclude_unset=True)
     for key, value in overrides.items():
         _set_dotted(data, [p for p in key.split(".") if p], value)
     try:

@@ -327,6 +327,15 @@ def read_checkpoint(
     """The config, the raw tensors (as stored) and the layout of a checkpoint folder. ``verify``: check
     its files against the checksums recorded when it was written (`dflashkit.integrity`) first."""
     folder = Path(path)
+    config, layout = read_checkpoint_config(folder, verify=verify)
+    if verify:
+        verify_files(folder, weight_files(folder))
+    return config, read_tensors(folder), layout
+
+
+def read_checkpoint_config(path: str | Path, *, verify: bool = True) -> tuple[DrafterConfig, Layout]:
+    """The config and the layout of a checkpoint folder, without its weights."""
+    folder = Path(path)
     check_checkpoint_folder(folder)
     if verify:
         verify_files(folder, [CONFIG_FILE])
@@ -339,9 +348,7 @@ def read_checkpoint(
     config = (
         config_from_zlab(d, str(cfg_path)) if layout == "zlab" else config_from_speculators(d, str(cfg_path))
     )
-    if verify:
-        verify_files(folder, weight_files(folder))
-    return config, read_tensors(folder), layout
+    return config, layout
 
 
 def check_checkpoint_folder(folder: str | Path) -> None:

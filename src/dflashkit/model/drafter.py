@@ -435,6 +435,33 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
 
+def grown(old: DFlashDrafter, config: DrafterConfig) -> DFlashDrafter:
+    """``old`` reshaped to ``config``, computing exactly what it computed: the same weights, the block size
+    of ``config`` (no weight depends on it), and after its own layers the new ones ``config`` asks for, each
+    an identity at first: its attention output and MLP down projections are zero, so the residual stream
+    passes through unchanged until training moves them (their other weights start as `reset_parameters`
+    draws them, under the caller's seed). ``config`` must keep everything else of ``old.config``."""
+    if config == old.config:
+        return old
+    kept = len(old.layers)
+    same = config.updated(
+        num_hidden_layers=kept,
+        block_size=old.config.block_size,
+        layer_types=config.layer_types[:kept] if config.layer_types else None,
+    )
+    if same != old.config or len(config.layer_types or []) < kept:
+        raise ValueError("grown: only the number of layers (more) and the block size may change")
+    new = DFlashDrafter(config).to(device=old.fc.weight.device, dtype=old.fc.weight.dtype)
+    missing, unexpected = new.load_state_dict(old.state_dict(), strict=False)
+    assert not unexpected and all(key.startswith("layers.") for key in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in new.layers[kept:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    new.compiled_regions = old.compiled_regions
+    return new
+
+
 def build_block_masks(config: DrafterConfig, layout: BlockLayout, backend: str) -> dict[str, AttentionMask]:
     """The training masks for every layer type the drafter uses, built once per step."""
     masks = {}

@@ -21,7 +21,13 @@ from dflashkit.target.hf import identity_of_folder, load_target_config
 from dflashkit.train import state
 from dflashkit.train.checkpoints import CHECKPOINTS
 from dflashkit.train.rundir import check_resume_config, claim_run_folder, run_files
-from dflashkit.train.setup import check_data_matches_target, check_rows, drafter_config, total_steps
+from dflashkit.train.setup import (
+    check_data_matches_target,
+    check_rows,
+    drafter_config,
+    total_steps,
+    with_init_shape,
+)
 
 
 def dry_run(
@@ -36,7 +42,9 @@ def dry_run(
     """``nproc`` x ``nnodes``: the ranks a data-parallel launch would start (``--nproc``, ``--nnodes``);
     None for one process. ``resume``, ``move_aside``: the run folder is checked as `train` would (nothing
     is moved or renamed)."""
-
+    if cfg.drafter.init and not Path(cfg.drafter.init).is_dir():
+        raise ConfigError(f"drafter.init={cfg.drafter.init} is not a checkpoint folder")
+    cfg = with_init_shape(cfg)  # the shape a run from drafter.init trains
     out = run_folder_plan(cfg, resume=resume, move_aside=move_aside)
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)
@@ -48,8 +56,6 @@ def dry_run(
     data_dir = Path(cfg.data.dir)
     manifest = read_manifest(data_dir)
     check_data_matches_target(manifest, ident, config, str(data_dir))
-    if cfg.drafter.init and not Path(cfg.drafter.init).is_dir():
-        raise ConfigError(f"drafter.init={cfg.drafter.init} is not a checkpoint folder")
     train_rows, val_rows = pack_dataset(cfg, target_cfg)  # an empty split is an error here too
     check_rows(cfg, train_rows, ranks)
     attention = attention_memory(cfg, config, device, backend)

@@ -19,9 +19,9 @@ from dflashkit.data.rows import Rows, pack_dataset
 from dflashkit.data.rows import check_data_matches_target as check_data_matches
 from dflashkit.data.stream import MicroBatchStream
 from dflashkit.errors import ConfigError, DataError
-from dflashkit.model.checkpoint import check_checkpoint_folder, load_drafter
+from dflashkit.model.checkpoint import check_checkpoint_folder, load_drafter, read_checkpoint_config
 from dflashkit.model.config import DrafterConfig, config_for_target, target_layer_ids_of
-from dflashkit.model.drafter import DFlashDrafter
+from dflashkit.model.drafter import DFlashDrafter, grown
 from dflashkit.runtime.devices import resolve_backend, resolve_device, target_dtype, use_compiled_regions
 from dflashkit.target.hf import TargetModel, default_mask_token_id
 from dflashkit.train.distributed import Dist, single_process
@@ -73,6 +73,69 @@ def drafter_config(
     return config
 
 
+def with_init_shape(cfg: RunConfig) -> RunConfig:
+    """The config of a run that starts from ``drafter.init``: the drafter's shape is the checkpoint's where
+    the config leaves it unset. The config may ask for more layers than the checkpoint has (appended as
+    identities: `grown`) and for another block size (no weight depends on it); the target layers, the mask
+    token and the sliding window it sets must be the checkpoint's (one `ConfigError` naming each). Without
+    ``drafter.init``, or applied twice, the config comes back as it was."""
+    d = cfg.drafter
+    if not d.init:
+        return cfg
+    init, _ = read_checkpoint_config(d.init, verify=False)
+    given = d.model_fields_set
+    where = f"drafter.init={d.init}"
+    problems = []
+    if "layers" in given and d.layers < init.num_hidden_layers:
+        problems.append(
+            f"drafter.layers={d.layers}, but {where} has {init.num_hidden_layers} layers (a drafter can be "
+            "given more layers, not fewer)"
+        )
+    ids = list(init.target_layer_ids)
+    if "target_layer_ids" in given and d.target_layer_ids is not None and list(d.target_layer_ids) != ids:
+        problems.append(
+            f"drafter.target_layer_ids={d.target_layer_ids}, but {where} reads target layers {ids}"
+        )
+    elif "num_target_layers" in given and d.num_target_layers != len(ids):
+        problems.append(
+            f"drafter.num_target_layers={d.num_target_layers}, but {where} reads {len(ids)}: {ids}"
+        )
+    if "mask_token_id" in given and d.mask_token_id is not None and d.mask_token_id != init.mask_token_id:
+        problems.append(f"drafter.mask_token_id={d.mask_token_id}, but {where} uses {init.mask_token_id}")
+    if "sliding_window" in given and d.sliding_window != init.sliding_window:
+        problems.append(f"drafter.sliding_window={d.sliding_window}, but {where} has {init.sliding_window}")
+    if problems:
+        raise ConfigError(
+            "; ".join(problems)
+            + ". Leave these keys out to take the checkpoint's, or leave drafter.init out "
+            "to train a new drafter"
+        )
+    shape = {
+        "layers": d.layers if "layers" in given else init.num_hidden_layers,
+        "block_size": d.block_size if "block_size" in given else init.block_size,
+        "num_target_layers": len(ids),
+        "target_layer_ids": ids,
+        "mask_token_id": init.mask_token_id,
+        "sliding_window": init.sliding_window,
+    }
+    return cfg.model_copy(update={"drafter": d.model_copy(update=shape)})
+
+
+def initial_drafter(cfg: RunConfig, target: TargetModel, device: torch.device) -> DFlashDrafter:
+    """The drafter a run starts from: ``drafter.init``'s (float32), given the layers and block size the
+    config asks (`grown`; ``cfg`` through `with_init_shape` first), or a new one drawn under train.seed."""
+    torch.manual_seed(cfg.train.seed)  # a new drafter's weights, or the new layers of a grown one
+    if not cfg.drafter.init:
+        return DFlashDrafter(drafter_config(cfg, target.config, target.identity())).to(device)
+    old = load_drafter(cfg.drafter.init, target, dtype=torch.float32, device=device)
+    extra = cfg.drafter.layers - old.config.num_hidden_layers
+    types = list(old.config.layer_types or []) + [(old.config.layer_types or ["full_attention"])[-1]] * extra
+    config = old.config.updated(
+        num_hidden_layers=cfg.drafter.layers, block_size=cfg.drafter.block_size, layer_types=types
+    )
+    return grown(old, config)
+
+
 def check_data_matches_target(
     manifest: dict[str, Any], ident: dict[str, Any], config: DrafterConfig, where: str
 ) -> None:
@@ -113,6 +176,7 @@ def setup_run(
     """Everything a run needs, on this process's device (``dist`` under torchrun: see train.distributed).
     ``target``: the target when the caller has it loaded already, and ``rows``: the packed (training,
     validation) rows when it has packed them (a fan-out's drafters share both)."""
+    cfg = with_init_shape(cfg)
     dist = dist if dist is not None else single_process(resolve_device(cfg))
     device = dist.device
     backend = resolve_backend(cfg, device)
@@ -124,11 +188,7 @@ def setup_run(
         target = TargetModel.load(cfg.target.path, dtype=target_dtype(cfg, device), device=device)
     config = drafter_config(cfg, target.config, target.identity())
     check_data_matches_target(manifest, target.identity(), config, str(data_dir))
-    if cfg.drafter.init:
-        drafter = load_drafter(cfg.drafter.init, target, dtype=torch.float32, device=device)
-    else:
-        torch.manual_seed(cfg.train.seed)
-        drafter = DFlashDrafter(config).to(device)
+    drafter = initial_drafter(cfg, target, device)
     drafter.compiled_regions = use_compiled_regions(
         cfg, backend, dist.strategy if dist.parallel else "single"
     )

@@ -57,7 +57,7 @@ from dflashkit.train.checkpoints import (
 from dflashkit.train.metrics import MetricsLog
 from dflashkit.train.optimizer import build_optimizer
 from dflashkit.train.progress import TrainProgress
-from dflashkit.train.setup import Run, setup_run
+from dflashkit.train.setup import Run, setup_run, with_init_shape
 from dflashkit.train.sources import FeatureSource, feature_source
 from dflashkit.train.step import block_step
 from dflashkit.train.validation import validate
@@ -85,6 +85,7 @@ def train(
     keeps what it was trained with; without it a run folder that holds an earlier run is refused, or, with
     ``move_aside``, moved to ``<out>.old-<time>`` first. ``stop_after`` ends the loop after that many steps
     (as an interruption would), leaving the checkpoints for ``resume``."""
+    cfg = with_init_shape(cfg)  # before the run folder: its config.yaml and a resume see the shape trained
     d = distributed.init_distributed(cfg)
     try:
         console = (console or Console()) if d.is_main else Console(quiet=True)  # rank 0 speaks
