@@ -101,4 +101,6 @@ def test_a_run_from_a_drafter_trains_its_shape_and_grows_on_request(tiny_dataset
         with_init_shape(from_init(tiny_dataset, tmp_path / "x", tmp_path / "deeper" / "best", layers=1))
     with pytest.raises(ConfigError, match="num_target_layers=3"):
         with_init_shape(from_init(tiny_dataset, tmp_path / "x", best, num_target_layers=3))
-    assert with_init_shape(from_init(tiny_dataset, tmp_path / "x", best, block_size=8)).drafter.block_size == 8
+    assert (
+        with_init_shape(from_init(tiny_dataset, tmp_path / "x", best, block_size=8)).drafter.block_size == 8
+    )
