@@ -169,6 +169,12 @@ def main() -> int:
     ap.add_argument("--slots", default=None, help="comma-separated slot counts (default 256,512,1024)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument(
+        "--prefill",
+        default="auto",
+        help="comma-separated prefill modes at each --slots setting: auto (packed on a GPU in bf16), packed, "
+        "padded (e.g. packed,padded: both side by side)",
+    )
+    ap.add_argument(
         "--random-weights",
         metavar="SHAPE",
         help="a random-weight target of this fanout.TARGET_SHAPES shape (e.g. smollm2-135m: nothing to "
@@ -226,18 +232,27 @@ def main() -> int:
         print(row, flush=True)
 
     kv_token_bytes = None
-    for slots in [int(x) for x in args.slots.split(",") if x]:
-        settings = SlotSettings(slots=slots, capacity=args.max_prompt_tokens + args.max_new_tokens)
+    modes = {"auto": None, "packed": True, "padded": False}
+    settings_list = [
+        (int(x), mode) for x in args.slots.split(",") if x for mode in args.prefill.split(",") if mode
+    ]
+    for slots, mode in settings_list:
+        settings = SlotSettings(
+            slots=slots, capacity=args.max_prompt_tokens + args.max_new_tokens, packed_prefill=modes[mode]
+        )
         t0 = time.perf_counter()
         gen = SlotGenerator.create(model, eos, settings)
         build_s = time.perf_counter() - t0
         kv_token_bytes = gen.cache.nbytes() / ((slots + 1) * gen.capacity)
+        label = f"slots {slots}" + (
+            "" if mode == "auto" else f", {'packed' if gen.packed else 'padded'} prefill"
+        )
         for run in ("cold", "warm"):
             row, replies = run_backend(gen, requests)
-            row["setting"] = f"slots {slots}, {run}" + (
+            row["setting"] = f"{label}, {run}" + (
                 f" (+{build_s:.1f} s weights/cache)" if run == "cold" else ""
             )
-            row["slots"], row["run"] = slots, run
+            row["slots"], row["run"], row["packed_prefill"] = slots, run, gen.packed
             if hf_replies:
                 same = sum(replies[k].ids == hf_replies[k].ids for k in replies)
                 row["identical_to_hf"] = round(same / len(replies), 4)
@@ -282,12 +297,12 @@ def main() -> int:
         "floor": floor,
     }
     write_report("prepare_speed.json", report)
-    print(f"\n{'setting':44s} {'new tokens':>11s} {'s':>8s} {'tok/s':>10s} {'occupancy':>9s} {'=hf':>6s}")
+    print(f"\n{'setting':52s} {'new tokens':>11s} {'s':>8s} {'tok/s':>10s} {'occupancy':>9s} {'=hf':>6s}")
     for r in rows:
         occ = f"{r['slot_occupancy']:.2f}" if "slot_occupancy" in r else "-"
         same = f"{r['identical_to_hf']:.2f}" if "identical_to_hf" in r else "-"
         print(
-            f"{r['setting']:44s} {r['new_tokens']:11,d} {r['seconds']:8.2f} {r['tok_s']:10,.0f} {occ:>9s} {same:>6s}"
+            f"{r['setting']:52s} {r['new_tokens']:11,d} {r['seconds']:8.2f} {r['tok_s']:10,.0f} {occ:>9s} {same:>6s}"
         )
     if hf_row:
         print(f"ours / hf: {report['speedup']}x ({best['setting']})")

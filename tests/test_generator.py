@@ -118,14 +118,26 @@ def random_requests(n: int, seed: int = 1) -> list[Request]:
     return out
 
 
-@pytest.mark.parametrize(("arch", "fixed"), [("llama", False), ("qwen3", False), ("llama", True)])
-def test_greedy_replies_equal_transformers_generate(arch: str, fixed: bool) -> None:
+@pytest.mark.parametrize(
+    ("arch", "fixed", "packed"),
+    [("llama", False, False), ("qwen3", False, False), ("llama", True, False), ("qwen3", True, True)],
+)
+def test_greedy_replies_equal_transformers_generate(arch: str, fixed: bool, packed: bool) -> None:
     """More requests than slots (continuous refill), prompts longer than a prefill chunk, replies that
     end on either end token or at their length, a second round asked when the first is answered. Fixed
-    shapes (as CUDA graphs run them): padded rows, chunks and key buckets, three steps per look."""
+    shapes (as CUDA graphs run them): padded rows, chunks and key buckets, three steps per look. Packed:
+    the prompts of a pass end to end (passes of at most 48 tokens: a longer prompt passes alone)."""
     model = tiny(arch)
     requests = random_requests(23)
-    settings = SlotSettings(slots=4, capacity=128, prefill_rows=3, max_chunk=16, steps_per_sync=3)
+    settings = SlotSettings(
+        slots=4,
+        capacity=128,
+        prefill_rows=3,
+        max_chunk=16,
+        steps_per_sync=3,
+        packed_prefill=packed,
+        packed_tokens=48,
+    )
     gen = SlotGenerator.create(model, EOS, settings, fixed_shapes=fixed)
     source = ListSource(requests, follow_up=True)
     stats = gen.run(source)
@@ -459,3 +471,106 @@ def test_flash_path_reads_what_the_reference_reads(arch: str, monkeypatch: pytes
             caches[a].out = steps  # type: ignore[attr-defined]
     for x, y in zip(caches["sdpa"].out, caches["flash"].out, strict=True):  # type: ignore[attr-defined]
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_prompts_read_what_padded_rows_read(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts packed end to end (`forward_packed`, in scattered slots, one continuing a slot's earlier
+    positions) give the logits and the cache rows of the padded rows, on the reference attention and on
+    the flash path (the plain-torch stand-in for the kernel; the GPU test checks the kernel)."""
+    from dflashkit.target import slot_decoder
+    from dflashkit.target.slot_decoder import forward_packed, pack
+
+    monkeypatch.setattr(slot_decoder, "flash_varlen", reference_flash_varlen)
+    model = tiny(arch)
+    w = DecoderWeights.from_hf(model)
+    g = torch.Generator().manual_seed(7)
+    lengths, slots = [9, 16, 3], [4, 1, 2]
+    ids = [torch.randint(0, 97, (n,), generator=g) for n in lengths]
+    padded_cache = SlotCache(w, slots=5, capacity=64)
+    rows = torch.zeros(3, 16, dtype=torch.long)
+    for i, x in enumerate(ids):
+        rows[i, : len(x)] = x
+    with torch.no_grad():
+        zeros = torch.zeros(3, dtype=torch.long)
+        last = torch.tensor([n - 1 for n in lengths])
+        padded = forward(w, padded_cache, rows, torch.tensor(slots), zeros, last, kv_len=16)
+        # then 4 more tokens of the second prompt's slot, at positions 16-19
+        more = torch.randint(0, 97, (1, 4), generator=g)
+        padded_more = forward(
+            w, padded_cache, more, torch.tensor([1]), torch.tensor([16]), torch.tensor([3]), kv_len=32
+        )
+        for attention in ("sdpa", "flash"):
+            cache = SlotCache(w, slots=5, capacity=64)
+            packed = forward_packed(
+                w, cache, torch.cat(ids), pack(slots, [0, 0, 0], lengths, w.device), attention=attention
+            )
+            torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-4)
+            packed_more = forward_packed(
+                w, cache, more[0], pack([1], [16], [4], w.device), attention=attention
+            )
+            torch.testing.assert_close(packed_more, padded_more, rtol=1e-4, atol=1e-4)
+            for mine, theirs in zip(cache.k + cache.v, padded_cache.k + padded_cache.v, strict=True):
+                for s, n in zip(slots, lengths, strict=True):
+                    torch.testing.assert_close(mine[s, :n], theirs[s, :n], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(mine[1, :20], theirs[1, :20], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_packed_prefill_gives_the_replies_of_padded_prefill(
+    flash: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy and sampled requests (and samples of one prompt sharing its prefill) through packed passes
+    give the replies of padded passes, on the reference attention and on the flash path (stand-in)."""
+    from dflashkit.target import slot_decoder
+
+    monkeypatch.setattr(slot_decoder, "flash_varlen", reference_flash_varlen)
+    model = tiny("llama")
+    requests = [
+        Request(f"{r.key}.{k}", r.prompt_ids, 16, temperature=(i + k) % 2 * 1.0, top_p=0.9, seed=11 * i + k)
+        for i, r in enumerate(random_requests(9, seed=4))
+        for k in range(2)
+    ]
+    replies = {}
+    for packed in (False, True):
+        settings = SlotSettings(
+            slots=6, capacity=96, prefill_rows=4, max_chunk=16, packed_prefill=packed, packed_tokens=64
+        )
+        gen = SlotGenerator.create(model, EOS, settings)
+        if flash and packed:
+            gen.attention = "flash"
+        source = ListSource(requests)
+        stats = gen.run(source)
+        assert stats.prompt_tokens == sum(len(r.prompt_ids) for r in requests)
+        replies[packed] = source.replies
+    assert replies[True] == replies[False]
+
+
+@pytest.mark.gpu
+def test_packed_flash_prefill_equals_the_reference_on_gpu() -> None:
+    """FlashAttention's kernel over packed prompts (bf16) reads what the masked reference reads, and the
+    generator's packed passes (the default on a GPU in bf16) give the replies of padded passes on most
+    requests (bf16 rounding parts some after near ties)."""
+    from dflashkit.target.slot_decoder import forward_packed, pack
+
+    model = tiny("qwen3").to("cuda", torch.bfloat16)
+    w = DecoderWeights.from_hf(model)
+    g = torch.Generator().manual_seed(8)
+    lengths, slots = [40, 7, 120], [3, 0, 1]
+    tokens = torch.randint(0, 97, (sum(lengths),), generator=g).cuda()
+    out = {}
+    with torch.no_grad():
+        for attention in ("sdpa", "flash"):
+            cache = SlotCache(w, slots=4, capacity=256)
+            out[attention] = forward_packed(
+                w, cache, tokens, pack(slots, [0, 0, 0], lengths, w.device), attention=attention
+            )
+    assert ((out["sdpa"] - out["flash"]).norm() / out["flash"].norm()) < 2e-2
+    requests = random_requests(40)
+    replies = {}
+    for packed in (True, False):
+        settings = SlotSettings(slots=8, capacity=128, prefill_rows=4, max_chunk=32, packed_prefill=packed)
+        source = ListSource(requests)
+        SlotGenerator.create(model, EOS, settings).run(source)
+        replies[packed] = source.replies
+    assert sum(replies[True][r.key] == replies[False][r.key] for r in requests) >= 0.8 * len(requests)

@@ -3,12 +3,14 @@
 A fixed number of slots each hold one reply in progress, in a K/V cache allocated once
 (`dflashkit.target.slot_decoder`). The loop:
 
-1. **Refill**: free slots take the shortest ready requests; their prompts are prefilled in chunks (rows of
-   up to ``prefill_rows`` prompts, up to ``max_chunk`` tokens each per pass), which also samples each
-   reply's first token. Requests whose prompt another request of the same refill has (the samples of one
-   prompt) are not prefilled: they copy its keys and values but for the last prompt position, and their
-   first decode step feeds that last token, which samples their first reply token from their own seed at
-   the position a prefill would have (`_share`).
+1. **Refill**: free slots take the shortest ready requests; their prompts are prefilled, which also
+   samples each reply's first token: packed end to end (`forward_packed`: up to ``packed_tokens`` prompt
+   tokens a pass, no padding; the default where FlashAttention runs) or in padded chunks (rows of up to
+   ``prefill_rows`` prompts, up to ``max_chunk`` tokens each per pass; fixed shapes, on the CPU).
+   Requests whose prompt another request of the same refill has (the samples of one prompt) are not
+   prefilled: they copy its keys and values but for the last prompt position, and their first decode
+   step feeds that last token, which samples their first reply token from their own seed at the position
+   a prefill would have (`_share`).
 2. **Decode**: one step feeds every slot's last token and samples the next, all on the device (the token
    and position of each slot stay there); ``steps_per_sync`` steps run back to back before the host looks.
 3. **Look**: on the device, in one pass over all slots, each live reply keeps its new tokens up to its first
@@ -43,7 +45,14 @@ from torch import Tensor
 
 from dflashkit.data.generation import GenerationStats, Reply, Request, RequestSource
 from dflashkit.errors import DflashkitError
-from dflashkit.target.slot_decoder import Attention, DecoderWeights, SlotCache, forward
+from dflashkit.target.slot_decoder import (
+    Attention,
+    DecoderWeights,
+    SlotCache,
+    forward,
+    forward_packed,
+    pack,
+)
 
 MIN_KV_BUCKET = 64
 # A sampled token is drawn among this many most likely tokens (the top-p nucleus is cut there when it is
@@ -61,6 +70,10 @@ class SlotSettings:
     steps_per_sync: int = 4  # decode steps between two looks of the host (GPU; 1 on the CPU)
     cuda_graphs: bool = True  # on a GPU: capture each step shape once, then replay it
     share_prompts: bool = True  # requests of one refill with the same prompt share its prefill
+    # Prompts prefilled packed end to end (no padded rows or chunks; eager, a pass's shape varies), up to
+    # packed_tokens a pass. None: packed where FlashAttention runs (a GPU in bf16/fp16), padded elsewhere.
+    packed_prefill: bool | None = None
+    packed_tokens: int = 16384
 
 
 def power_buckets(smallest: int, largest: int) -> list[int]:
@@ -206,6 +219,9 @@ class SlotGenerator:
         self.sync_every = settings.steps_per_sync if self.pad else 1
         self.attention: Attention = (
             "flash" if cuda and weights.dtype in (torch.bfloat16, torch.float16) else "sdpa"
+        )
+        self.packed = (
+            settings.packed_prefill if settings.packed_prefill is not None else self.attention == "flash"
         )
         self.chunk = min(settings.max_chunk, settings.capacity)
         # Whole prefill passes must fit a slot: round the capacity up to a multiple of the chunk.
@@ -357,14 +373,14 @@ class SlotGenerator:
                         live == 0 or len(held) >= self._refill_at() or since_refill >= MAX_HOLD_STEPS
                     ):
                         since_refill = 0
-                        rows = self.row_buckets[-1]
                         held, copies = split_shared(held) if self.settings.share_prompts else (held, [])
-                        for i in range(0, len(held), rows):
-                            group = held[i : i + rows]
+                        i = 0
+                        for group in self._prefill_groups(held):
                             tp = time.perf_counter()
                             done = self._start(group, free[i : i + len(group)], stats)
                             clock["prefill"] += time.perf_counter() - tp
                             prefills += 1
+                            i += len(group)
                             ended += self._end(done)
                         if copies:
                             tp = time.perf_counter()
@@ -441,8 +457,27 @@ class SlotGenerator:
         for many on a GPU)."""
         return max(1, min(self.row_buckets[-1], self.settings.slots) // 8) if self.pad else 1
 
+    def _prefill_groups(self, held: list[Request]) -> list[list[Request]]:
+        """The prefill passes of a refill: up to `prefill_rows` requests each, and when packed, up to
+        `packed_tokens` prompt tokens (a longer prompt passes alone)."""
+        rows = self.row_buckets[-1]
+        if not self.packed:
+            return [held[i : i + rows] for i in range(0, len(held), rows)]
+        groups: list[list[Request]] = []
+        tokens = 0
+        for r in held:
+            n = len(r.prompt_ids)
+            if not groups or len(groups[-1]) >= rows or tokens + n > self.settings.packed_tokens:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(r)
+            tokens += n
+        return groups
+
     def _start(self, group: list[Request], slots: list[int], stats: GenerationStats) -> list[int]:
         """Prefill `group` into `slots`; returns the slots whose reply already ended (first token)."""
+        if self.packed:
+            return self._start_packed(group, slots, stats)
         n = len(group)
         lengths = [len(r.prompt_ids) for r in group]
         for r, length in zip(group, lengths, strict=True):
@@ -475,12 +510,49 @@ class SlotGenerator:
                 partial(self._prefill, rows, chunk, kv_len, sampling),
             )
             first = torch.where(last_pass.to(dev) == j, self.p_out[:rows], first)
-        first_host = first[:n].cpu().numpy()
+        return self._started(group, slots, first[:n], lengths, stats)
+
+    def _start_packed(self, group: list[Request], slots: list[int], stats: GenerationStats) -> list[int]:
+        """`_start` with the prompts packed end to end in one pass (`forward_packed`): the pass costs the
+        prompt tokens, not rows x the longest prompt. Eager: its shape changes from pass to pass, and a pass
+        of thousands of tokens is not bound by kernel launches."""
+        lengths = [len(r.prompt_ids) for r in group]
+        for r, length in zip(group, lengths, strict=True):
+            self._check_fits(r, length)
+        dev = self.device
+        packing = pack(slots, [0] * len(group), lengths, dev)
+        tokens = torch.tensor([t for r in group for t in r.prompt_ids], dtype=torch.long)
+        logits = forward_packed(
+            self.w, self.cache, tokens.to(dev, non_blocking=True), packing, attention=self.attention
+        )
+        if any(r.temperature > 0 for r in group):
+            first = sample(
+                logits,
+                torch.tensor([r.temperature for r in group], dtype=torch.float32, device=dev),
+                torch.tensor([r.top_p for r in group], dtype=torch.float32, device=dev),
+                torch.tensor([r.seed for r in group], dtype=torch.long, device=dev),
+                torch.tensor(lengths, dtype=torch.long, device=dev),  # the position of the first reply token
+            )
+        else:
+            first = logits.argmax(-1)
+        return self._started(group, slots, first, lengths, stats)
+
+    def _started(
+        self,
+        group: list[Request],
+        slots: list[int],
+        first: Tensor,
+        lengths: list[int],
+        stats: GenerationStats,
+    ) -> list[int]:
+        """After a prefill sampled each request's first reply token (`first`, on the device): seat them;
+        returns the slots whose reply already ended."""
+        first_host = first.cpu().numpy()
         budget = np.array([r.max_new_tokens for r in group], dtype=np.int64)
         done = np.isin(first_host, self.eos) | (budget <= 1)
         where = np.array(slots, dtype=np.int64)
         self.out[where, 0] = first_host
-        self._seat(group, slots, first[:n], lengths, replied=1, live=~done)
+        self._seat(group, slots, first, lengths, replied=1, live=~done)
         stats.prompt_tokens += sum(lengths)
         return where[done].tolist()
 

@@ -29,7 +29,7 @@ Everything here is shape-static for given (rows, chunk, kv_len): a step can be c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -248,6 +248,68 @@ def forward(
     return logits(w, picked)
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Prompts packed end to end in one row of tokens, no padding: segment j is the tokens
+    ``offsets[j]:offsets[j + 1]``, written into slot ``segment_slots[j]`` at consecutive positions from
+    ``starts[j]``. Built by `pack` (host lists in, device tensors out)."""
+
+    slots: Tensor  # [T] each token's slot
+    positions: Tensor  # [T] each token's position
+    offsets: Tensor  # [S + 1] int32: where each segment begins, then T
+    segment_slots: Tensor  # [S]
+    used: Tensor  # [S] int32: each segment's last position + 1 (the keys its last token reads)
+    ends: Tensor  # [S] the index of each segment's last token
+    longest: int  # the longest segment
+    kv_len: int  # the most positions any segment reads
+
+
+def pack(
+    slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device: torch.device
+) -> Packing:
+    """The `Packing` of segments of ``lengths`` tokens written into ``slots`` from positions ``starts``."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    token_slots = [s for s, n in zip(slots, lengths, strict=True) for _ in range(n)]
+    positions = [p for a, n in zip(starts, lengths, strict=True) for p in range(a, a + n)]
+    used = [a + n for a, n in zip(starts, lengths, strict=True)]
+
+    def on(values: Sequence[int], dtype: torch.dtype = torch.long) -> Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return Packing(
+        slots=on(token_slots),
+        positions=on(positions),
+        offsets=on(offsets, torch.int32),
+        segment_slots=on(list(slots)),
+        used=on(used, torch.int32),
+        ends=on([o - 1 for o in offsets[1:]]),
+        longest=max(lengths),
+        kv_len=max(used),
+    )
+
+
+def forward_packed(
+    w: DecoderWeights, cache: SlotCache, tokens: Tensor, packing: Packing, *, attention: Attention = "sdpa"
+) -> Tensor:
+    """``forward`` over prompts packed end to end (``tokens`` [T], laid out as ``packing`` says): each
+    token is written into its segment's slot and attends to that slot's positions up to its own. A pass
+    costs the tokens it holds, with no padded rows or chunks; its shape changes from pass to pass (run it
+    eagerly). Returns float32 logits [S, vocab] at each segment's last token."""
+    x, _ = decode(
+        w,
+        cache,
+        tokens[None],
+        packing.slots[None],
+        packing.positions[None],
+        kv_len=packing.kv_len,
+        attention=attention,
+        packing=packing,
+    )
+    return logits(w, x[0, packing.ends])
+
+
 def logits(w: DecoderWeights, x: Tensor) -> Tensor:
     """The final norm and the vocabulary head over hidden states [..., hidden]: float32 logits."""
     return F.linear(rms_norm(x, w.norm, w.eps), w.lm_head).float()
@@ -265,6 +327,7 @@ def decode(
     keep: tuple[int, ...] = (),
     positions: Tensor | None = None,
     mask: Tensor | None = None,
+    packing: Packing | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """The decoder layers over rows of new tokens (as ``forward``), writing their keys and values into the
     cache. Returns the last layer's hidden states [R, C, hidden] (before the final norm) and the outputs
@@ -273,11 +336,17 @@ def decode(
     A token tree (``dflashkit.infer.tree``): ``positions`` [R, C] are the rotary positions (a node's: the
     root's + its depth; default: where each token is written) and ``mask`` [R, C, kv_len] (bool, True: the
     query reads that cache position) replaces the causal rule, through ``_masked_plan``. The keys and values
-    are still written at starts[r] + c."""
+    are still written at starts[r] + c.
+
+    Packed prompts (``forward_packed``): one row of tokens, ``packing`` says each token's slot and
+    position (``slots`` and ``starts``, then [1, T], are those per token)."""
     rows, chunk = tokens.shape
-    written = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
-        max=cache.capacity - 1
-    )
+    if packing is not None:
+        written = packing.positions[None]
+    else:
+        written = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
+            max=cache.capacity - 1
+        )
     compiling = torch.compiler.is_compiling()
     rotate = apply_rotary_pairs if compiling else apply_rotary
     table = w.rotary_pairs if compiling else w.rotary  # real (cos, sin) pairs when compiling
@@ -289,10 +358,16 @@ def decode(
             attend = _tree_plan(mask[:, :, :kv_len], nq, nk, w.dtype)
         else:
             attend = _masked_plan(slots, mask[:, :, :kv_len], nq, nk)  # once for all layers
+    elif packing is not None:
+        if attention == "flash":
+            attend = _packed_flash_plan(packing, nq, nk, cache.capacity, cache.slots + 1)
+        else:
+            attend = _packed_sdpa_plan(packing, nq, nk)
     else:
         plan = _flash_plan if attention == "flash" else _sdpa_plan
         attend = plan(slots, written, kv_len, nq, nk, cache.capacity, cache.slots + 1)  # once for all layers
-    rows_at = (slots[:, None] * cache.capacity + written).reshape(-1)  # each new token's cache row
+    token_slots = packing.slots[None] if packing is not None else slots[:, None]
+    rows_at = (token_slots * cache.capacity + written).reshape(-1)  # each new token's cache row
     kept = []
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
@@ -381,6 +456,48 @@ def _tree_plan(allowed: Tensor, nq: int, nk: int, dtype: torch.dtype) -> Attend:
         qg = q.view(1, chunk, nk, rep, d).permute(0, 2, 3, 1, 4).reshape(1, nk, rep * chunk, d)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=d**-0.5)
         return out.view(1, nk, rep, chunk, d).permute(0, 3, 1, 2, 4).reshape(1, chunk, nq * d)
+
+    return attend
+
+
+def _packed_sdpa_plan(p: Packing, nq: int, nk: int) -> Attend:
+    """Reference attention for packed prompts: each token is a row of its own, reading its slot's
+    positions up to its own (``_masked_plan``)."""
+    t = p.positions.shape[0]
+    allowed = torch.arange(p.kv_len, device=p.positions.device)[None, None, :] <= p.positions[:, None, None]
+    per_token = _masked_plan(p.slots, allowed, nq, nk)
+
+    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return per_token(q.view(t, 1, nq, q.shape[-1]), k_cache, v_cache).view(1, t, -1)
+
+    return attend
+
+
+def _packed_flash_plan(p: Packing, nq: int, nk: int, capacity: int, slots_n: int) -> Attend:
+    """FlashAttention's variable-length kernel over packed prompts: segment j's queries are its tokens,
+    its keys start at its slot's first position and it uses positions up to its last token's; causal
+    alignment is bottom-right, so each token sees the positions up to its own."""
+    end = torch.full((1,), slots_n * capacity, device=p.offsets.device, dtype=torch.int32)
+    cu_k = torch.cat([p.segment_slots.to(torch.int32) * capacity, end])
+    t = p.positions.shape[0]
+
+    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        d = q.shape[-1]
+        out = flash_varlen(
+            q.reshape(t, nq, d),
+            k_cache.view(slots_n * capacity, nk, d),
+            v_cache.view(slots_n * capacity, nk, d),
+            p.offsets,
+            cu_k,
+            p.longest,
+            p.kv_len,
+            0.0,
+            True,
+            False,
+            scale=d**-0.5,
+            seqused_k=p.used,
+        )[0]
+        return out.view(1, t, nq * d)
 
     return attend
 
