@@ -20,7 +20,19 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Seventh session's plan: the shared prefill measured (prepare), then the recipe sweep on the recipe's data
+# Eighth session's plan (the seventh's tree walk failed at capture, fixed on the CPU since; packed prefill
+# and growing a drafter built after its device time):
+#   SLOTS=2048 PREFILL=packed,padded bash benchmarks/gpu_prepare.sh part tests steady   # carry .bench/p1 .whl:
+#                       # GPU tests of the generator (packed flash kernel); packed vs padded at steady state
+#   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2
+#   PREPARE_CAP=540 bash benchmarks/gpu_prepare.sh part join drafter recipe   # carry .bench/p3 .bench/drafter-recipe
+#                       # NOTES predicts 99-108k new tokens/s (packed prefill, 2,048 slots)
+#   bash benchmarks/gpu_prepare.sh grow         # l2 / l3 / l4 from the recipe's drafter (fan-out); again to resume
+#   KEEP=/root/work/grow/l3 DRAFTER=/root/work/grow/l3/best BENCH_PROMPTS=16 bash benchmarks/gpu_prepare.sh keep bench
+#                                               # the winner (here l3), brought back, and its table
+#   ENGINES=graphs BUDGETS=8,32 bash benchmarks/gpu_prepare.sh trees etests   # the captured walk, measured
+# Seventh session (done): part steady trees (the walk failed); part; part join drafter recipe; train-recipe;
+#   keep bench; part trees etests (the walk failed again). Its plan was:
 #   ENGINES=graphs BUDGETS=8,32 bash benchmarks/gpu_prepare.sh part steady trees   # carry .bench/p1 .whl:
 #                       # the decode step of `prepare` by kernel (never profiled on the GPU: 7.9 ms a step for
 #                       # 1,024 slots), and the tree round with the captured walk (NOTES: predicted ~+20-25%)
@@ -85,7 +97,7 @@ for s in "$@"; do
       # no GGUF needed: a random target of the embedded shape, replies of 256 tokens; the kernels by device time
       stage steady
       timeout $(cap 240) python3 benchmarks/prepare_speed.py --random-weights smollm2-135m --skip-hf \
-        --slots ${SLOTS:-512,1024,2048} --prompts 4096 --profile 512 2>&1 | tail -45
+        --slots ${SLOTS:-512,1024,2048} --prefill ${PREFILL:-auto} --prompts 4096 --profile 512 2>&1 | tail -45
       mv "$OUT/prepare_speed.json" "$OUT/prepare_speed-random.json" 2>/dev/null ;;
     speed)
       stage speed
@@ -135,6 +147,15 @@ for s in "$@"; do
         --out $W/sweep $R --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} ${SWEEP_OVERRIDES:-} \
         2>&1 | grep -v "Loading weights" | tail -30
       for f in sweep.json sweep.md sweep.png; do cp "$W/sweep/$f" "$OUT/" 2>/dev/null; done ;;
+    grow)
+      # the recipe's drafter (carried, see `drafter`) trained on as it is, with 3 and with 4 layers (grown:
+      # the new layers start as identities), through the fan-out on the recipe's data; a later command resumes
+      stage grow
+      R=""; [ -d $W/grow ] && R=--resume
+      timeout $(cap 590) python3 benchmarks/drafter_sweep.py -c configs/embedded-gpu-grow.yaml --data $W/recipe \
+        --out $W/grow $R --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} \
+        drafter.init=$W/drafter0/best ${SWEEP_OVERRIDES:-} 2>&1 | grep -v "Loading weights" | tail -30
+      for f in sweep.json sweep.md sweep.png; do cp "$W/grow/$f" "$OUT/grow-$f" 2>/dev/null; done ;;
     recipe) prepare recipe configs/embedded-gpu-recipe.yaml ;;
     train-recipe) train recipe configs/embedded-gpu-recipe.yaml ;;
     bench)
@@ -147,7 +168,7 @@ for s in "$@"; do
     keep)
       # the drafter comes back in pieces of 15 MB (files from the machine are at most 16 MiB each)
       stage keep
-      tar -C $W/run-recipe -cf - best | split -b 15M - "$OUT/drafter.tar.part." && ls -la "$OUT" ;;
+      tar -C ${KEEP:-$W/run-recipe} -cf - best | split -b 15M - "$OUT/drafter.tar.part." && ls -la "$OUT" ;;
     big) prepare big configs/embedded-gpu.yaml ;;
     small) prepare small configs/embedded-gpu-chitchat.yaml ;;
     train-big) train big configs/embedded-gpu.yaml ;;

@@ -10,6 +10,7 @@ from dflashkit.model.checkpoint import load_drafter
 from dflashkit.model.config import make_config
 from dflashkit.model.drafter import DFlashDrafter, grown
 from dflashkit.train import trainer
+from dflashkit.train.fanout import variant_configs
 from dflashkit.train.setup import with_init_shape
 from test_train import quiet, tiny_config
 
@@ -96,6 +97,20 @@ def test_a_run_from_a_drafter_trains_its_shape_and_grows_on_request(tiny_dataset
     resumed = trainer.train(deeper, resume=True, console=quiet())  # its config.yaml holds the grown shape
     assert resumed.steps == 2
     assert len(load_drafter(tmp_path / "deeper" / "best").layers) == 2
+
+    # fan-out variants from one drafter: each takes its shape, one grown
+    fan = apply_overrides(
+        same,
+        {
+            "fanout": {
+                "target_device": "cpu",
+                "variants": [{"name": "a"}, {"name": "b", "overrides": {"drafter.layers": 2}}],
+            }
+        },
+        "test",
+    )
+    shapes = [(c.drafter.layers, c.drafter.num_target_layers) for _, c in variant_configs(fan)]
+    assert shapes == [(1, 2), (2, 2)]
 
     with pytest.raises(ConfigError, match="not fewer"):
         with_init_shape(from_init(tiny_dataset, tmp_path / "x", tmp_path / "deeper" / "best", layers=1))

@@ -75,7 +75,7 @@ from dflashkit.train import distributed, trainer
 from dflashkit.train.checkpoints import BEST, BEST_METRICS, ResumePoint, check_env_drift, find_resume_point
 from dflashkit.train.plan import dry_run
 from dflashkit.train.rundir import RUN_FILES, claim_run_folder
-from dflashkit.train.setup import Run, setup_run
+from dflashkit.train.setup import Run, setup_run, with_init_shape
 from dflashkit.train.sources import (
     CachedFeatures,
     CapturedFeatures,
@@ -157,7 +157,9 @@ def placement(cfg: RunConfig) -> tuple[list[torch.device], list[torch.device]]:
 
 def variant_configs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
     """(name, config) of every variant: the base config (without its fanout section) plus the variant's
-    overrides, with run.out_dir = <base run.out_dir>/<name> and run.device = its device."""
+    overrides, with run.out_dir = <base run.out_dir>/<name> and run.device = its device; a variant that
+    starts from drafter.init takes that drafter's shape where it sets none (`with_init_shape`), so that its
+    run folder, a resume and a dry run all see the shape it trains."""
     fc = _section(cfg)
     _, devices = placement(cfg)
     base = cfg.model_copy(update={"fanout": None})
@@ -166,7 +168,7 @@ def variant_configs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
     for v, dev in zip(fc.variants, devices, strict=True):
         where = f"fanout variant {v.name}"
         own = {**v.overrides, "run.out_dir": str(out / v.name), "run.device": str(dev)}
-        configs.append((v.name, apply_overrides(base, own, where)))
+        configs.append((v.name, with_init_shape(apply_overrides(base, own, where))))
     return configs
 
 
