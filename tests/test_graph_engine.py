@@ -244,6 +244,27 @@ def test_graphs_engine_tree_rounds_decode_as_autoregressive(
     assert any(p != list(range(len(p))) for p in script.paths), "no accepted branch needed its rows moved"
 
 
+@pytest.mark.parametrize("fixed_shapes", [False, True])
+def test_greedy_rounds_as_one_step_equal_the_separate_calls(target, drafter, fixed_shapes, monkeypatch):
+    """The graphs engine's greedy round as one step (draft, verify, accept and the next round's state on
+    the device) gives the tokens and acceptance lengths of the draft, verify and keep calls, with a length
+    limit that cuts a round and a prompt after another's."""
+    engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=fixed_shapes)
+    keys: list[str] = []
+    run = engine.steps.run
+    monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
+    for prompt in prompts(7, 11):
+        out = {}
+        for fused in (True, False):
+            engine.fused_rounds = fused
+            keys.clear()
+            out[fused] = speculative_generate(target, drafter, prompt, 19, engine=engine)
+            assert ("round" in keys) == fused and ("draft" in keys) != fused
+        assert out[True].tokens == out[False].tokens
+        assert out[True].accept_lengths == out[False].accept_lengths
+    assert out[True].tokens == autoregressive_generate(target, prompt, 19, layer_ids=LAYERS).tokens
+
+
 class NoHostRead(TorchDispatchMode):
     """Fails on any op that reads a tensor's value on the host (a sync, which ends a CUDA graph capture)."""
 
@@ -254,9 +275,10 @@ class NoHostRead(TorchDispatchMode):
 
 
 def test_graphs_engine_steps_never_read_the_device_on_the_host(target, drafter, monkeypatch):
-    """Every step the graphs engine captures (target steps, the tree step, build, walk, keep, draft) runs
-    without a host read of a tensor's value: on the CPU the steps run eagerly, so this is the check that
-    they would capture on a GPU (the walk's `x[0-d tensor]` did not, and only a GPU run showed it)."""
+    """Every step the graphs engine captures (target steps, the tree step, build, walk, keep, draft, the
+    greedy round) runs without a host read of a tensor's value: on the CPU the steps run eagerly, so this
+    is the check that they would capture on a GPU (the walk's `x[0-d tensor]` did not, and only a GPU run
+    showed it)."""
     engine = GraphEngine(target, drafter, capacity=48, graphs=False, fixed_shapes=True, tree_budget=10)
     ran: set[str] = set()
     run = engine.steps.run
@@ -274,7 +296,7 @@ def test_graphs_engine_steps_never_read_the_device_on_the_host(target, drafter, 
     script = ScriptedTree(engine, prompt + ar.tokens)  # accepted branches whose rows keep must move
     branched = speculative_generate(target, drafter, prompt, 12, engine=script, tree_budget=10)
     assert chain.tokens == tree.tokens == branched.tokens == ar.tokens
-    assert ran == {"target", "tree", "build", "walk", "keep", "draft"}, ran
+    assert ran == {"target", "tree", "build", "walk", "keep", "draft", "round"}, ran
 
 
 @pytest.mark.parametrize(("fixed_shapes", "walked"), [(False, False), (True, False), (True, True)])

@@ -234,6 +234,9 @@ class GraphEngine:
             self._block = torch.full((1, B), drafter.config.mask_token_id, **long)  # type: ignore[arg-type]
             self._block_start = torch.zeros(1, **long)  # type: ignore[arg-type]
             self._draft_logits = torch.zeros(B - 1, V, dtype=torch.float32, device=dev)
+            self._round_out = torch.zeros(B + 1, **long)  # type: ignore[arg-type]  # greedy_round's
+        # greedy chain rounds as one step (`greedy_round`); False: draft, verify and keep as separate calls
+        self.fused_rounds = True
         self._offsets = torch.arange(B, device=dev)[None]
         self.tree_budget = tree_budget or None
         if self.tree_budget:
@@ -344,6 +347,27 @@ class GraphEngine:
             self._draft_logits,
         )
 
+    def _round_step(self) -> None:
+        """A greedy chain round on the device: draft the block anchored at ``_block_start``, verify [anchor,
+        drafts] there, accept the drafts while they equal the target's choices, and leave the next round's
+        state (its context rows start at this block, its block after the accepted ones, anchored at the
+        target's own token). Writes [accepted n, the B-1 drafts, the target's token] to ``_round_out``."""
+        B = self.block_size
+        self._draft_step()
+        drafts = self._draft_logits.argmax(-1)
+        ids = self._ids[B]
+        ids[0, :1].copy_(self._block[0, :1])
+        ids[0, 1:].copy_(drafts)
+        self._start.copy_(self._block_start)
+        self._target_step(B)
+        choices = self._logits[B].argmax(-1)
+        n = (drafts == choices[:-1]).long().cumprod(0).sum().view(1)
+        bonus = choices.index_select(0, n)
+        self._round_out.copy_(torch.cat([n, drafts, bonus]))
+        self._row_start.copy_(self._start)
+        self._block_start.add_(n + 1)
+        self._block[0, :1].copy_(bonus)
+
     def _run(self, key: tuple[Any, ...], step: Callable[[], None]) -> None:
         """One step: replayed (graphs: a warmed step is a replay, which cannot compile) or called; compiled
         steps called after warm-up run with compiles frozen, so that one that would compile is an error."""
@@ -427,6 +451,30 @@ class GraphEngine:
         self._tree_open = False
         self._length += t
         return self._open
+
+    @torch.no_grad()
+    def greedy_round(self, anchor: int | None = None) -> list[int]:
+        """One greedy round of the chain as one step (`_round_step`: one replay, one copy to the host),
+        instead of the draft, verify and keep calls with the host's glue between them. ``anchor``: given on
+        the first round after ``prefill`` (the target's token after the prompt); later rounds continue
+        from the state the last one left on the device. Returns the committed tokens: the accepted drafts,
+        then the target's own token."""
+        self._need_drafter()
+        B = self.block_size
+        if self._length + B > self.capacity:
+            raise DflashkitError(
+                f"the graphs engine's cache of {self.capacity} positions is full; reserve() first"
+            )
+        if anchor is not None:
+            self._row_start.fill_(self._length)  # the prompt's features are in the drafter's cache already
+            self._block_start.fill_(self._length)
+            self._block[0, 0] = anchor
+        self._run(("round",), self._round_step)
+        out = self._round_out.tolist()
+        n = out[0]
+        self._length += n + 1
+        self._open = None
+        return out[1 : 1 + n] + [out[B]]
 
     @torch.no_grad()
     def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:
@@ -547,6 +595,9 @@ class GraphEngine:
                 self._block_start.fill_(B)
             for name, (key, step) in steps.items():
                 seconds[name] = self._warm_step(key, step)  # a failed compile raises one line (the region's)
+            if self.drafter is not None:  # the round: the two steps above and the glue, captured as one
+                self._block_start.zero_()
+                seconds[f"greedy round [1, {B}]"] = self._warm_step(("round",), self._round_step)
             if self.tree_budget and (self.graphs or self.compiled):  # eager steps: nothing to warm
                 seconds.update(self._warm_tree())
         seconds.compiled, seconds.cached, seconds.cache_loaded = use.compiled, use.cached, use.loaded

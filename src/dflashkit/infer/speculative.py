@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.infer.engine import Engine, Verified, make_engine, round_width
+from dflashkit.infer.graph_engine import GraphEngine
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 
@@ -180,14 +181,21 @@ def speculative_generate(
     out.prefill_seconds = time.perf_counter() - t0
 
     stopped = stopper.check(new, 0)[1] if stopper else None
+    # the graphs engine runs a greedy chain round as one step (the four stages below, on the device)
+    fused = isinstance(dec, GraphEngine) and dec.fused_rounds and s.greedy and not tree_budget
     while stopped is None and len(new) < max_new_tokens:
-        # 1. draft: the drafter reads the new context rows and fills [anchor, MASK x (B-1)]
-        draft_logits = dec.draft(context, new[-1])  # [B-1, V]
-        # 2. verify and 3. accept: the accepted path (node ids) and the committed tokens
-        if tree_budget:
-            verified, path, committed = _tree_round(dec, new[-1], draft_logits, tree_budget, s, gen)
+        if fused:
+            assert isinstance(dec, GraphEngine)
+            committed = dec.greedy_round(new[-1] if not out.accept_lengths else None)
+            path: list[int] = list(range(len(committed)))
         else:
-            verified, path, committed = _chain_round(dec, new[-1], draft_logits, s, gen)
+            # 1. draft: the drafter reads the new context rows and fills [anchor, MASK x (B-1)]
+            draft_logits = dec.draft(context, new[-1])  # [B-1, V]
+            # 2. verify and 3. accept: the accepted path (node ids) and the committed tokens
+            if tree_budget:
+                verified, path, committed = _tree_round(dec, new[-1], draft_logits, tree_budget, s, gen)
+            else:
+                verified, path, committed = _chain_round(dec, new[-1], draft_logits, s, gen)
         room = max_new_tokens - len(new)
         before = len(new)
         new.extend(committed[:room])
@@ -195,8 +203,9 @@ def speculative_generate(
         if stopper is not None:
             trimmed, stopped = stopper.check(new, before)
             del new[len(trimmed) :]
-        # 4. keep: the caches hold the accepted path; its features are the drafter's next context
-        context = dec.keep(verified, path)
+        if not fused:
+            # 4. keep: the caches hold the accepted path; its features are the drafter's next context
+            context = dec.keep(verified, path)
     _sync(dev)
     out.seconds = time.perf_counter() - t0
     out.stopped = stopped or "length"
