@@ -16,6 +16,10 @@ Steps (fixed shapes, as the static engine's):
 - draft [1, B]: write the context's rows (the kept tokens of the last verified block; rows at or beyond
   the new anchor are rejected drafts: the drafter's mask hides them, and committing those positions later
   writes them again), then draft the block [anchor, MASK x (B-1)];
+- greedy round [1, B]: the draft step, the target step over [anchor, drafts], the acceptance (drafts
+  kept while they equal the target's argmax) and the next round's state (its context rows, block start and
+  anchor), as one step: a greedy chain round is one replay and one copy to the host (`greedy_round`;
+  ``speculative_generate`` uses it at T=0 without a tree, unless ``fused_rounds`` is False);
 - target tree [1, N+1] (built with ``tree_budget=N``): the root and N nodes of a ``DraftTree``, written at
   start .. start+N, each at rotary position start + depth, under a boolean mask [N+1, capacity] (the cache
   before start, and each node's ancestors and itself) that the step builds from the nodes' parents, so a
