@@ -247,13 +247,13 @@ def test_graphs_engine_tree_rounds_decode_as_autoregressive(
 @pytest.mark.parametrize("fixed_shapes", [False, True])
 def test_greedy_rounds_as_one_step_equal_the_separate_calls(target, drafter, fixed_shapes, monkeypatch):
     """The graphs engine's greedy round as one step (draft, verify, accept and the next round's state on
-    the device) gives the tokens and acceptance lengths of the draft, verify and keep calls, with a length
-    limit that cuts a round and a prompt after another's."""
+    the device) gives the tokens and acceptance lengths of the draft, verify and keep calls (one engine for
+    both, each generation after the other's), with a length limit that cuts the last round."""
     engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=fixed_shapes)
     keys: list[str] = []
     run = engine.steps.run
     monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
-    for prompt in prompts(7, 11):
+    for prompt in prompts(11):
         out = {}
         for fused in (True, False):
             engine.fused_rounds = fused
