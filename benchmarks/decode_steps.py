@@ -247,9 +247,9 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
 
 
 def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
-    """The one-token target step of a graphs engine, uncaptured (the same kernels a captured step replays;
-    compiled ones for graphs-compiled), ``--profile`` times under the torch profiler: kernels per step, their
-    device time per step and the ten kernels that take the most of it."""
+    """The one-token target step and the draft step of a graphs engine, uncaptured (the same kernels a
+    captured step replays; compiled ones for graphs-compiled), ``--profile`` times each under the torch
+    profiler: kernels per step, their device time per step and the ten kernels that take the most of it."""
     import torch
 
     if not args.profile or engine_name not in GRAPH_ENGINES or target.device.type != "cuda":
@@ -259,8 +259,13 @@ def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
     with torch.no_grad():
         engine.prefill(torch.tensor([prompt], device=target.device))
         out = profile_calls(lambda: engine.verify(one), args.profile)
-    print_profile(f"{engine_name} one-token step", out)
-    return out
+        print_profile(f"{engine_name} one-token step", out)
+        # the draft step too: after the target step, the rest of a round (NOTES: what stands between the
+        # round and 1.15 AR tokens)
+        context = engine.prefill(torch.tensor([prompt], device=target.device))[1]
+        draft = profile_calls(lambda: engine.draft(context, prompt[-1]), args.profile)
+        print_profile(f"{engine_name} draft step", draft)
+    return {**out, "draft_step": draft}
 
 
 def uncaptured_engine(target, drafter, engine_name: str, args, tree_budget: int | None = None):
