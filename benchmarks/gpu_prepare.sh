@@ -30,7 +30,10 @@
 #   bash benchmarks/gpu_prepare.sh grow         # l2 / l3 / l4 from the recipe's drafter (fan-out); again to resume
 #   KEEP=/root/work/grow/l3 DRAFTER=/root/work/grow/l3/best BENCH_PROMPTS=16 bash benchmarks/gpu_prepare.sh keep bench
 #                                               # the winner (here l3), brought back, and its table
-#   ENGINES=graphs BUDGETS=8,32 bash benchmarks/gpu_prepare.sh trees etests   # the captured walk, measured
+#   ENGINES=graphs BUDGETS=8,32 bash benchmarks/gpu_prepare.sh trees etests   # the captured walk, measured;
+#                                               # the draft step's profile; GPU tests of the engines
+#   ENGINES=graphs-compiled bash benchmarks/gpu_prepare.sh decode   # the greedy round step vs separate calls
+#                                               # (NOTES predicts round / AR token 1.20-1.22)
 # Seventh session (done): part steady trees (the walk failed); part; part join drafter recipe; train-recipe;
 #   keep bench; part trees etests (the walk failed again). Its plan was:
 #   ENGINES=graphs BUDGETS=8,32 bash benchmarks/gpu_prepare.sh part steady trees   # carry .bench/p1 .whl:
