@@ -12,7 +12,7 @@ from dflashkit.model.drafter import DFlashDrafter, grown
 from dflashkit.train import trainer
 from dflashkit.train.fanout import variant_configs
 from dflashkit.train.setup import with_init_shape
-from test_train import quiet, tiny_config
+from test_train import TINY, quiet, tiny_config
 
 
 def small_config(layers: int, block_size: int):
@@ -57,22 +57,15 @@ def test_a_grown_drafter_computes_what_it_computed():
 
 
 def from_init(data_dir, out_dir, init, **drafter):
-    """A config that starts from ``init`` and sets only the drafter keys given."""
+    """A tiny run (`test_train.TINY`) that starts from ``init`` and sets only the drafter keys given."""
     keys = {
-        "target.dtype": "float32",
+        **{k: v for k, v in TINY.items() if not k.startswith("drafter.")},
         "data.dir": str(data_dir),
         "run.out_dir": str(out_dir),
         "drafter.init": str(init),
         "train.max_steps": 2,
-        "train.max_len": 96,
-        "train.num_anchors": 12,
-        "train.lr": 3e-3,
-        "train.warmup_ratio": 0.0,
-        "train.log_every": 1,
         "train.eval_every": 2,
         "train.save_every": 1,
-        "train.cache_features": True,
-        "train.chunk_blocks": 4,
         **{f"drafter.{k}": v for k, v in drafter.items()},
     }
     return load_config(None, [f"{k}={v}" for k, v in keys.items()])

@@ -19,25 +19,29 @@ from dflashkit.target.packed import target_pass
 from dflashkit.train import trainer
 from dflashkit.train.validation import blocks_at_every_anchor, served_rounds, validate
 
+TINY = {  # a run of a few steps on the embedded target in float32 (tiny_config)
+    "target.dtype": "float32",
+    "drafter.layers": 1,
+    "drafter.block_size": 4,
+    "drafter.num_target_layers": 2,
+    "train.max_steps": 6,
+    "train.max_len": 96,
+    "train.num_anchors": 12,
+    "train.lr": 3e-3,
+    "train.warmup_ratio": 0.0,
+    "train.log_every": 1,
+    "train.eval_every": 3,
+    "train.save_every": 3,
+    "train.cache_features": True,
+    "train.chunk_blocks": 4,
+}
+
 
 def tiny_config(data_dir, out_dir, **over):
     base = {
-        "target.dtype": "float32",
+        **TINY,
         "data.dir": str(data_dir),
         "run.out_dir": str(out_dir),
-        "drafter.layers": 1,
-        "drafter.block_size": 4,
-        "drafter.num_target_layers": 2,
-        "train.max_steps": 6,
-        "train.max_len": 96,
-        "train.num_anchors": 12,
-        "train.lr": 3e-3,
-        "train.warmup_ratio": 0.0,
-        "train.log_every": 1,
-        "train.eval_every": 3,
-        "train.save_every": 3,
-        "train.cache_features": True,
-        "train.chunk_blocks": 4,
     }
     base.update(over)
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
