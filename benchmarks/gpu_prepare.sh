@@ -20,20 +20,20 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Eighth session's plan (the seventh's tree walk failed at capture, fixed on the CPU since; packed prefill
-# and growing a drafter built after its device time):
-#   SLOTS=2048 PREFILL=packed,padded bash benchmarks/gpu_prepare.sh part tests steady   # carry .bench/p1 .whl:
-#                       # GPU tests of the generator (packed flash kernel); packed vs padded at steady state
+# Eighth session's plan (the seventh's tree walk failed at capture, fixed on the CPU since; packed prefill,
+# growing a drafter and the greedy round step built after its device time), about 29 device minutes:
+#   SLOTS=2048 PREFILL=packed,padded ENGINES=graphs-compiled BUDGET=560 \
+#     bash benchmarks/gpu_prepare.sh part tests steady decode   # carry .bench/p1 .whl: GPU tests of the
+#                       # generator (the packed flash kernel); packed vs padded prefill at steady state; the
+#                       # greedy round step vs the separate calls (NOTES: round / AR token 1.20-1.22)
 #   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2
 #   PREPARE_CAP=540 bash benchmarks/gpu_prepare.sh part join drafter recipe   # carry .bench/p3 .bench/drafter-recipe
 #                       # NOTES predicts 99-108k new tokens/s (packed prefill, 2,048 slots)
-#   bash benchmarks/gpu_prepare.sh grow         # l2 / l3 / l4 from the recipe's drafter (fan-out); again to resume
+#   bash benchmarks/gpu_prepare.sh grow         # l2 / l3 / l4 from the recipe's drafter (fan-out)
 #   KEEP=/root/work/grow/l3 DRAFTER=/root/work/grow/l3/best BENCH_PROMPTS=16 bash benchmarks/gpu_prepare.sh keep bench
 #                                               # the winner (here l3), brought back, and its table
-#   ENGINES=graphs BUDGETS=8,32 bash benchmarks/gpu_prepare.sh trees etests   # the captured walk, measured;
-#                                               # the draft step's profile; GPU tests of the engines
-#   ENGINES=graphs-compiled bash benchmarks/gpu_prepare.sh decode   # the greedy round step vs separate calls
-#                                               # (NOTES predicts round / AR token 1.20-1.22)
+#   then, with time left: ENGINES=graphs BUDGETS=8,32 bash benchmarks/gpu_prepare.sh trees etests
+#                                               # the captured walk and the draft step's profile
 # Seventh session (done): part steady trees (the walk failed); part; part join drafter recipe; train-recipe;
 #   keep bench; part trees etests (the walk failed again). Its plan was:
 #   ENGINES=graphs BUDGETS=8,32 bash benchmarks/gpu_prepare.sh part steady trees   # carry .bench/p1 .whl:
