@@ -24,6 +24,8 @@ from test_engine import LAYERS, ScriptedDrafts, ScriptedTree, on_gpu, prompts
 target, drafter = test_engine.target, test_engine.drafter  # the same module-scoped fixtures (B = 4)
 
 B = test_engine.B
+# what warm-up captures for chains, in order (the greedy round: the draft and target steps and the glue)
+CHAIN_STEPS = ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]", f"greedy round [1, {B}]"]
 
 
 @pytest.mark.parametrize("fixed_shapes", [False, True])
@@ -133,7 +135,7 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu():
     gpu, d = on_gpu()
     engine = GraphEngine(gpu, d, capacity=128, compile=False)
     warmed = engine.warm_up()
-    assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]"] and len(engine.steps) == 3
+    assert list(warmed) == CHAIN_STEPS and len(engine.steps) == 4
     for prompt in prompts(5, 13, 40):
         ar = autoregressive_generate(gpu, prompt, 48, layer_ids=LAYERS)
         assert autoregressive_generate(gpu, prompt, 48, engine=engine).tokens == ar.tokens
@@ -142,7 +144,7 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu():
         )
         ours = speculative_generate(gpu, d, prompt, 48, engine=ScriptedDrafts(engine, prompt + ar.tokens))
         assert ours.tokens == ref.tokens == ar.tokens and ours.accept_lengths == ref.accept_lengths
-    assert len(engine.steps) == 3, "a step was captured after warm-up"
+    assert len(engine.steps) == 4, "a step was captured after warm-up"
 
 
 @pytest.mark.gpu
@@ -158,8 +160,14 @@ def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
     eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
     warmed = engine.warm_up()
     n = budget + 1
-    assert list(warmed)[3:] == [f"tree build [{n} nodes]", f"target tree [1, {n}]", f"tree keep [{n} rows]"]
-    assert len(engine.steps) == 6
+    tree_steps = [
+        f"tree build [{n} nodes]",
+        f"target tree [1, {n}]",
+        f"tree walk [{n} nodes]",
+        f"tree keep [{n} rows]",
+    ]
+    assert list(warmed) == CHAIN_STEPS + tree_steps
+    assert len(engine.steps) == 8
     tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
     for e in (engine, eager):
         e.prefill(torch.tensor([prompts(9)[0]], device="cuda"))
@@ -180,7 +188,7 @@ def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
             assert any(p != list(range(len(p))) for p in script.paths), name
             runs[name] = (scripted.accept_lengths, real.accept_lengths)
         assert runs["graphs"] == runs["eager"]
-    assert len(engine.steps) == 6, "a step was captured after warm-up"
+    assert len(engine.steps) == 8, "a step was captured after warm-up"
 
 
 def test_auto_engine_is_the_fastest_lossless_one(target):
@@ -428,8 +436,8 @@ def test_compiled_graphs_engine_decodes_as_the_dynamic_engine(tmp_path):
     cache = tmp_path / "graphs.cache"
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile=True, compile_cache=cache)
     warmed = engine.warm_up()
-    assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]"] and not is_frozen()
-    assert warmed.compiled == 3 and not warmed.cache_warm and cache.is_file()
+    assert list(warmed) == CHAIN_STEPS and not is_frozen()
+    assert warmed.compiled == 3 and not warmed.cache_warm and cache.is_file()  # the round compiles nothing
     regions = (graph_engine.TARGET_STEP, graph_engine.DRAFT_STEP)
     graphs = [r.graphs() for r in regions]
     assert graphs == [2, 1]
@@ -493,7 +501,7 @@ def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu():
     assert fused.compiled and fused.graphs and not eager.compiled
     eager.warm_up()
     warmed = fused.warm_up()
-    assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]"] and len(fused.steps) == 3
+    assert list(warmed) == CHAIN_STEPS and len(fused.steps) == 4
     for prompt in prompts(5, 13, 40):
         ar = autoregressive_generate(gpu, prompt, 48, layer_ids=LAYERS)
         for engine in (eager, fused):
@@ -503,9 +511,11 @@ def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu():
             for e in (eager, fused)
         )
         assert ours.tokens == ref.tokens == ar.tokens and ours.accept_lengths == ref.accept_lengths
-        real = [speculative_generate(gpu, d, prompt, 48, engine=e) for e in (eager, fused)]
-        assert real[0].tokens == real[1].tokens and real[0].accept_lengths == real[1].accept_lengths
+        real = [speculative_generate(gpu, d, prompt, 48, engine=e) for e in (eager, fused)]  # round steps
+        assert (
+            real[0].tokens == real[1].tokens == ar.tokens and real[0].accept_lengths == real[1].accept_lengths
+        )
     context = eager.prefill(torch.tensor([prompts(11)[0]], device="cuda"))[1]
     fused.prefill(torch.tensor([prompts(11)[0]], device="cuda"))
     torch.testing.assert_close(fused.draft(context, 17), eager.draft(context, 17), atol=1e-3, rtol=1e-4)
-    assert len(fused.steps) == 3, "a step was captured after warm-up"
+    assert len(fused.steps) == 4, "a step was captured after warm-up"
