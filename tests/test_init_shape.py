@@ -11,7 +11,8 @@ from dflashkit.model.config import make_config
 from dflashkit.model.drafter import DFlashDrafter, grown
 from dflashkit.train import trainer
 from dflashkit.train.fanout import variant_configs
-from dflashkit.train.setup import with_init_shape
+from dflashkit.train.plan import dry_run
+from dflashkit.train.setup import start_note, with_init_shape
 from test_train import TINY, quiet, tiny_config
 
 
@@ -83,6 +84,10 @@ def test_a_run_from_a_drafter_trains_its_shape_and_grows_on_request(tiny_dataset
     assert with_init_shape(apply_overrides(same, {"train.lr": 1e-3}, "test")).drafter.layers == 1
 
     deeper = from_init(tiny_dataset, tmp_path / "deeper", best, layers=2)
+    assert start_note(shaped).endswith("as it is")
+    plan = dry_run(deeper, quiet())  # the plan says what the run starts from
+    assert plan["starts from"] == f"{best}, grown: 1 -> 2 layers (the new ones start as identities)"
+    assert plan["drafter"].startswith("2 layers, block 4")
     kept = trainer.train(same, console=quiet())
     grew = trainer.train(deeper, console=quiet(), stop_after=1)
     # the grown drafter starts as the one it grew from: the first step's loss is the same

@@ -25,6 +25,7 @@ from dflashkit.train.setup import (
     check_data_matches_target,
     check_rows,
     drafter_config,
+    start_note,
     total_steps,
     with_init_shape,
 )
@@ -87,6 +88,7 @@ def dry_run(
         "features": features,
         "target": f"{ident['name']} ({ident['architecture']}, {ident['num_layers']} layers, hidden {ident['hidden_size']})",
         "drafter": f"{config.num_hidden_layers} layers, block {config.block_size}, target layers {config.target_layer_ids}, mask id {config.mask_token_id}",
+        "starts from": start_note(cfg),
         "data": f"{data_dir}: {manifest.get('counts', {})}; packed into {len(train_rows)} training and "
         f"{len(val_rows)} held-out rows of {cfg.train.max_len} tokens",
         "steps": f"{total_steps(cfg, len(train_rows), ranks)}",

@@ -121,6 +121,21 @@ def with_init_shape(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"drafter": d.model_copy(update=shape)})
 
 
+def start_note(cfg: RunConfig) -> str:
+    """What a run starts from, in one line: a new drafter, drafter.init's, or drafter.init's grown (``cfg``
+    through `with_init_shape`)."""
+    d = cfg.drafter
+    if not d.init:
+        return f"a new drafter (train.seed {cfg.train.seed})"
+    init, _ = read_checkpoint_config(d.init, verify=False)
+    changes = []
+    if d.layers != init.num_hidden_layers:
+        changes.append(f"{init.num_hidden_layers} -> {d.layers} layers (the new ones start as identities)")
+    if d.block_size != init.block_size:
+        changes.append(f"block {init.block_size} -> {d.block_size}")
+    return f"{d.init}" + (f", grown: {', '.join(changes)}" if changes else " as it is")
+
+
 def initial_drafter(cfg: RunConfig, target: TargetModel, device: torch.device) -> DFlashDrafter:
     """The drafter a run starts from: ``drafter.init``'s (float32), given the layers and block size the
     config asks (`grown`; ``cfg`` through `with_init_shape` first), or a new one drawn under train.seed."""

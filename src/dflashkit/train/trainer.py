@@ -57,7 +57,7 @@ from dflashkit.train.checkpoints import (
 from dflashkit.train.metrics import MetricsLog
 from dflashkit.train.optimizer import build_optimizer
 from dflashkit.train.progress import TrainProgress
-from dflashkit.train.setup import Run, setup_run, with_init_shape
+from dflashkit.train.setup import Run, setup_run, start_note, with_init_shape
 from dflashkit.train.sources import FeatureSource, feature_source
 from dflashkit.train.step import block_step
 from dflashkit.train.validation import validate
@@ -145,6 +145,8 @@ def start(run: Run, resume_from: ResumePoint | None, console: Any) -> Session:
         if note:
             console.print(f"[yellow]{note}[/]")
     elif d.is_main:
+        if cfg.drafter.init:
+            console.print(f"starts from {start_note(cfg)}")
         (run.out_dir / "config.yaml").write_text(dump_config(cfg))
         fingerprint.save(fingerprint.collect(), run.out_dir / fingerprint.FINGERPRINT_FILE)
     metrics = MetricsLog(cfg, run.out_dir, resumed_at=step if resume_from else None, write=d.is_main)
