@@ -479,9 +479,7 @@ class SlotGenerator:
         if self.packed:
             return self._start_packed(group, slots, stats)
         n = len(group)
-        lengths = [len(r.prompt_ids) for r in group]
-        for r, length in zip(group, lengths, strict=True):
-            self._check_fits(r, length)
+        lengths = self._fitting_lengths(group)
         rows = bucket(n, self.row_buckets) if self.pad else n
         longest = max(lengths)
         chunk = bucket(min(longest, self.chunk), self.chunk_buckets) if self.pad else min(longest, self.chunk)
@@ -516,9 +514,7 @@ class SlotGenerator:
         """`_start` with the prompts packed end to end in one pass (`forward_packed`): the pass costs the
         prompt tokens, not rows x the longest prompt. Eager: its shape changes from pass to pass, and a pass
         of thousands of tokens is not bound by kernel launches."""
-        lengths = [len(r.prompt_ids) for r in group]
-        for r, length in zip(group, lengths, strict=True):
-            self._check_fits(r, length)
+        lengths = self._fitting_lengths(group)
         dev = self.device
         packing = pack(slots, [0] * len(group), lengths, dev)
         tokens = torch.tensor([t for r in group for t in r.prompt_ids], dtype=torch.long)
@@ -565,9 +561,7 @@ class SlotGenerator:
         next input is the prompt's last token at its position: the first decode step writes that
         position and samples the first reply token from the request's own seed, at the position a
         prefill samples it. Returns the prompt tokens not prefilled."""
-        lengths = [len(r.prompt_ids) for r in group]
-        for r, length in zip(group, lengths, strict=True):
-            self._check_fits(r, length)
+        lengths = self._fitting_lengths(group)
         dev = self.device
         idx = torch.tensor(slots, device=dev)
         upto = max(lengths) - 1  # beyond a shorter prompt's own length the copy is stale rows no query reads
@@ -611,12 +605,16 @@ class SlotGenerator:
         self.budget_d[idx] = torch.tensor([r.max_new_tokens for r in group], device=dev)
         self.live_d[idx] = torch.from_numpy(live).to(dev)
 
-    def _check_fits(self, r: Request, length: int) -> None:
-        if length == 0 or length + r.max_new_tokens + self.sync_every > self.capacity:
-            raise DflashkitError(
-                f"request {r.key}: a prompt of {length} tokens and a reply of up to {r.max_new_tokens} "
-                f"do not fit a slot of {self.capacity - self.sync_every} positions"
-            )
+    def _fitting_lengths(self, group: list[Request]) -> list[int]:
+        """The prompt lengths of `group`; a request whose prompt and reply do not fit a slot is an error."""
+        lengths = [len(r.prompt_ids) for r in group]
+        for r, length in zip(group, lengths, strict=True):
+            if length == 0 or length + r.max_new_tokens + self.sync_every > self.capacity:
+                raise DflashkitError(
+                    f"request {r.key}: a prompt of {length} tokens and a reply of up to {r.max_new_tokens} "
+                    f"do not fit a slot of {self.capacity - self.sync_every} positions"
+                )
+        return lengths
 
     def _collect(self, look: np.ndarray) -> np.ndarray:
         """Append the tokens of the last group of steps (`look`, as `_look` wrote it) to the live replies;

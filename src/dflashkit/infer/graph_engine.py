@@ -379,6 +379,13 @@ class GraphEngine:
         with frozen_compiles() if frozen else contextlib.nullcontext():
             self.steps.run(key, step)
 
+    def _check_room(self, t: int) -> None:
+        """Refuse a step that would write past the caches (``reserve`` refuses such a generation first)."""
+        if self._length + t > self.capacity:
+            raise DflashkitError(
+                f"the graphs engine's cache of {self.capacity} positions is full; reserve() first"
+            )
+
     def _need_drafter(self) -> DFlashDrafter:
         if self.drafter is None:
             raise DflashkitError(
@@ -443,10 +450,7 @@ class GraphEngine:
         t = ids.shape[1]
         if t not in self._ids:
             raise ValueError(f"the graphs engine's target steps take 1 or {self.block_size} tokens, got {t}")
-        if self._length + t > self.capacity:
-            raise DflashkitError(
-                f"the graphs engine's cache of {self.capacity} positions is full; reserve() first"
-            )
+        self._check_room(t)
         self._ids[t].copy_(ids)
         self._start.fill_(self._length)
         self._run(("target", t), lambda: self._target_step(t))
@@ -465,10 +469,7 @@ class GraphEngine:
         then the target's own token."""
         self._need_drafter()
         B = self.block_size
-        if self._length + B > self.capacity:
-            raise DflashkitError(
-                f"the graphs engine's cache of {self.capacity} positions is full; reserve() first"
-            )
+        self._check_room(B)
         if anchor is not None:
             self._row_start.fill_(self._length)  # the prompt's features are in the drafter's cache already
             self._block_start.fill_(self._length)
@@ -499,10 +500,7 @@ class GraphEngine:
         [len(tree), V] and features, valid until the next tree step."""
         n = self._tree_width(len(tree))
         start = self._length
-        if start + n > self.capacity:
-            raise DflashkitError(
-                f"the graphs engine's cache of {self.capacity} positions is full; reserve() first"
-            )
+        self._check_room(n)
         self._fill_tree(tree)
         self._start.fill_(start)
         self._run(("tree", n), self._tree_step)

@@ -182,11 +182,11 @@ def speculative_generate(
 
     stopped = stopper.check(new, 0)[1] if stopper else None
     # the graphs engine runs a greedy chain round as one step (the four stages below, on the device)
-    fused = isinstance(dec, GraphEngine) and dec.fused_rounds and s.greedy and not tree_budget
+    chain = s.greedy and not tree_budget
+    greedy_round = dec.greedy_round if isinstance(dec, GraphEngine) and dec.fused_rounds and chain else None
     while stopped is None and len(new) < max_new_tokens:
-        if fused:
-            assert isinstance(dec, GraphEngine)
-            committed = dec.greedy_round(new[-1] if not out.accept_lengths else None)
+        if greedy_round is not None:
+            committed = greedy_round(new[-1] if not out.accept_lengths else None)
             path: list[int] = list(range(len(committed)))
         else:
             # 1. draft: the drafter reads the new context rows and fills [anchor, MASK x (B-1)]
@@ -203,7 +203,7 @@ def speculative_generate(
         if stopper is not None:
             trimmed, stopped = stopper.check(new, before)
             del new[len(trimmed) :]
-        if not fused:
+        if greedy_round is None:
             # 4. keep: the caches hold the accepted path; its features are the drafter's next context
             context = dec.keep(verified, path)
     _sync(dev)

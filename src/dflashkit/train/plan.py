@@ -15,7 +15,6 @@ from dflashkit.config import RunConfig
 from dflashkit.data.dataset import read_manifest
 from dflashkit.data.features import check_capture_matches, read_features_manifest
 from dflashkit.data.rows import pack_dataset
-from dflashkit.errors import ConfigError
 from dflashkit.runtime.devices import resolve_backend, resolve_device, use_compiled_regions
 from dflashkit.target.hf import identity_of_folder, load_target_config
 from dflashkit.train import state
@@ -43,9 +42,7 @@ def dry_run(
     """``nproc`` x ``nnodes``: the ranks a data-parallel launch would start (``--nproc``, ``--nnodes``);
     None for one process. ``resume``, ``move_aside``: the run folder is checked as `train` would (nothing
     is moved or renamed)."""
-    if cfg.drafter.init and not Path(cfg.drafter.init).is_dir():
-        raise ConfigError(f"drafter.init={cfg.drafter.init} is not a checkpoint folder")
-    cfg = with_init_shape(cfg)  # the shape a run from drafter.init trains
+    cfg = with_init_shape(cfg)  # the shape a run from drafter.init trains (a bad folder: one clear error)
     out = run_folder_plan(cfg, resume=resume, move_aside=move_aside)
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)

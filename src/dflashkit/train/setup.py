@@ -19,7 +19,7 @@ from dflashkit.data.rows import Rows, pack_dataset
 from dflashkit.data.rows import check_data_matches_target as check_data_matches
 from dflashkit.data.stream import MicroBatchStream
 from dflashkit.errors import ConfigError, DataError
-from dflashkit.model.checkpoint import check_checkpoint_folder, load_drafter, read_checkpoint_config
+from dflashkit.model.checkpoint import load_drafter, read_checkpoint_config
 from dflashkit.model.config import DrafterConfig, config_for_target, target_layer_ids_of
 from dflashkit.model.drafter import DFlashDrafter, grown
 from dflashkit.runtime.devices import resolve_backend, resolve_device, target_dtype, use_compiled_regions
@@ -191,14 +191,12 @@ def setup_run(
     """Everything a run needs, on this process's device (``dist`` under torchrun: see train.distributed).
     ``target``: the target when the caller has it loaded already, and ``rows``: the packed (training,
     validation) rows when it has packed them (a fan-out's drafters share both)."""
-    cfg = with_init_shape(cfg)
+    cfg = with_init_shape(cfg)  # reads drafter.init's config: a bad folder fails before the target loads
     dist = dist if dist is not None else single_process(resolve_device(cfg))
     device = dist.device
     backend = resolve_backend(cfg, device)
     data_dir = Path(cfg.data.dir)
     manifest = read_manifest(data_dir)
-    if cfg.drafter.init:
-        check_checkpoint_folder(cfg.drafter.init)  # before the target loads
     if target is None:
         target = TargetModel.load(cfg.target.path, dtype=target_dtype(cfg, device), device=device)
     config = drafter_config(cfg, target.config, target.identity())
