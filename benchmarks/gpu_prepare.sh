@@ -132,12 +132,13 @@ for s in "$@"; do
     decode)
       # no GGUF needed: random target and drafter of the embedded shapes; both engines side by side
       stage decode
-      timeout $(cap 360) python3 benchmarks/decode_steps.py --engines ${ENGINES:-graphs,graphs-compiled} 2>&1 | tail -8 ;;
+      timeout $(cap 360) python3 benchmarks/decode_steps.py --engines ${ENGINES:-graphs,graphs-compiled} ${DECODE_ARGS:-} \
+        2>&1 | tail -8 ;;
     trees)
       # no GGUF needed: tree rounds of 8-64 nodes beside the chain on the graphs engine, with each call timed;
       # the one-token step of both graphs engines profiled (kernels, device time)
       stage trees
-      timeout $(cap 300) python3 benchmarks/decode_steps.py --engines ${ENGINES:-graphs,graphs-compiled} \
+      timeout $(cap 300) python3 benchmarks/decode_steps.py --engines ${TREE_ENGINES:-${ENGINES:-graphs,graphs-compiled}} \
         --tree-budgets ${BUDGETS:-8,16,32,64} --repeats 3 --calls 100 --profile 50 --no-warm-start 2>&1 \
         | grep -v "Loading weights\|Writing model" | tail -40
       mv "$OUT/decode_steps.json" "$OUT/decode_steps-trees.json" 2>/dev/null ;;

@@ -4,6 +4,7 @@ and chunked prefill, and the sampler's distribution."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -152,6 +153,28 @@ def test_greedy_replies_equal_transformers_generate(arch: str, fixed: bool, pack
     assert any(x.finished for x in replies) and any(not x.finished for x in replies)
     assert stats.new_tokens == sum(len(x.ids) for x in replies)
     assert 0 < stats.extra["slot_occupancy"] <= 1
+
+
+def test_packed_refills_wait_for_a_sixteenth_of_the_slots() -> None:
+    """A packed pass costs about the same for few prompts as for many (its launches), so with fixed
+    shapes packed refills wait for slots // 16 free slots and a pass is bounded by its prompt tokens
+    alone, not by `prefill_rows`; replies stay the target's greedy ones."""
+    model = tiny("llama")
+    settings = SlotSettings(
+        slots=32, capacity=96, prefill_rows=2, max_chunk=16, steps_per_sync=2, packed_prefill=True,
+        packed_tokens=64,
+    )  # fmt: skip
+    gen = SlotGenerator.create(model, EOS, settings, fixed_shapes=True)
+    assert gen._refill_at() == 2
+    held = [Request(str(i), tuple(range(1, 21)), 4) for i in range(7)]  # 20 prompt tokens each
+    assert [len(g) for g in gen._prefill_groups(held)] == [3, 3, 1]
+    padded = SlotGenerator.create(model, EOS, replace(settings, packed_prefill=False), fixed_shapes=True)
+    assert padded._refill_at() == 1 and [len(g) for g in padded._prefill_groups(held)] == [2, 2, 2, 1]
+    requests = random_requests(40)
+    source = ListSource(requests)
+    gen.run(source)
+    for r in requests:
+        assert source.replies[r.key] == greedy_reference(model, r), r.key
 
 
 def test_reply_that_ends_at_its_first_token() -> None:
