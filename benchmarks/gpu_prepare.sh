@@ -20,6 +20,21 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Ninth session's plan (~29 device minutes; the eighth measured packed prefill at 90k tok/s, launch-bound passes,
+# and built refills of slots // 16 after it: NOTES predicts 100-108k; depth did not lift the drafter, so twice
+# the prompts is the next measurement; .bench/drafter-recipe now holds the 3-layer drafter, 24 MB):
+#   SLOTS=2048 PREFILL=packed,padded BUDGET=300 bash benchmarks/gpu_prepare.sh part tests steady
+#                       # carry .bench/p1 .whl: generator GPU tests (log in $OUT), packed vs padded at steady state
+#   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2
+#   PREPARE_CAP=540 BUDGET=585 bash benchmarks/gpu_prepare.sh part join drafter more
+#                       # carry .bench/p3 .bench/drafter-recipe: ~31 M new tokens; its tok/s is the issue-14 figure
+#   TRAIN_CAP=560 BUDGET=570 bash benchmarks/gpu_prepare.sh train-more   # ~2,000 steps from the 3-layer drafter
+#   KEEP=/root/work/run-more DRAFTER=/root/work/run-more/best BENCH_DATA=/root/work/more BENCH_PROMPTS=16 \
+#     bash benchmarks/gpu_prepare.sh keep bench
+#   (the `speed` stage, prepare_speed.py against transformers' generate for prepare_speed.json, needs the GGUF:
+#   after `join`, ~300 s; fit it where the budget allows)
+# Eighth session (done): part tests trees decode steady; part; part join drafter recipe; grow; keep bench;
+#   etests tree. Its plan was:
 # Eighth session's plan (the seventh's tree walk failed at capture, fixed on the CPU since; packed prefill,
 # growing a drafter and the greedy round step built after its device time), about 29 device minutes:
 #   SLOTS=2048 PREFILL=packed,padded ENGINES=graphs-compiled BUDGET=560 \
@@ -95,7 +110,7 @@ for s in "$@"; do
       python3 -c "from dflashkit.target.embedded import embedded_dir; print(embedded_dir())" || exit 1 ;;
     tests)
       stage tests
-      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_generator.py 2>&1 | tail -15 ;;
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_generator.py 2>&1 | tee "$OUT/pytest-tests.log" | tail -15 ;;
     steady)
       # no GGUF needed: a random target of the embedded shape, replies of 256 tokens; the kernels by device time
       stage steady
@@ -108,7 +123,7 @@ for s in "$@"; do
     gtests)
       stage gtests
       timeout $(cap 300) python3 -m pytest -q -m gpu tests/test_generator.py tests/test_graph_engine.py \
-        tests/test_engine.py 2>&1 | tail -15 ;;
+        tests/test_engine.py 2>&1 | tee "$OUT/pytest-gtests.log" | tail -15 ;;
     drafter)
       # the recipe's drafter, brought back by `keep` in pieces (carried in .bench/drafter-recipe)
       stage drafter
@@ -117,7 +132,8 @@ for s in "$@"; do
         && ls $W/drafter0/best ;;
     etests)
       stage etests
-      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py tests/test_engine.py 2>&1 | tail -15 ;;
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py tests/test_engine.py 2>&1 \
+        | tee "$OUT/pytest-etests.log" | tail -15 ;;
     tree)
       # tree vs chain at node budgets 8-64 on MT-Bench and the held-out set (graphs engine, bf16)
       stage tree
@@ -162,10 +178,13 @@ for s in "$@"; do
       for f in sweep.json sweep.md sweep.png; do cp "$W/grow/$f" "$OUT/grow-$f" 2>/dev/null; done ;;
     recipe) prepare recipe configs/embedded-gpu-recipe.yaml ;;
     train-recipe) train recipe configs/embedded-gpu-recipe.yaml ;;
+    more) prepare more configs/embedded-gpu-more.yaml ;;
+    # the recipe's drafter (carried, see `drafter`: since the eighth session the 3-layer one) on twice the prompts
+    train-more) TRAIN_OVERRIDES="drafter.init=$W/drafter0/best ${TRAIN_OVERRIDES:-}" train more configs/embedded-gpu-more.yaml ;;
     bench)
       # the paper's table for the recipe's drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
       stage bench
-      timeout $(cap 420) $DK bench --drafter ${DRAFTER:-$W/run-recipe/best} --data $W/recipe --out $W/bench \
+      timeout $(cap 420) $DK bench --drafter ${DRAFTER:-$W/run-recipe/best} --data ${BENCH_DATA:-$W/recipe} --out $W/bench \
         --max-prompts ${BENCH_PROMPTS:-40} --check-lossless --lossless-prompts 4 \
         --summary "$OUT/drafter_table.json" 2>&1 | grep -v "Loading weights" | tail -30
       for f in bench.json bench.md bench.png; do cp "$W/bench/$f" "$OUT/" 2>/dev/null; done ;;

@@ -218,6 +218,7 @@ def test_ready_configs_validate():
         reference = held_out("configs/embedded-gpu.yaml")
         assert reference == held_out("configs/embedded-gpu-chitchat.yaml")
         assert reference == held_out("configs/embedded-gpu-recipe.yaml")
+        assert reference == held_out("configs/embedded-gpu-more.yaml")
     paper = load_config("configs/qwen3-8b-paper.yaml")
     assert (paper.drafter.layers, paper.drafter.block_size, paper.train.num_anchors, paper.train.max_len) == (
         5,
