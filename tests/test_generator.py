@@ -177,6 +177,47 @@ def test_packed_refills_wait_for_a_sixteenth_of_the_slots() -> None:
         assert source.replies[r.key] == greedy_reference(model, r), r.key
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_refills_launched_behind_decode_steps_give_the_same_replies(
+    packed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With fixed shapes, a refill while replies run is launched behind the next group of decode steps
+    (its slots are free in that group) and seated after the group's look: greedy and sampled replies, and
+    samples of one prompt sharing its prefill, are those of the eager loop, which refills before decoding."""
+    model = tiny("llama")
+    requests = [
+        Request(
+            f"{r.key}.{k}",
+            r.prompt_ids,
+            4 + (5 * i + k) % 11,
+            temperature=(i + k) % 2 * 1.0,
+            top_p=0.9,
+            seed=5 * i + k,
+        )
+        for i, r in enumerate(random_requests(12, seed=9))
+        for k in range(2)
+    ]
+    settings = SlotSettings(
+        slots=8, capacity=96, prefill_rows=4, max_chunk=16, steps_per_sync=2, packed_prefill=packed
+    )
+    replies = {}
+    for fixed in (False, True):
+        gen = SlotGenerator.create(model, EOS, settings, fixed_shapes=fixed)
+        behind: list[bool] = []
+
+        def decode_group(*a: Any, _group: Any = gen._decode_group, _seen: list = behind, **k: Any) -> Any:
+            _seen.append(k.get("behind") is not None)
+            return _group(*a, **k)
+
+        monkeypatch.setattr(gen, "_decode_group", decode_group)
+        source = ListSource(requests)
+        stats = gen.run(source)
+        assert stats.extra["shared_prompt_tokens"] > 0
+        assert any(behind) == fixed  # the eager loop never launches a refill behind steps
+        replies[fixed] = source.replies
+    assert replies[True] == replies[False]
+
+
 def test_reply_that_ends_at_its_first_token() -> None:
     model = tiny("llama")
     reqs = random_requests(6)

@@ -10,7 +10,10 @@ A fixed number of slots each hold one reply in progress, in a K/V cache allocate
    Requests whose prompt another request of the same refill has (the samples of one prompt) are not
    prefilled: they copy its keys and values but for the last prompt position, and their first decode
    step feeds that last token, which samples their first reply token from their own seed at the position
-   a prefill would have (`_share`).
+   a prefill would have (`_share`). With fixed shapes (GPU), a refill while replies run is launched
+   behind the next group of decode steps (its slots are free in that group) and seated after the group's
+   look, so the host launches the prefill while the device decodes; packed refills wait for a sixteenth of
+   the slots (`_refill_at`).
 2. **Decode**: one step feeds every slot's last token and samples the next, all on the device (the token
    and position of each slot stay there); ``steps_per_sync`` steps run back to back before the host looks.
 3. **Look**: on the device, in one pass over all slots, each live reply keeps its new tokens up to its first
@@ -52,12 +55,15 @@ from dflashkit.target.slot_decoder import (
     forward,
     forward_packed,
     pack,
+    to_device,
 )
 
 MIN_KV_BUCKET = 64
 # A sampled token is drawn among this many most likely tokens (the top-p nucleus is cut there when it is
 # larger: at temperature 1 a nucleus of top_p 0.95 rarely is).
 SAMPLE_CANDIDATES = 1024
+# a launched prefill pass: its requests, their slots, their first reply tokens (on the device), prompt lengths
+Pass = tuple[list[Request], list[int], Tensor, list[int]]
 MAX_HOLD_STEPS = 32  # a ready request waits at most this many decode steps for a prefill pass
 PACKED_REFILL_SHARE = 16  # packed refills wait until slots // 16 are free (`_refill_at`)
 
@@ -375,23 +381,30 @@ class SlotGenerator:
                     ):
                         since_refill = 0
                         held, copies = split_shared(held) if self.settings.share_prompts else (held, [])
-                        i = 0
-                        for group in self._prefill_groups(held):
-                            tp = time.perf_counter()
-                            done = self._start(group, free[i : i + len(group)], stats)
-                            clock["prefill"] += time.perf_counter() - tp
+                        passes: list[Pass] = []
+                        launch = partial(self._launch_refill, passes, held, free, clock)
+                        if live and self.pad:
+                            # the next group of steps first, the refill's passes launched behind it: on a
+                            # GPU the host launches them while the device decodes (the refilled slots are
+                            # free in that group: nothing there reads or keeps what their rows hold)
+                            look = self._decode_group(ended, source, stats, on_progress, clock, behind=launch)
+                            steps += self.sync_every
+                            busy += live * self.sync_every
+                            ended += self._end(self._collect(look))
+                        else:
+                            launch()
+                        tp = time.perf_counter()
+                        for group, slots, first, lengths in passes:
                             prefills += 1
-                            i += len(group)
-                            ended += self._end(done)
+                            ended += self._end(self._started(group, slots, first, lengths, stats))
                         if copies:
-                            tp = time.perf_counter()
                             shared += self._share(
                                 [r for r, _ in copies],
                                 [free[j] for _, j in copies],
                                 free[len(held) : len(held) + len(copies)],
                                 stats,
                             )
-                            clock["prefill"] += time.perf_counter() - tp
+                        clock["prefill"] += time.perf_counter() - tp
                         held = []
                         continue  # replies that ended at their first token free slots and may ready new requests
                     if live == 0:
@@ -433,9 +446,11 @@ class SlotGenerator:
         stats: GenerationStats,
         on_progress: Callable[[int], None] | None,
         clock: dict[str, float],
+        behind: Callable[[], None] | None = None,
     ) -> np.ndarray:
-        """Launch `sync_every` decode steps and the look, hand the `ended` replies to the source while they
-        run, then copy the look to the host (the group's one sync). Decode seconds: launching and waiting."""
+        """Launch `sync_every` decode steps and the look, then `behind` (a refill's prefill passes, queued
+        after the steps), hand the `ended` replies to the source while they run, then copy the look to the
+        host (the group's one sync). Decode seconds: launching and waiting."""
         live_rows = self.live
         kv_len = self._kv_len(int(self.at[live_rows].max()) + self.sync_every)
         sampling = bool((self.sampled & live_rows).any())
@@ -446,11 +461,14 @@ class SlotGenerator:
             self.ring[k].copy_(self.next)
         self._look()  # a dozen small kernels, launched eagerly (a graph would save ~0.1 ms a look)
         launched = time.perf_counter()
+        if behind is not None:
+            behind()  # its seconds count as prefill
+        handing = time.perf_counter()
         self._complete(ended, source, stats, on_progress, clock)
         tw = time.perf_counter()
         look = self.look.cpu().numpy()
         clock["decode"] += (launched - td) + (time.perf_counter() - tw)
-        clock["overlap"] += tw - launched
+        clock["overlap"] += tw - handing
         return look
 
     def _refill_at(self) -> int:
@@ -481,10 +499,27 @@ class SlotGenerator:
             tokens += n
         return groups
 
-    def _start(self, group: list[Request], slots: list[int], stats: GenerationStats) -> list[int]:
-        """Prefill `group` into `slots`; returns the slots whose reply already ended (first token)."""
+    def _launch_refill(
+        self, passes: list[Pass], held: list[Request], free: list[int], clock: dict[str, float]
+    ) -> None:
+        """Launch the prefill passes of `held` into the first of the `free` slots (device work only, nothing
+        read back), appending to `passes` each pass's requests, slots, first reply tokens (on the device)
+        and prompt lengths."""
+        tp = time.perf_counter()
+        i = 0
+        for group in self._prefill_groups(held):
+            slots = free[i : i + len(group)]
+            first, lengths = self._prefill_pass(group, slots)
+            passes.append((group, slots, first, lengths))
+            i += len(group)
+        clock["prefill"] += time.perf_counter() - tp
+
+    def _prefill_pass(self, group: list[Request], slots: list[int]) -> tuple[Tensor, list[int]]:
+        """Prefill `group` into `slots`, sampling each reply's first token: (those tokens on the device, the
+        prompt lengths). Host values go to the device without waiting for it (the pass may be queued behind
+        decode steps)."""
         if self.packed:
-            return self._start_packed(group, slots, stats)
+            return self._packed_pass(group, slots)
         n = len(group)
         lengths = self._fitting_lengths(group)
         rows = bucket(n, self.row_buckets) if self.pad else n
@@ -495,50 +530,53 @@ class SlotGenerator:
         toks = torch.zeros(rows, width, dtype=torch.long)
         for i, r in enumerate(group):
             toks[i, : lengths[i]] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        dev = self.device
+        to = self._to_device
         self.p_slots[:rows].fill_(self.cache.scratch)
-        self.p_slots[:n] = torch.tensor(slots, device=dev)
-        self.p_temperature[:n] = torch.tensor([r.temperature for r in group], device=dev)
-        self.p_top_p[:n] = torch.tensor([r.top_p for r in group], device=dev)
-        self.p_seed[:n] = torch.tensor([r.seed for r in group], device=dev)
-        last_pass = torch.tensor([(length - 1) // chunk for length in lengths] + [0] * (rows - n))
-        first = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.p_slots[:n] = to(slots)
+        self.p_temperature[:n] = to([r.temperature for r in group], torch.float32)
+        self.p_top_p[:n] = to([r.top_p for r in group], torch.float32)
+        self.p_seed[:n] = to([r.seed for r in group])
+        last_pass = to([(length - 1) // chunk for length in lengths] + [0] * (rows - n))
+        first = torch.zeros(rows, dtype=torch.long, device=self.device)
         sampling = any(r.temperature > 0 for r in group)
         ends = torch.tensor([length - 1 for length in lengths] + [0] * (rows - n))
         for j in range(passes):
-            self.p_tokens[:rows, :chunk] = toks[:, j * chunk : (j + 1) * chunk].to(dev, non_blocking=True)
+            self.p_tokens[:rows, :chunk] = to_device(toks[:, j * chunk : (j + 1) * chunk], self.device)
             self.p_starts[:rows].fill_(j * chunk)
-            self.p_last[:rows] = (ends - j * chunk).clamp(0, chunk - 1).to(dev)
+            self.p_last[:rows] = to_device((ends - j * chunk).clamp(0, chunk - 1), self.device)
             kv_len = self._kv_len((j + 1) * chunk)
             self.graphs.run(
                 ("prefill", rows, chunk, kv_len, sampling),
                 partial(self._prefill, rows, chunk, kv_len, sampling),
             )
-            first = torch.where(last_pass.to(dev) == j, self.p_out[:rows], first)
-        return self._started(group, slots, first[:n], lengths, stats)
+            first = torch.where(last_pass == j, self.p_out[:rows], first)
+        return first[:n], lengths
 
-    def _start_packed(self, group: list[Request], slots: list[int], stats: GenerationStats) -> list[int]:
-        """`_start` with the prompts packed end to end in one pass (`forward_packed`): the pass costs the
-        prompt tokens, not rows x the longest prompt. Eager: its shape changes from pass to pass, and a pass
-        of thousands of tokens is not bound by kernel launches."""
+    def _packed_pass(self, group: list[Request], slots: list[int]) -> tuple[Tensor, list[int]]:
+        """`_prefill_pass` with the prompts packed end to end in one pass (`forward_packed`): the pass costs
+        the prompt tokens, not rows x the longest prompt. Eager: its shape changes from pass to pass (on the
+        H200 a pass is bound by its launches, ~21 ms, up to ~12,000 tokens: see `_refill_at`)."""
         lengths = self._fitting_lengths(group)
-        dev = self.device
-        packing = pack(slots, [0] * len(group), lengths, dev)
-        tokens = torch.tensor([t for r in group for t in r.prompt_ids], dtype=torch.long)
-        logits = forward_packed(
-            self.w, self.cache, tokens.to(dev, non_blocking=True), packing, attention=self.attention
-        )
+        to = self._to_device
+        packing = pack(slots, [0] * len(group), lengths, self.device)
+        tokens = to([t for r in group for t in r.prompt_ids])
+        logits = forward_packed(self.w, self.cache, tokens, packing, attention=self.attention)
         if any(r.temperature > 0 for r in group):
             first = sample(
                 logits,
-                torch.tensor([r.temperature for r in group], dtype=torch.float32, device=dev),
-                torch.tensor([r.top_p for r in group], dtype=torch.float32, device=dev),
-                torch.tensor([r.seed for r in group], dtype=torch.long, device=dev),
-                torch.tensor(lengths, dtype=torch.long, device=dev),  # the position of the first reply token
+                to([r.temperature for r in group], torch.float32),
+                to([r.top_p for r in group], torch.float32),
+                to([r.seed for r in group]),
+                to(lengths),  # the position of the first reply token
             )
         else:
             first = logits.argmax(-1)
-        return self._started(group, slots, first, lengths, stats)
+        return first, lengths
+
+    def _to_device(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype = torch.long) -> Tensor:
+        """Host values on the device, without waiting for the device (a plain copy waits for every
+        queued step)."""
+        return to_device(torch.tensor(values, dtype=dtype), self.device)
 
     def _started(
         self,

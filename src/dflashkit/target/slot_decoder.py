@@ -264,6 +264,15 @@ class Packing:
     kv_len: int  # the most positions any segment reads
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device` without waiting for the device's queued work: to a GPU through pinned
+    memory, whose buffer the caching host allocator keeps until the copy has run (a copy from pageable
+    memory may wait for the stream)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def pack(
     slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device: torch.device
 ) -> Packing:
@@ -276,7 +285,7 @@ def pack(
     used = [a + n for a, n in zip(starts, lengths, strict=True)]
 
     def on(values: Sequence[int], dtype: torch.dtype = torch.long) -> Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=dtype), device)
 
     return Packing(
         slots=on(token_slots),
