@@ -270,7 +270,7 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
     memory may wait for the stream)."""
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def pack(
