@@ -20,10 +20,10 @@ timing does not depend on the weights, so nothing has to be carried to the GPU) 
   is left is the gaps between kernels) and the kernels that take the most of it.
 
 Engines (``--engines``, side by side): ``static`` (torch.compile, CUDA-graph mode), ``graphs`` (the fused
-target forward, each step one CUDA graph of eager kernels) and ``graphs-compiled`` (the same steps compiled by
-Inductor, then captured). Start seconds: ``start_seconds`` is building the engine to the first token in this
+target forward, each step one CUDA graph of eager kernels), ``graphs-compiled`` (the same steps compiled by
+Inductor, then captured) and ``graphs-draft-compiled`` (only the draft step compiled). Start seconds: ``start_seconds`` is building the engine to the first token in this
 process, cold (the run uses a fresh, empty Inductor cache directory, so nothing compiled by an earlier run
-helps); for ``graphs-compiled``, ``warm_start_seconds`` is a second, fresh process (its own empty Inductor
+helps); for the compiling graphs engines, ``warm_start_seconds`` is a second, fresh process (its own empty Inductor
 cache) that loads only the portable compile cache the first one wrote, from its spawn to its first token
 (interpreter, imports and target load included; ``warm_start_engine_seconds``: the engine to the first
 token alone). ``graphs`` compiles nothing, so its warm start is its start.
@@ -56,7 +56,12 @@ from report import print_result, run_child, write_report  # noqa: E402
 
 SMOKE_SHAPE = "tiny"
 TAUS = (1.5, 2.0, 3.0, 4.0)
-GRAPH_ENGINES = {"graphs": False, "graphs-compiled": True}  # name -> compile the steps
+# name -> which steps Inductor compiles (as dflashkit.infer.engine.GRAPH_ENGINES, which imports torch)
+GRAPH_ENGINES: dict[str, bool | str] = {
+    "graphs": False,
+    "graphs-compiled": True,
+    "graphs-draft-compiled": "draft",
+}
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 CARRIED = ("tree_tau_gain", "cpu_round_cost_ar_tokens")  # summary keys other measurements fill
 
@@ -448,6 +453,7 @@ def main() -> None:
     ap.add_argument("--no-warm-start", action="store_true", help="skip the second process (graphs-compiled)")
     # the warm-start child (internal): a fresh process that loads the portable compile cache
     ap.add_argument("--warm-start-child", metavar="CACHE", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-start-engine", default="graphs-compiled", help=argparse.SUPPRESS)
     ap.add_argument("--target-folder", help=argparse.SUPPRESS)
     ap.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -467,9 +473,10 @@ def main() -> None:
     if args.smoke:
         args.shape, args.tokens, args.repeats, args.calls, args.target_layers = SMOKE_SHAPE, 24, 1, 3, 2
     engines = args.engines.split(",")
-    if args.smoke and "graphs-compiled" in engines:
-        print("--smoke: graphs-compiled left out (a CPU compile of every step takes minutes)")
-        engines.remove("graphs-compiled")
+    for name in ("graphs-compiled", "graphs-draft-compiled"):
+        if args.smoke and name in engines:
+            print(f"--smoke: {name} left out (a CPU compile of its steps takes minutes)")
+            engines.remove(name)
     bandwidth = copy_bandwidth(device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -486,8 +493,9 @@ def main() -> None:
                     "block_size": args.block,
                     "drafter_layers": args.layers,
                     "compiled": args.compile,
-                    "steps_compiled": engine_name == "graphs-compiled"
-                    or (engine_name == "static" and args.compile),
+                    "steps_compiled": GRAPH_ENGINES.get(
+                        engine_name, engine_name == "static" and args.compile
+                    ),
                     **measure(target, drafter, engine_name, args, device, cache),
                     "target_weight_bytes": weight_bytes,
                     "memory_floor_ms": weight_bytes / bandwidth * 1e3 if bandwidth else None,
@@ -568,9 +576,10 @@ def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache
     same every time; the static engine's is not measured here (None)."""
     if engine_name == "graphs":
         return {"warm_start_seconds": row["start_seconds"]}
-    if engine_name != "graphs-compiled" or args.no_warm_start or not cache.is_file():
+    if not GRAPH_ENGINES.get(engine_name) or args.no_warm_start or not cache.is_file():
         return {"warm_start_seconds": None}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-start-child", str(cache)]
+    cmd += ["--warm-start-engine", engine_name]
     cmd += ["--target-folder", str(folder), "--dtypes", dtype_name, "--shape", args.shape]
     cmd += [
         "--layers",
@@ -601,7 +610,7 @@ def warm_start_child(args) -> dict:
     target, drafter = load_models(Path(args.target_folder), args.dtypes, args, device)
     with torch.no_grad():
         _, warm, engine_seconds = first_token(
-            target, drafter, "graphs-compiled", args, Path(args.warm_start_child)
+            target, drafter, args.warm_start_engine, args, Path(args.warm_start_child)
         )
     return {
         "process_to_first_token_seconds": time.time() - args.spawned_at,

@@ -23,8 +23,11 @@
 # Ninth session's plan (~29 device minutes; the eighth measured packed prefill at 90k tok/s, launch-bound passes,
 # and built refills of slots // 16 after it: NOTES predicts 100-108k; depth did not lift the drafter, so twice
 # the prompts is the next measurement; .bench/drafter-recipe now holds the 3-layer drafter, 24 MB):
-#   SLOTS=2048 PREFILL=packed,padded BUDGET=300 bash benchmarks/gpu_prepare.sh part tests steady
-#                       # carry .bench/p1 .whl: generator GPU tests (log in $OUT), packed vs padded at steady state
+#   SLOTS=2048 PREFILL=packed,padded ENGINES=graphs-compiled,graphs-draft-compiled BUDGET=480 \
+#     bash benchmarks/gpu_prepare.sh part tests steady decode   # carry .bench/p1 .whl: generator GPU tests
+#                       # (log in $OUT), packed vs padded at steady state (refills behind decode steps), and
+#                       # the draft-only compiled engine against the fully compiled one, warm starts included
+#                       # (NOTES: start ~12 s cold, ~6 s warm, round / AR token ~1.19-1.20)
 #   bash benchmarks/gpu_prepare.sh part         # carry .bench/p2
 #   PREPARE_CAP=540 BUDGET=585 bash benchmarks/gpu_prepare.sh part join drafter more
 #                       # carry .bench/p3 .bench/drafter-recipe: ~31 M new tokens; its tok/s is the issue-14 figure

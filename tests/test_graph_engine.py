@@ -110,6 +110,17 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
     assert make_engine("graphs-compiled", target, drafter, capacity=32).compile_cache != path
     assert make_engine("graphs-compiled", target, None, capacity=24, layer_ids=[1]).compile_cache != path
     assert not make_engine("graphs", target, drafter, capacity=24).compiled
+    # graphs-draft-compiled: the draft step alone compiled, its own cache file
+    from dflashkit.infer import graph_engine
+
+    draft_only = make_engine("graphs-draft-compiled", target, drafter, capacity=24)
+    assert draft_only.compiled and draft_only.compile_cache not in (None, path)
+    assert (
+        draft_only._draft_fn is graph_engine.DRAFT_STEP and draft_only._target_fn is graph_engine.target_step
+    )
+    assert engine._target_fn is graph_engine.TARGET_STEP and engine._draft_fn is graph_engine.DRAFT_STEP
+    with pytest.raises(DflashkitError, match="choose False, True or 'draft'"):
+        GraphEngine(target, drafter, capacity=24, compile="target")  # type: ignore[arg-type]
 
 
 def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
@@ -492,12 +503,14 @@ def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
 
 
 @pytest.mark.gpu
-def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu():
-    """On CUDA in fp32: the compiled steps, captured as CUDA graphs, replay and decode as the eager graphs
-    engine (and the dynamic engine), with nothing captured or compiled after warm-up."""
+@pytest.mark.parametrize("compiled", [True, "draft"])
+def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compiled):
+    """On CUDA in fp32: the compiled steps (all, or the draft step alone), captured as CUDA graphs, replay
+    and decode as the eager graphs engine (and the dynamic engine), with nothing captured or compiled after
+    warm-up."""
     gpu, d = on_gpu()
     eager = GraphEngine(gpu, d, capacity=128, compile=False)
-    fused = GraphEngine(gpu, d, capacity=128, compile=True)
+    fused = GraphEngine(gpu, d, capacity=128, compile=compiled)
     assert fused.compiled and fused.graphs and not eager.compiled
     eager.warm_up()
     warmed = fused.warm_up()

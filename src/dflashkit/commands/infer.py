@@ -10,7 +10,7 @@ from dflashkit.config import PATHS_RULE, load_config
 from dflashkit.errors import ConfigError
 
 # what --engine takes: dflashkit.infer.engine.ENGINES and "auto" (spelled here so --help needs no torch)
-ENGINE_CHOICES = ("auto", "dynamic", "static", "graphs", "graphs-compiled")
+ENGINE_CHOICES = ("auto", "dynamic", "static", "graphs", "graphs-compiled", "graphs-draft-compiled")
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] | None]:
@@ -425,8 +425,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "targets, its steps compiled on a GPU for eval, which decodes many prompts; else dynamic), dynamic "
         "(growing caches, eager; any target), static (preallocated caches, transformers' layers compiled "
         "once per step shape), graphs (preallocated caches, the fused target forward, one CUDA graph per "
-        "step shape; starts in a second) or graphs-compiled (the same steps compiled first: faster steps, a "
-        "start of ~25-65 s)",
+        "step shape; starts in a second), graphs-compiled (the same steps compiled first: faster steps, a "
+        "start of ~25-65 s) or graphs-draft-compiled (only the draft step compiled: ~10 s)",
     )
     add_tree_budget(p)
 
