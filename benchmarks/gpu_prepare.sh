@@ -35,7 +35,8 @@
 #   KEEP=/root/work/run-more DRAFTER=/root/work/run-more/best BENCH_DATA=/root/work/more BENCH_PROMPTS=16 \
 #     bash benchmarks/gpu_prepare.sh keep bench
 #   (the `speed` stage, prepare_speed.py against transformers' generate for prepare_speed.json, needs the GGUF:
-#   after `join`, ~300 s; fit it where the budget allows)
+#   after `join`, ~300 s; and `etests`, the engines' GPU tests with the draft-only compiled engine, ~220 s:
+#   fit them where the budget allows)
 # Eighth session (done): part tests trees decode steady; part; part join drafter recipe; grow; keep bench;
 #   etests tree. Its plan was:
 # Eighth session's plan (the seventh's tree walk failed at capture, fixed on the CPU since; packed prefill,
