@@ -56,14 +56,16 @@ from report import print_result, run_child, write_report  # noqa: E402
 
 SMOKE_SHAPE = "tiny"
 TAUS = (1.5, 2.0, 3.0, 4.0)
-# name -> which steps Inductor compiles (as dflashkit.infer.engine.GRAPH_ENGINES, which imports torch)
-GRAPH_ENGINES: dict[str, bool | str] = {
-    "graphs": False,
-    "graphs-compiled": True,
-    "graphs-draft-compiled": "draft",
-}
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 CARRIED = ("tree_tau_gain", "cpu_round_cost_ar_tokens")  # summary keys other measurements fill
+
+
+def graph_engines() -> dict:
+    """The graphs engines by name -> which steps Inductor compiles (imported when used: the module imports
+    torch, and main sets Inductor's cache directory first)."""
+    from dflashkit.infer.engine import GRAPH_ENGINES
+
+    return GRAPH_ENGINES
 
 
 def timed(fn, n: int, device) -> float:
@@ -106,8 +108,8 @@ def build_engine(engine_name: str, target, drafter, args, capacity: int, cache: 
     from dflashkit.infer.engine import ready_engine
     from dflashkit.infer.graph_engine import GraphEngine
 
-    if engine_name in GRAPH_ENGINES:
-        compiled = GRAPH_ENGINES[engine_name]
+    if engine_name in graph_engines():
+        compiled = graph_engines()[engine_name]
         if compiled and cache is not None:
             forget_earlier_artifacts()
         engine = GraphEngine(
@@ -257,7 +259,7 @@ def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
     profiler: kernels per step, their device time per step and the ten kernels that take the most of it."""
     import torch
 
-    if not args.profile or engine_name not in GRAPH_ENGINES or target.device.type != "cuda":
+    if not args.profile or engine_name not in graph_engines() or target.device.type != "cuda":
         return {}
     engine = uncaptured_engine(target, drafter, engine_name, args)
     one = torch.tensor([[prompt[-1]]], device=target.device)
@@ -284,7 +286,7 @@ def uncaptured_engine(target, drafter, engine_name: str, args, tree_budget: int 
         capacity=engine_capacity(args, drafter),
         graphs=False,
         fixed_shapes=True,
-        compile=GRAPH_ENGINES[engine_name],
+        compile=graph_engines()[engine_name],
         tree_budget=tree_budget,
     )
     engine.warm_up()
@@ -339,10 +341,10 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
     from dflashkit.infer.graph_engine import GraphEngine
     from dflashkit.infer.speculative import speculative_generate
 
-    if not args.tree_budgets or engine_name not in GRAPH_ENGINES:
+    if not args.tree_budgets or engine_name not in graph_engines():
         return {}
     out = {}
-    compiled = GRAPH_ENGINES[engine_name]
+    compiled = graph_engines()[engine_name]
     for n in args.tree_budgets:
         engine = GraphEngine(
             target,
@@ -493,7 +495,7 @@ def main() -> None:
                     "block_size": args.block,
                     "drafter_layers": args.layers,
                     "compiled": args.compile,
-                    "steps_compiled": GRAPH_ENGINES.get(
+                    "steps_compiled": graph_engines().get(
                         engine_name, engine_name == "static" and args.compile
                     ),
                     **measure(target, drafter, engine_name, args, device, cache),
@@ -576,7 +578,7 @@ def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache
     same every time; the static engine's is not measured here (None)."""
     if engine_name == "graphs":
         return {"warm_start_seconds": row["start_seconds"]}
-    if not GRAPH_ENGINES.get(engine_name) or args.no_warm_start or not cache.is_file():
+    if not graph_engines().get(engine_name) or args.no_warm_start or not cache.is_file():
         return {"warm_start_seconds": None}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-start-child", str(cache)]
     cmd += ["--warm-start-engine", engine_name]

@@ -56,6 +56,7 @@ from dflashkit.target.slot_decoder import (
     forward_packed,
     pack,
     to_device,
+    values_on,
 )
 
 MIN_KV_BUCKET = 64
@@ -355,12 +356,13 @@ class SlotGenerator:
         self, source: RequestSource, *, on_progress: Callable[[int], None] | None = None
     ) -> GenerationStats:
         stats = GenerationStats()
-        steps = prefills = 0
+        steps = 0
         busy = 0  # slot-steps spent on live replies
         held: list[Request] = []  # taken, waiting for enough free slots to make a prefill pass worth it
         ended: list[tuple[Request, Reply]] = []  # replies not yet handed to the source
         since_refill = 0
-        shared = 0  # prompt tokens not prefilled: copied from another request's prefill
+        # prefill passes, and prompt tokens not prefilled (copied from another request's prefill)
+        tally = {"prefills": 0, "shared": 0}
         # wall seconds: each phase up to its device sync; "source": in the source's take and complete (part
         # of the host's); "overlap": host work done while decode steps ran
         clock = {"prefill": 0.0, "decode": 0.0, "source": 0.0, "overlap": 0.0}
@@ -376,6 +378,7 @@ class SlotGenerator:
                         ts = time.perf_counter()
                         held += source.take(len(free) - len(held), idle=live == 0 and not held)
                         clock["source"] += time.perf_counter() - ts
+                    launch = seat = None  # a refill: its prefill passes, then seating their requests
                     if held and (
                         live == 0 or len(held) >= self._refill_at() or since_refill >= MAX_HOLD_STEPS
                     ):
@@ -383,37 +386,25 @@ class SlotGenerator:
                         held, copies = split_shared(held) if self.settings.share_prompts else (held, [])
                         passes: list[Pass] = []
                         launch = partial(self._launch_refill, passes, held, free, clock)
-                        if live and self.pad:
-                            # the next group of steps first, the refill's passes launched behind it: on a
-                            # GPU the host launches them while the device decodes (the refilled slots are
-                            # free in that group: nothing there reads or keeps what their rows hold)
-                            look = self._decode_group(ended, source, stats, on_progress, clock, behind=launch)
-                            steps += self.sync_every
-                            busy += live * self.sync_every
-                            ended += self._end(self._collect(look))
-                        else:
-                            launch()
-                        tp = time.perf_counter()
-                        for group, slots, first, lengths in passes:
-                            prefills += 1
-                            ended += self._end(self._started(group, slots, first, lengths, stats))
-                        if copies:
-                            shared += self._share(
-                                [r for r, _ in copies],
-                                [free[j] for _, j in copies],
-                                free[len(held) : len(held) + len(copies)],
-                                stats,
-                            )
-                        clock["prefill"] += time.perf_counter() - tp
+                        seat = partial(self._seat_refill, passes, copies, held, free, stats, clock, tally)
                         held = []
-                        continue  # replies that ended at their first token free slots and may ready new requests
+                        if not (live and self.pad):  # the eager loop, or nothing decoding: refill now
+                            launch()
+                            ended += seat()
+                            continue  # replies that ended at their first token free slots and may ready new requests
                     if live == 0:
                         break
-                    since_refill += self.sync_every
-                    look = self._decode_group(ended, source, stats, on_progress, clock)
+                    if launch is None:
+                        since_refill += self.sync_every
+                    # a refill's passes are launched behind this group's steps: on a GPU the host launches
+                    # them while the device decodes (its slots are free in this group: nothing there reads or
+                    # keeps what their rows hold), and its requests are seated after the group's look
+                    look = self._decode_group(ended, source, stats, on_progress, clock, behind=launch)
                     steps += self.sync_every
                     busy += live * self.sync_every
                     ended += self._end(self._collect(look))
+                    if seat is not None:
+                        ended += seat()
         except KeyboardInterrupt:
             self._complete(ended, source, stats, on_progress, clock)  # what ended reaches the source
             raise
@@ -422,8 +413,8 @@ class SlotGenerator:
         stats.seconds = time.perf_counter() - t0
         stats.extra = {
             "decode_steps": steps,
-            "prefill_groups": prefills,
-            "shared_prompt_tokens": shared,
+            "prefill_groups": tally["prefills"],
+            "shared_prompt_tokens": tally["shared"],
             "slot_occupancy": busy / max(1, steps * self.settings.slots),
             "cuda_graphs": len(self.graphs),
             "capture_seconds": round(self.graphs.capture_seconds, 3),
@@ -514,6 +505,33 @@ class SlotGenerator:
             i += len(group)
         clock["prefill"] += time.perf_counter() - tp
 
+    def _seat_refill(
+        self,
+        passes: list[Pass],
+        copies: list[tuple[Request, int]],
+        unique: list[Request],
+        free: list[int],
+        stats: GenerationStats,
+        clock: dict[str, float],
+        tally: dict[str, int],
+    ) -> list[tuple[Request, Reply]]:
+        """After `_launch_refill`: seat each pass's requests (their first tokens read back), then the
+        `copies` of their prompts (`_share`) in the free slots after them; the replies that already ended."""
+        tp = time.perf_counter()
+        ended = []
+        for group, slots, first, lengths in passes:
+            tally["prefills"] += 1
+            ended += self._end(self._started(group, slots, first, lengths, stats))
+        if copies:
+            tally["shared"] += self._share(
+                [r for r, _ in copies],
+                [free[j] for _, j in copies],
+                free[len(unique) : len(unique) + len(copies)],
+                stats,
+            )
+        clock["prefill"] += time.perf_counter() - tp
+        return ended
+
     def _prefill_pass(self, group: list[Request], slots: list[int]) -> tuple[Tensor, list[int]]:
         """Prefill `group` into `slots`, sampling each reply's first token: (those tokens on the device, the
         prompt lengths). Host values go to the device without waiting for it (the pass may be queued behind
@@ -530,11 +548,11 @@ class SlotGenerator:
         toks = torch.zeros(rows, width, dtype=torch.long)
         for i, r in enumerate(group):
             toks[i, : lengths[i]] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        to = self._to_device
+        to = partial(values_on, device=self.device)
         self.p_slots[:rows].fill_(self.cache.scratch)
         self.p_slots[:n] = to(slots)
-        self.p_temperature[:n] = to([r.temperature for r in group], torch.float32)
-        self.p_top_p[:n] = to([r.top_p for r in group], torch.float32)
+        self.p_temperature[:n] = to([r.temperature for r in group], dtype=torch.float32)
+        self.p_top_p[:n] = to([r.top_p for r in group], dtype=torch.float32)
         self.p_seed[:n] = to([r.seed for r in group])
         last_pass = to([(length - 1) // chunk for length in lengths] + [0] * (rows - n))
         first = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -557,26 +575,21 @@ class SlotGenerator:
         the prompt tokens, not rows x the longest prompt. Eager: its shape changes from pass to pass (on the
         H200 a pass is bound by its launches, ~21 ms, up to ~12,000 tokens: see `_refill_at`)."""
         lengths = self._fitting_lengths(group)
-        to = self._to_device
+        to = partial(values_on, device=self.device)
         packing = pack(slots, [0] * len(group), lengths, self.device)
         tokens = to([t for r in group for t in r.prompt_ids])
         logits = forward_packed(self.w, self.cache, tokens, packing, attention=self.attention)
         if any(r.temperature > 0 for r in group):
             first = sample(
                 logits,
-                to([r.temperature for r in group], torch.float32),
-                to([r.top_p for r in group], torch.float32),
+                to([r.temperature for r in group], dtype=torch.float32),
+                to([r.top_p for r in group], dtype=torch.float32),
                 to([r.seed for r in group]),
                 to(lengths),  # the position of the first reply token
             )
         else:
             first = logits.argmax(-1)
         return first, lengths
-
-    def _to_device(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype = torch.long) -> Tensor:
-        """Host values on the device, without waiting for the device (a plain copy waits for every
-        queued step)."""
-        return to_device(torch.tensor(values, dtype=dtype), self.device)
 
     def _started(
         self,

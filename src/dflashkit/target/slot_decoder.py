@@ -273,6 +273,13 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
+def values_on(
+    values: Sequence[int] | Sequence[float], device: torch.device, dtype: torch.dtype = torch.long
+) -> Tensor:
+    """Host values as a tensor on `device`, through `to_device`."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def pack(
     slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device: torch.device
 ) -> Packing:
@@ -283,17 +290,13 @@ def pack(
     token_slots = [s for s, n in zip(slots, lengths, strict=True) for _ in range(n)]
     positions = [p for a, n in zip(starts, lengths, strict=True) for p in range(a, a + n)]
     used = [a + n for a, n in zip(starts, lengths, strict=True)]
-
-    def on(values: Sequence[int], dtype: torch.dtype = torch.long) -> Tensor:
-        return to_device(torch.tensor(values, dtype=dtype), device)
-
     return Packing(
-        slots=on(token_slots),
-        positions=on(positions),
-        offsets=on(offsets, torch.int32),
-        segment_slots=on(list(slots)),
-        used=on(used, torch.int32),
-        ends=on([o - 1 for o in offsets[1:]]),
+        slots=values_on(token_slots, device),
+        positions=values_on(positions, device),
+        offsets=values_on(offsets, device, torch.int32),
+        segment_slots=values_on(list(slots), device),
+        used=values_on(used, device, torch.int32),
+        ends=values_on([o - 1 for o in offsets[1:]], device),
         longest=max(lengths),
         kv_len=max(used),
     )
