@@ -20,7 +20,14 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Ninth session's plan (~29 device minutes; the eighth measured packed prefill at 90k tok/s, launch-bound passes,
+# Ninth session, as run (the new checkout lost .bench, the 3-layer drafter with it: a new drafter from scratch):
+#   ENGINES=graphs-compiled,graphs-draft-compiled BUDGET=330 bash benchmarks/gpu_prepare.sh part tests decode
+#                                                             # carry .bench/p1 .whl
+#   bash benchmarks/gpu_prepare.sh part                      # carry .bench/p2
+#   PREPARE_CAP=450 BUDGET=585 bash benchmarks/gpu_prepare.sh part join more train-fresh   # carry .bench/p3
+#   TRAIN_CAP=560 BUDGET=585 bash benchmarks/gpu_prepare.sh train-fresh keep    # resumes; the drafter back
+#   KEEP=... DRAFTER=/root/work/run-more/best BENCH_DATA=/root/work/more BENCH_PROMPTS=16 ... bench
+# Ninth session's plan before that (~29 device minutes; the eighth measured packed prefill at 90k tok/s, launch-bound passes,
 # and built refills of slots // 16 after it: NOTES predicts 100-108k; depth did not lift the drafter, so twice
 # the prompts is the next measurement; .bench/drafter-recipe now holds the 3-layer drafter, 24 MB):
 #   SLOTS=2048 PREFILL=packed,padded ENGINES=graphs-compiled,graphs-draft-compiled BUDGET=480 \
@@ -185,12 +192,19 @@ for s in "$@"; do
     more) prepare more configs/embedded-gpu-more.yaml ;;
     # the recipe's drafter (carried, see `drafter`: since the eighth session the 3-layer one) on twice the prompts
     train-more) TRAIN_OVERRIDES="drafter.init=$W/drafter0/best ${TRAIN_OVERRIDES:-}" train more configs/embedded-gpu-more.yaml ;;
+    # a drafter from scratch on twice the prompts at the recipe's first rate (the ninth session: the 3-layer
+    # drafter did not survive the checkout); cut by the command's limit (SIGTERM: the step under way is
+    # checkpointed), the next call resumes it
+    train-fresh)
+      R=""; [ -f $W/run-more/checkpoints/latest ] && R="--resume"
+      TRAIN_OVERRIDES="drafter.init=null train.lr=6e-4 train.max_steps=${FRESH_STEPS:-4500} $R ${TRAIN_OVERRIDES:-}" \
+        train more configs/embedded-gpu-more.yaml ;;
     bench)
       # the paper's table for the recipe's drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
       stage bench
       timeout $(cap 420) $DK bench --drafter ${DRAFTER:-$W/run-recipe/best} --data ${BENCH_DATA:-$W/recipe} --out $W/bench \
         --max-prompts ${BENCH_PROMPTS:-40} --check-lossless --lossless-prompts 4 \
-        --summary "$OUT/drafter_table.json" 2>&1 | grep -v "Loading weights" | tail -30
+        --summary "$OUT/drafter_table.json" ${BENCH_ARGS:-} 2>&1 | grep -v "Loading weights" | tail -30
       for f in bench.json bench.md bench.png; do cp "$W/bench/$f" "$OUT/" 2>/dev/null; done ;;
     keep)
       # the drafter comes back in pieces of 15 MB (files from the machine are at most 16 MiB each)

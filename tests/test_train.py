@@ -5,6 +5,8 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from dflashkit.model.checkpoint import load_drafter
 from dflashkit.runtime.devices import use_compiled_regions
 from dflashkit.target.packed import target_pass
 from dflashkit.train import trainer
+from dflashkit.train.stopping import stop_on_signals
 from dflashkit.train.validation import blocks_at_every_anchor, served_rounds, validate
 
 TINY = {  # a run of a few steps on the embedded target in float32 (tiny_config)
@@ -68,6 +71,41 @@ def test_resume_is_exact(tiny_dataset, tmp_path):
         tmp_path / "split" / "checkpoints" / "step-00000006" / "training_state.pt", weights_only=True
     )
     assert torch.equal(full_w["rng"]["generators"]["anchors"], split_w["rng"]["generators"]["anchors"])
+
+
+def test_sigterm_checkpoints_the_step_under_way_and_resume_continues_exactly(
+    tiny_dataset, tmp_path, monkeypatch
+):
+    """A scheduler's time limit (SIGTERM) in the middle of step 2, between the cadence's checkpoints (3, 6):
+    the step ends, its checkpoint is written, and a resume gives the uninterrupted run's losses."""
+    full = trainer.train(tiny_config(tiny_dataset, tmp_path / "full"), console=quiet())
+    real = trainer.accumulate
+
+    def signalled(run, s, *args, **kwargs):
+        out = real(run, s, *args, **kwargs)
+        if s.step == 1:  # step 2's micro-batches are done, its optimizer step is not
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(trainer, "accumulate", signalled)
+    cfg = tiny_config(tiny_dataset, tmp_path / "split")
+    first = trainer.train(cfg, console=quiet())
+    assert (first.steps, first.stopped_by) == (2, "SIGTERM")
+    assert (tmp_path / "split" / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the loop
+    monkeypatch.setattr(trainer, "accumulate", real)
+    second = trainer.train(cfg, resume=True, console=quiet())
+    assert (second.steps, second.stopped_by) == (6, "")
+    assert first.losses + second.losses == full.losses
+
+
+def test_a_second_signal_stops_at_once():
+    with stop_on_signals() as request:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert request.name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_checkpoint_from_before_the_served_order_keeps_best_updating(tiny_dataset, tmp_path):

@@ -88,6 +88,13 @@ def _train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     val = result.final_val
+    if result.stopped_by:
+        console.print(
+            f"[bold yellow]stopped[/] by {result.stopped_by} after step {result.steps}: its checkpoint is "
+            f"written (best {result.best_served_acceptance_length:.3f} in {result.out_dir / 'best'}); "
+            "the same command with --resume continues from it"
+        )
+        return 143 if result.stopped_by == "SIGTERM" else 130
     console.print(
         f"[bold green]done[/]: {result.steps} steps in {result.seconds:.0f} s; validation acceptance length "
         f"{val.get('acceptance_length', float('nan')):.3f}, in served order {served_tau(val):.3f} "

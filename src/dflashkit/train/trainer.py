@@ -60,6 +60,7 @@ from dflashkit.train.progress import TrainProgress
 from dflashkit.train.setup import Run, setup_run, start_note, with_init_shape
 from dflashkit.train.sources import FeatureSource, feature_source
 from dflashkit.train.step import block_step
+from dflashkit.train.stopping import stop_on_signals, stop_requested
 from dflashkit.train.validation import validate
 
 
@@ -71,6 +72,7 @@ class TrainResult:
     final_val: dict[str, Any]  # the last held-out measurement (`validation.validate`)
     out_dir: Path
     losses: list[float]  # one per step trained in this session
+    stopped_by: str = ""  # the signal that ended the loop early (its step checkpointed), e.g. "SIGTERM"
 
 
 def train(
@@ -193,15 +195,16 @@ def warm_up(run: Run, source: FeatureSource, model: nn.Module | None = None) -> 
 def loop(
     run: Run, session: Session, source: FeatureSource, *, console: Any, stop_after: int | None = None
 ) -> TrainResult:
-    """Optimizer steps from the session's step to the run's last (or to ``stop_after``): log, validate and
-    keep the best, checkpoint, as the config's cadence says."""
+    """Optimizer steps from the session's step to the run's last (or to ``stop_after``, or to the step under
+    way when SIGTERM or SIGINT comes: `stopping`): log, validate and keep the best, checkpoint, as the
+    config's cadence says, and always at the step the loop stops after."""
     every, s = run.cfg.train, session  # how often to log, validate and save
     batches = run.stream.from_cursor(s.cursor)
     losses: list[float] = []
     window: dict[str, Tensor] | None = None  # acceptance of the training blocks since the last record
     last_val: dict[str, Any] = {}
     t0 = time.perf_counter()
-    with TrainProgress(run.total_steps, s.step, console) as progress:
+    with TrainProgress(run.total_steps, s.step, console) as progress, stop_on_signals() as request:
         while s.step < run.total_steps:
             loss, stats = accumulate(run, s, source, batches)
             if not math.isfinite(loss):  # before the optimizer applies it: weights stay as they were
@@ -226,7 +229,7 @@ def loop(
                     save_best(run, s.step, last_val)
             if record is not None:
                 s.metrics.log(record)
-            stopping = stop_after is not None and s.step >= stop_after
+            stopping = stop_requested(request, run.dist) or (stop_after is not None and s.step >= stop_after)
             if s.step % every.save_every == 0 or s.step == run.total_steps or stopping:
                 extra = {
                     BEST_KEY: s.best,
@@ -238,7 +241,9 @@ def loop(
             if stopping:
                 break
     s.metrics.close()
-    return TrainResult(s.step, time.perf_counter() - t0, s.best, last_val, run.out_dir, losses)
+    return TrainResult(
+        s.step, time.perf_counter() - t0, s.best, last_val, run.out_dir, losses, stopped_by=request.name
+    )
 
 
 def accumulate(
