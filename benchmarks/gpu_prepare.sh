@@ -196,7 +196,8 @@ for s in "$@"; do
     # drafter did not survive the checkout); cut by the command's limit (SIGTERM: the step under way is
     # checkpointed), the next call resumes it
     train-fresh)
-      R=""; [ -f $W/run-more/checkpoints/latest ] && R="--resume"
+      R="--move-aside"; [ -f $W/run-more/checkpoints/latest ] && R="--resume"
+      ls $W/run-more $W/run-more/checkpoints 2>&1 | tr '\n' ' '; echo
       TRAIN_OVERRIDES="drafter.init=null train.lr=6e-4 train.max_steps=${FRESH_STEPS:-4500} $R ${TRAIN_OVERRIDES:-}" \
         train more configs/embedded-gpu-more.yaml ;;
     bench)
