@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -230,6 +232,27 @@ def test_pack_sequences_first_fit_with_docs_positions_and_truncation():
     assert pos.tolist() == [[0, 1, 2, 3, 4, 0, 1, 0], [0, 1, 2, 3, 0, 0, 0, 0], list(range(8))]
     assert loss.int().tolist() == [[0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0, 0], [1] * 8]
     assert ids.dtype == docs.dtype == pos.dtype == torch.long and loss.dtype == torch.bool
+
+
+def test_pack_sequences_places_every_record_in_the_first_row_with_room():
+    """The max-tree's choice equals scanning every row (the definition of first fit), on random records
+    (empty ones and ones longer than a row among them)."""
+    rng = random.Random(0)
+    for max_len in (4, 16, 64):
+        records = [rng.randint(0, 2 * max_len) for _ in range(400)]
+        recs = [{"input_ids": [7] * n, "loss_mask": [1] * n} for n in records]
+        docs = pack_sequences(recs, max_len=max_len)[2]
+        free: list[int] = []
+        expected: list[list[int]] = []
+        for i, n in enumerate(min(n, max_len) for n in records):
+            row = next((r for r, room in enumerate(free) if room >= n), None)
+            if row is None:
+                free.append(max_len)
+                expected.append([])
+                row = len(free) - 1
+            free[row] -= n
+            expected[row].extend([i] * n)
+        assert [[d for d in row if d >= 0] for row in docs.tolist()] == expected
 
 
 def test_pack_sequences_rejects_mismatched_lengths():

@@ -41,6 +41,35 @@ class Rows:
         )
 
 
+class FirstFit:
+    """The rows' free room in a max-tree over row indices: the first row with room for n tokens is found in
+    O(log rows), where scanning every row made packing quadratic (141,465 records took ~2 minutes)."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.leaves = 1
+        while self.leaves < max(max_rows, 1):
+            self.leaves *= 2
+        self.room = [-1] * (2 * self.leaves)  # the most room under each node; -1: no row there yet
+        self.rows = 0
+
+    def place(self, n: int, max_len: int) -> int:
+        """The row a record of n tokens goes into (the first with room, else a new one), its room taken."""
+        if self.room[1] >= n:
+            node = 1
+            while node < self.leaves:  # down to the leftmost leaf with room
+                node = 2 * node if self.room[2 * node] >= n else 2 * node + 1
+            row = node - self.leaves
+        else:
+            row, self.rows = self.rows, self.rows + 1
+            self.room[self.leaves + row] = max_len
+        node = self.leaves + row
+        self.room[node] -= n
+        while node > 1:
+            node //= 2
+            self.room[node] = max(self.room[2 * node], self.room[2 * node + 1])
+        return row
+
+
 def pack_sequences(
     records: Sequence[Mapping[str, Sequence[int] | Tensor]], max_len: int, pad_token_id: int = 0
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -52,35 +81,36 @@ def pack_sequences(
     (the record's index in `records`; -1 on padding) and position_ids [rows, max_len] long (0.. per
     document; 0 on padding). Padding tokens are `pad_token_id` and never supervised.
     """
-    rows: list[list[int]] = []  # record indices per row
-    free: list[int] = []
+    first_fit = FirstFit(len(records))
+    used: list[int] = []  # tokens placed in each row so far
+    starts: list[int] = []  # where each record starts, flat: row * max_len + its start in the row
+    sizes: list[int] = []
     for i, rec in enumerate(records):
         if len(rec["input_ids"]) != len(rec["loss_mask"]):
             raise ValueError(f"record {i}: input_ids and loss_mask lengths differ")
         n = min(len(rec["input_ids"]), max_len)
-        row = next((r for r, room in enumerate(free) if room >= n), None)
-        if row is None:
-            rows.append([])
-            free.append(max_len)
-            row = len(rows) - 1
-        rows[row].append(i)
-        free[row] -= n
+        row = first_fit.place(n, max_len)
+        if row == len(used):
+            used.append(0)
+        starts.append(row * max_len + used[row])
+        sizes.append(n)
+        used[row] += n
 
-    input_ids = torch.full((len(rows), max_len), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), max_len), dtype=torch.bool)
-    doc_ids = torch.full((len(rows), max_len), -1, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), max_len), dtype=torch.long)
-    for r, members in enumerate(rows):
-        start = 0
-        for i in members:
-            ids = torch.as_tensor(records[i]["input_ids"], dtype=torch.long)[:max_len]
-            n = ids.numel()
-            input_ids[r, start : start + n] = ids
-            loss_mask[r, start : start + n] = torch.as_tensor(records[i]["loss_mask"], dtype=torch.bool)[:n]
-            doc_ids[r, start : start + n] = i
-            position_ids[r, start : start + n] = torch.arange(n)
-            start += n
-    return input_ids, loss_mask, doc_ids, position_ids
+    # every record's tokens at once: token j of record i goes to flat position place[i] + j
+    num_rows, place, lengths = len(used), torch.tensor(starts), torch.tensor(sizes)
+    tokens = torch.cat([torch.as_tensor(r["input_ids"], dtype=torch.long)[:max_len] for r in records])
+    masks = torch.cat([torch.as_tensor(r["loss_mask"], dtype=torch.bool)[:max_len] for r in records])
+    doc = torch.repeat_interleave(torch.arange(len(records)), lengths)
+    first = torch.cumsum(lengths, 0) - lengths  # each record's first token in `tokens`
+    position = torch.arange(tokens.numel()) - first[doc]
+    dest = place[doc] + position
+    input_ids = torch.full((num_rows * max_len,), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros(num_rows * max_len, dtype=torch.bool)
+    doc_ids = torch.full((num_rows * max_len,), -1, dtype=torch.long)
+    position_ids = torch.zeros(num_rows * max_len, dtype=torch.long)
+    input_ids[dest], loss_mask[dest], doc_ids[dest], position_ids[dest] = tokens, masks, doc, position
+    shape = (num_rows, max_len)
+    return input_ids.view(shape), loss_mask.view(shape), doc_ids.view(shape), position_ids.view(shape)
 
 
 def pack_rows(records: list[Any], max_len: int, pad_token_id: int, where: str = "the dataset split") -> Rows:
