@@ -136,11 +136,12 @@ for s in "$@"; do
       timeout $(cap 300) python3 -m pytest -q -m gpu tests/test_generator.py tests/test_graph_engine.py \
         tests/test_engine.py 2>&1 | tee "$OUT/pytest-gtests.log" | tail -15 ;;
     drafter)
-      # the recipe's drafter, brought back by `keep` in pieces (carried in .bench/drafter-recipe)
+      # the newest GPU drafter, kept in git (benchmarks/drafters/, travels with the working tree; a drafter kept
+      # outside git was lost with the eighth session's checkout), into $W/drafter0/best: a warm start
+      # (TRAIN_OVERRIDES="drafter.init=/root/work/drafter0/best") or DRAFTER= for bench and tree
       stage drafter
-      # into $W/drafter0 (a warm start for train-recipe: TRAIN_OVERRIDES="drafter.init=/root/work/drafter0/best")
-      mkdir -p $W/drafter0 && cat .bench/drafter-recipe/drafter.tar.part.* | tar -C $W/drafter0 -xf - \
-        && ls $W/drafter0/best ;;
+      mkdir -p $W/drafter0 && rm -rf $W/drafter0/best && cp -r ${KEPT_DRAFTER:-benchmarks/drafters/embedded-gpu-more} \
+        $W/drafter0/best && ls $W/drafter0/best ;;
     etests)
       stage etests
       timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py tests/test_engine.py 2>&1 \
@@ -191,26 +192,25 @@ for s in "$@"; do
     train-recipe) train recipe configs/embedded-gpu-recipe.yaml ;;
     more) prepare more configs/embedded-gpu-more.yaml ;;
     # the recipe's drafter (carried, see `drafter`: since the eighth session the 3-layer one) on twice the prompts
-    train-more) TRAIN_OVERRIDES="drafter.init=$W/drafter0/best ${TRAIN_OVERRIDES:-}" train more configs/embedded-gpu-more.yaml ;;
-    # a drafter from scratch on twice the prompts at the recipe's first rate (the ninth session: the 3-layer
-    # drafter did not survive the checkout); cut by the command's limit (SIGTERM: the step under way is
-    # checkpointed), the next call resumes it
-    train-fresh)
+    # the drafter of configs/embedded-gpu-more.yaml (drafter.init: the one kept in benchmarks/drafters/) trained
+    # on twice the recipe's prompts; cut by the command's limit (SIGTERM: the step under way is checkpointed),
+    # the next call resumes it. train-fresh: from scratch at the recipe's first rate (the ninth session's run)
+    train-more|train-fresh)
       R="--move-aside"; [ -f $W/run-more/checkpoints/latest ] && R="--resume"
-      ls $W/run-more $W/run-more/checkpoints 2>&1 | tr '\n' ' '; echo
-      TRAIN_OVERRIDES="drafter.init=null train.lr=6e-4 train.max_steps=${FRESH_STEPS:-4500} $R ${TRAIN_OVERRIDES:-}" \
-        train more configs/embedded-gpu-more.yaml ;;
+      F=""; [ $s = train-fresh ] && F="drafter.init=null train.lr=6e-4 train.max_steps=${FRESH_STEPS:-4500}"
+      TRAIN_OVERRIDES="$F $R ${TRAIN_OVERRIDES:-}" train more configs/embedded-gpu-more.yaml ;;
     bench)
-      # the paper's table for the recipe's drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
+      # the paper's table for a drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
       stage bench
-      timeout $(cap 420) $DK bench --drafter ${DRAFTER:-$W/run-recipe/best} --data ${BENCH_DATA:-$W/recipe} --out $W/bench \
+      timeout $(cap 420) $DK bench --drafter ${DRAFTER:-$W/run-more/best} --data ${BENCH_DATA:-$W/more} --out $W/bench \
         --max-prompts ${BENCH_PROMPTS:-40} --check-lossless --lossless-prompts 4 \
         --summary "$OUT/drafter_table.json" ${BENCH_ARGS:-} 2>&1 | grep -v "Loading weights" | tail -30
       for f in bench.json bench.md bench.png; do cp "$W/bench/$f" "$OUT/" 2>/dev/null; done ;;
     keep)
-      # the drafter comes back in pieces of 15 MB (files from the machine are at most 16 MiB each)
+      # the drafter comes back in pieces of 15 MB (files from the machine are at most 16 MiB each, ~64 MiB in
+      # all): `cat drafter.tar.part.* | tar -x` gives best/; commit it under benchmarks/drafters/ to keep it
       stage keep
-      tar -C ${KEEP:-$W/run-recipe} -cf - best | split -b 15M - "$OUT/drafter.tar.part." && ls -la "$OUT" ;;
+      tar -C ${KEEP:-$W/run-more} -cf - best | split -b 15M - "$OUT/drafter.tar.part." && ls -la "$OUT" ;;
     big) prepare big configs/embedded-gpu.yaml ;;
     small) prepare small configs/embedded-gpu-chitchat.yaml ;;
     train-big) train big configs/embedded-gpu.yaml ;;
