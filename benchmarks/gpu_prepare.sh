@@ -20,6 +20,17 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Tenth session's plan (~28 device minutes; the ninth measured prepare at 104.6k new tokens/s and trained a drafter
+# from scratch on twice the prompts to 1,982 steps, kept in git; packing rows no longer takes ~2 minutes of a
+# training start: NOTES predicts ~60 s of setup):
+#   bash benchmarks/gpu_prepare.sh part                 # carry .bench/p1 .whl
+#   bash benchmarks/gpu_prepare.sh part                 # carry .bench/p2
+#   PREPARE_CAP=450 BUDGET=585 bash benchmarks/gpu_prepare.sh part join more train-more   # carry .bench/p3: the
+#                       # data again (~383 s), then the drafter of benchmarks/drafters/ trained on (cut, resumed)
+#   TRAIN_CAP=560 BUDGET=585 bash benchmarks/gpu_prepare.sh train-more keep              # ~3,300 more steps
+#   BENCH_PROMPTS=16 BUDGET=330 bash benchmarks/gpu_prepare.sh bench   # the table (graphs-compiled, ~93 s compile)
+#   then commit the drafter brought back by `keep` to benchmarks/drafters/embedded-gpu-more if its held-out tau is
+#   higher; with time left: `speed` (prepare_speed.py, 1,024 and 2,048 slots against transformers' generate)
 # Ninth session, as run (the new checkout lost .bench, the 3-layer drafter with it: a new drafter from scratch):
 #   ENGINES=graphs-compiled,graphs-draft-compiled BUDGET=330 bash benchmarks/gpu_prepare.sh part tests decode
 #                                                             # carry .bench/p1 .whl

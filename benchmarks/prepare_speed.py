@@ -166,7 +166,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--hf-batch", type=int, default=None)
-    ap.add_argument("--slots", default=None, help="comma-separated slot counts (default 256,512,1024)")
+    ap.add_argument("--slots", default=None, help="comma-separated slot counts (default 1024,2048)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument(
         "--prefill",
@@ -199,7 +199,7 @@ def main() -> int:
             "prompts": 2048 if gpu else 12,
             "max_new_tokens": 256 if gpu else 16,
             "hf_batch": 384 if gpu else 4,
-            "slots": "256,512,1024" if gpu else "4",
+            "slots": "1024,2048" if gpu else "4",
         },
     )
     import torch
