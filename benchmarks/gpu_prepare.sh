@@ -141,7 +141,7 @@ for s in "$@"; do
       mv "$OUT/prepare_speed.json" "$OUT/prepare_speed-random.json" 2>/dev/null ;;
     speed)
       stage speed
-      timeout $(cap 300) python3 benchmarks/prepare_speed.py 2>&1 | grep -v "Loading weights" | tail -14 ;;
+      timeout $(cap 420) python3 benchmarks/prepare_speed.py 2>&1 | grep -v "Loading weights" | tail -14 ;;
     gtests)
       stage gtests
       timeout $(cap 300) python3 -m pytest -q -m gpu tests/test_generator.py tests/test_graph_engine.py \

@@ -196,7 +196,7 @@ def main() -> int:
         args,
         {
             "dtype": "bfloat16" if gpu else "float32",
-            "prompts": 2048 if gpu else 12,
+            "prompts": 4096 if gpu else 12,
             "max_new_tokens": 256 if gpu else 16,
             "hf_batch": 384 if gpu else 4,
             "slots": "1024,2048" if gpu else "4",
