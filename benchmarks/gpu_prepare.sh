@@ -25,12 +25,14 @@
 # training start: NOTES predicts ~60 s of setup):
 #   bash benchmarks/gpu_prepare.sh part                 # carry .bench/p1 .whl
 #   bash benchmarks/gpu_prepare.sh part                 # carry .bench/p2
-#   PREPARE_CAP=450 BUDGET=585 bash benchmarks/gpu_prepare.sh part join more train-more   # carry .bench/p3: the
-#                       # data again (~383 s), then the drafter of benchmarks/drafters/ trained on (cut, resumed)
-#   TRAIN_CAP=560 BUDGET=585 bash benchmarks/gpu_prepare.sh train-more keep              # ~3,300 more steps
+#   PREPARE_CAP=450 BUDGET=585 bash benchmarks/gpu_prepare.sh part join speed more   # carry .bench/p3: the
+#                       # side-by-side figure for prepare_speed.json (8,192 prompts, transformers' generate on
+#                       # 2,048 of them, ~180 s), then the data again (~383 s; cut near its end, resumed next)
+#   TRAIN_CAP=560 BUDGET=575 bash benchmarks/gpu_prepare.sh more train-more keep   # ~3,500 steps of the drafter
+#                       # of benchmarks/drafters/ (NOTES: setup ~60 s now), brought back
 #   BENCH_PROMPTS=16 BUDGET=330 bash benchmarks/gpu_prepare.sh bench   # the table (graphs-compiled, ~93 s compile)
-#   then commit the drafter brought back by `keep` to benchmarks/drafters/embedded-gpu-more if its held-out tau is
-#   higher; with time left: `speed` (prepare_speed.py, 1,024 and 2,048 slots against transformers' generate)
+#   then commit the drafter that `keep` brought back to benchmarks/drafters/embedded-gpu-more if its held-out tau
+#   is higher
 # Ninth session, as run (the new checkout lost .bench, the 3-layer drafter with it: a new drafter from scratch):
 #   ENGINES=graphs-compiled,graphs-draft-compiled BUDGET=330 bash benchmarks/gpu_prepare.sh part tests decode
 #                                                             # carry .bench/p1 .whl

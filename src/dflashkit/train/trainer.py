@@ -92,11 +92,19 @@ def train(
     try:
         console = (console or Console()) if d.is_main else Console(quiet=True)  # rank 0 speaks
         resume_from = open_run_folder(cfg, d, resume=resume, move_aside=move_aside, console=console)
+        t0 = time.perf_counter()  # long before the first step on large data: say what is under way
+        console.print(f"setting up: the target, the drafter and the rows of {cfg.data.dir}")
         run = setup_run(cfg, dist=d)
+        console.print(
+            f"set up in {time.perf_counter() - t0:.1f} s: {len(run.train_rows):,} training and "
+            f"{len(run.val_rows):,} held-out rows of {cfg.train.max_len} tokens"
+        )
         source = feature_source(run)
         session = start(run, resume_from, console)
+        t0 = time.perf_counter()
         with portable_cache(cfg.run.compile_cache, console, save=d.is_main):
             warm_up(run, source, session.model)
+        console.print(f"warmed up in {time.perf_counter() - t0:.1f} s: every compiled shape is built")
         with frozen_compiles():  # any compile from here on is an error naming the shape
             return loop(run, session, source, console=console, stop_after=stop_after)
     finally:
