@@ -362,3 +362,31 @@ def test_two_gpu_fsdp_bf16_trains_and_resumes_on_ddp(tiny_dataset, tmp_path):
     assert "resumed from" in log and "data-parallel (ddp)" in log
     losses = [r["loss"] for r in metrics(tmp_path / "run")]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+
+
+def _stop_on_one_rank(rank: int, store_file: str, results: dict) -> None:
+    import signal
+
+    import torch.distributed as dist
+
+    from dflashkit.train.stopping import StopRequest, stop_requested
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    try:
+        d = distributed.Dist(torch.device("cpu"), rank=rank, world_size=2, strategy="ddp")
+        request = StopRequest()
+        first = stop_requested(request, d)  # no signal anywhere yet
+        if rank == 1:
+            request.signum = int(signal.SIGTERM)  # the signal reached rank 1 alone
+        results[rank] = (first, stop_requested(request, d), request.name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_stop_on_one_rank, args=(str(tmp_path / "store"), results), nprocs=2)
+        assert dict(results) == {0: (False, True, "SIGTERM"), 1: (False, True, "SIGTERM")}
