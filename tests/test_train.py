@@ -159,6 +159,23 @@ def test_a_non_finite_loss_stops_the_run_before_the_optimizer_applies_it(tiny_da
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-00000002"
 
 
+def test_validation_in_groups_of_the_batch_measures_what_row_by_row_does(tiny_dataset, tmp_path):
+    """Held-out rows go through in groups of train.batch_size (3 here: the last group is filled up with a
+    row that counts nothing); the blocks, acceptance and served walk are those of one row at a time."""
+    results = {}
+    for batch in (1, 3):
+        run = trainer.setup_run(
+            tiny_config(tiny_dataset, tmp_path / f"b{batch}", **{"train.batch_size": batch})
+        )
+        run.val_rows = run.train_rows  # more rows than the held-out split has
+        assert len(run.val_rows) % 3 != 0
+        results[batch] = validate(run)
+    one, grouped = results[1], results[3]
+    assert grouped["blocks"] == one["blocks"] > 0
+    for key in ("acceptance_length", "served_acceptance_length", "loss"):
+        assert grouped[key] == pytest.approx(one[key], rel=1e-6), key
+
+
 def test_training_raises_acceptance_above_untrained(tiny_dataset, tmp_path):
     cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.max_steps": 40, "train.eval_every": 40})
     run = trainer.setup_run(cfg)

@@ -71,7 +71,11 @@ def validate(
     (`acceptance_length`) and the served-order acceptance length (`served_acceptance_length`: what serving
     these rows would measure). Features from ``source`` (None: the run's config decides). Under torchrun the
     rows are dealt over the ranks and the sums reduced: every rank gets the result. ``on_row(done, total)``
-    follows the rows this process measures."""
+    follows the rows this process measures.
+
+    Rows go through in groups of train.batch_size, the training micro-batch's shape (one warmed evaluation
+    shape: `eval_groups`); a row that only fills a group (or keeps a rank in step) has its loss mask cleared,
+    so it holds no valid anchor and counts nothing."""
     source = source if source is not None else feature_source(run)
     d = run.dist
     drafter = run.drafter
@@ -80,24 +84,28 @@ def validate(
     n = len(run.val_rows) if max_rows is None else min(max_rows, len(run.val_rows))
     total: dict[str, Tensor] | None = None
     sums = [0.0, 0.0, 0.0, 0.0]  # loss, loss weight, served tokens, served rounds
-    rows_here = list(lockstep_rows(n, d))  # one row at a time: the one warmed evaluation shape
-    for done, (i, counted) in enumerate(rows_here):
+    groups = eval_groups(lockstep_rows(n, d), run.cfg.train.batch_size)
+    done, here = 0, sum(c for group in groups for _, c in group)  # rows this process counts
+    for group in groups:
         if on_row is not None:
-            on_row(done, len(rows_here))
-        idx = [i]
+            on_row(done, here)
+        idx = [i for i, _ in group]
         rows = run.val_rows.take(idx, run.device)
+        counted = torch.tensor([c for _, c in group], device=run.device)
+        rows.loss_mask &= counted[:, None]  # rows that count nothing have no valid anchor
         feats, argmax = source.features("validation", idx, rows)
-        keep = 1 if counted else 0  # a rank short of rows ran a repeat to keep in step: count nothing
         outs = blocks_at_every_anchor(run, rows, feats, argmax, skip_empty=not d.parallel)
         for out in outs:
-            total = add_stats(total, {k: v.cpu() * keep for k, v in out.stats.items()})
-            sums[0] += float(out.loss.weighted_sum) * keep
-            sums[1] += float(out.loss.weight_sum) * keep
-        rounds = served_rounds(outs)
-        sums[2] += sum(rounds) * keep
-        sums[3] += len(rounds) * keep
+            total = add_stats(total, {k: v.cpu() for k, v in out.stats.items()})
+            sums[0] += float(out.loss.weighted_sum)
+            sums[1] += float(out.loss.weight_sum)
+        for r in range(len(group)):
+            rounds = served_rounds(outs, row=r)
+            sums[2] += sum(rounds)
+            sums[3] += len(rounds)
+        done += sum(c for _, c in group)
     if on_row is not None:
-        on_row(len(rows_here), len(rows_here))
+        on_row(here, here)
     drafter.train(was_training)
     if total is not None:
         total = reduce_stats(total, d)
@@ -107,3 +115,11 @@ def validate(
     result["loss"] = loss_sum / weight_sum if weight_sum else float("nan")
     result["blocks"] = int(total["blocks"]) if total is not None else 0
     return result
+
+
+def eval_groups(rows: list[tuple[int, bool]], size: int) -> list[list[tuple[int, bool]]]:
+    """(row, counted) pairs in groups of ``size``, the last one filled up with its last row, not counted."""
+    groups = [rows[k : k + size] for k in range(0, len(rows), size)]
+    if groups and len(groups[-1]) < size:
+        groups[-1] = groups[-1] + [(groups[-1][-1][0], False)] * (size - len(groups[-1]))
+    return groups
