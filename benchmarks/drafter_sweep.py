@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -69,17 +70,25 @@ def smoke_config(data: Path, out: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
+STOP_GRACE_S = 120  # after SIGTERM, time for the step under way and its checkpoint before SIGKILL
+
+
 def dflashkit(*args: str, timeout: float | None = None) -> int:
-    """Run one dflashkit command from this checkout (its output shown as it comes); its exit status."""
+    """Run one dflashkit command from this checkout (its output shown as it comes); its exit status. At the
+    timeout it gets SIGTERM: training ends the step under way and checkpoints it (then --resume continues)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     print("$ dflashkit " + " ".join(args), flush=True)
-    try:
-        return subprocess.run(
-            [sys.executable, "-m", "dflashkit.cli", *args], env=env, timeout=timeout
-        ).returncode
-    except subprocess.TimeoutExpired:
-        print(f"(stopped after {timeout:.0f} s: continue with --resume)", flush=True)
-        return 124
+    with subprocess.Popen([sys.executable, "-m", "dflashkit.cli", *args], env=env) as proc:
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            print(f"(stopped after {timeout:.0f} s: continue with --resume)", flush=True)
+            return 124
 
 
 # --------------------------------------------------------------------------------------------------

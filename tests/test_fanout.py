@@ -4,6 +4,8 @@ compiled flex forward in drafter threads while the target worker runs, with no c
 
 import contextlib
 import json
+import os
+import signal
 import threading
 
 import pytest
@@ -157,6 +159,34 @@ def test_a_failing_drafter_stops_alone_and_resumes(sweep, tiny_dataset, tmp_path
     assert again.ok and again.target_batches == STEPS - 4  # only b needs batches 4 and 5
     assert again.results["b"].losses == singles["b"].losses[4:]  # resumed exactly
     assert again.results["a"].steps == STEPS and again.results["a"].losses == []
+
+
+def test_sigterm_checkpoints_every_drafter_and_resume_finishes_exactly(sweep, tiny_dataset, tmp_path):
+    """SIGTERM (here sent from variant a's second step) reaches the fan-out's main thread; each drafter
+    ends the step under way, checkpoints it and stops; --resume gives each variant's uninterrupted losses."""
+    _, _, singles, _ = sweep
+    cfg = fanout_config(tiny_dataset, tmp_path / "fan", variants=f"[{A}, {B}]")
+    real = trainer.accumulate
+
+    def signalled(run, s, *args, **kw):
+        out = real(run, s, *args, **kw)
+        if run.cfg.drafter.block_size == 4 and s.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "accumulate", signalled)
+        result = fanout.train_fanout(cfg, console=quiet())
+    assert not result.ok
+    for d in result.drafters:
+        assert d.status == "stopped" and "SIGTERM" in d.error and 2 <= d.steps < STEPS, d
+        latest = state.read_latest(tmp_path / "fan" / d.name / "checkpoints")
+        assert latest.name == state.step_dir_name(d.steps)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    again = fanout.train_fanout(cfg, resume=True, console=quiet())
+    assert again.ok
+    for d in result.drafters:
+        assert result.results[d.name].losses + again.results[d.name].losses == singles[d.name].losses, d.name
 
 
 def test_a_drafter_whose_warm_up_fails_does_not_start(tiny_dataset, tmp_path):

@@ -85,6 +85,7 @@ from dflashkit.train.sources import (
     feature_source,
     feature_source_for,
 )
+from dflashkit.train.stopping import StopRequest, stop_on_signals
 from dflashkit.train.trainer import TrainResult
 
 SUMMARY_FILE = "fanout.json"
@@ -585,18 +586,24 @@ def _first_line(e: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
-def train_drafter(w: DrafterWorker, *, stop_after: int | None, console: Any) -> None:
+def train_drafter(
+    w: DrafterWorker, *, stop_after: int | None, console: Any, stop: StopRequest | None = None
+) -> None:
     """A drafter thread: the trainer's `start` and `loop` on the worker's run, features from its feed.
     Never raises: the outcome goes into the worker (status, error, result), the traceback of a failure
-    into error.txt."""
+    into error.txt. ``stop``: set by a signal to the process (the main thread's handlers): the drafter
+    ends its step, checkpoints it and stops."""
     t0 = time.perf_counter()
     w.status = "training"
     try:
         with on_device(w.run.device):
             quiet = _silent_console()
             session = trainer.start(w.run, w.resume_from, quiet)
-            w.result = trainer.loop(w.run, session, w.source, console=quiet, stop_after=stop_after)
+            w.result = trainer.loop(w.run, session, w.source, console=quiet, stop_after=stop_after, stop=stop)
         w.status = "done"
+        if w.result.stopped_by:
+            w.status = "stopped"
+            w.error = f"{w.result.stopped_by} after step {w.result.steps}, checkpointed: --resume continues"
     except FanoutStopped as e:
         w.status, w.error = "stopped", str(e)
     except Exception as e:  # recorded, not raised: the other drafters go on
@@ -784,14 +791,16 @@ def train_all(
     graphs = compiled_graph_count()
     t_train = time.perf_counter()
     failure: BaseException | None = None
-    with frozen_compiles():  # from here until every thread has ended, nothing compiles
+    # from here until every thread has ended nothing compiles, and a first SIGTERM or SIGINT ends each
+    # drafter's step under way with a checkpoint (a second one stops everything at once, as an error would)
+    with frozen_compiles(), stop_on_signals() as stop:
         for w in fanout.workers:
             if w.status == "failed":  # its warm-up failed
                 continue
             w.thread = threading.Thread(
                 target=train_drafter,
                 args=(w,),
-                kwargs={"stop_after": stop_after, "console": console},
+                kwargs={"stop_after": stop_after, "console": console, "stop": stop},
                 name=f"drafter-{w.name}",
                 daemon=True,
             )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ from dflashkit.train.progress import TrainProgress
 from dflashkit.train.setup import Run, setup_run, start_note, with_init_shape
 from dflashkit.train.sources import FeatureSource, feature_source
 from dflashkit.train.step import block_step
-from dflashkit.train.stopping import stop_on_signals, stop_requested
+from dflashkit.train.stopping import StopRequest, stop_on_signals, stop_requested
 from dflashkit.train.validation import validate
 
 
@@ -201,18 +202,27 @@ def warm_up(run: Run, source: FeatureSource, model: nn.Module | None = None) -> 
 
 
 def loop(
-    run: Run, session: Session, source: FeatureSource, *, console: Any, stop_after: int | None = None
+    run: Run,
+    session: Session,
+    source: FeatureSource,
+    *,
+    console: Any,
+    stop_after: int | None = None,
+    stop: StopRequest | None = None,
 ) -> TrainResult:
     """Optimizer steps from the session's step to the run's last (or to ``stop_after``, or to the step under
     way when SIGTERM or SIGINT comes: `stopping`): log, validate and keep the best, checkpoint, as the
-    config's cadence says, and always at the step the loop stops after."""
+    config's cadence says, and always at the step the loop stops after. ``stop``: a request that a signal
+    sets elsewhere (a fan-out's main thread holds the handlers for its drafter threads); without it the
+    loop holds them itself."""
     every, s = run.cfg.train, session  # how often to log, validate and save
     batches = run.stream.from_cursor(s.cursor)
     losses: list[float] = []
     window: dict[str, Tensor] | None = None  # acceptance of the training blocks since the last record
     last_val: dict[str, Any] = {}
     t0 = time.perf_counter()
-    with TrainProgress(run.total_steps, s.step, console) as progress, stop_on_signals() as request:
+    signals = nullcontext(stop) if stop is not None else stop_on_signals()
+    with TrainProgress(run.total_steps, s.step, console) as progress, signals as request:
         while s.step < run.total_steps:
             loss, stats = accumulate(run, s, source, batches)
             if not math.isfinite(loss):  # before the optimizer applies it: weights stay as they were
