@@ -105,8 +105,9 @@ stage() { echo "=== $1 $(date +%T), ${SECONDS}s into this command"; }
 # seconds a step may take: its own cap, or what is left of this command's 10 minutes (BUDGET, default 570)
 cap() { local left=$(( ${BUDGET:-570} - SECONDS )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
 
-prepare() {  # name, config
+prepare() {  # name, config (a dataset whose manifest is written is finished: kept as it is)
   stage "prepare $1"
+  [ -f $W/$1/manifest.json ] && { echo "$W/$1 is finished"; return; }
   timeout $(cap ${PREPARE_CAP:-420}) $DK prepare -c "$2" data.dir=$W/$1 --no-progress 2>&1 | grep -v "Loading weights" | tail -16
   cp $W/$1/manifest.json "$OUT/manifest-$1.json" 2>/dev/null
 }
