@@ -486,6 +486,7 @@ def main() -> None:
             folder = make_target(args.shape, Path(tmp) / dtype_name, dtype_name, device=device.type)
             target, drafter = load_models(folder, dtype_name, args, device)
             weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+            compiled_here = False  # once an engine compiled in this process, a later one's start is not cold
             for engine_name in engines:
                 cache = Path(tmp) / f"{dtype_name}-{engine_name}.compile-cache"
                 row = {
@@ -503,6 +504,8 @@ def main() -> None:
                     "memory_floor_ms": weight_bytes / bandwidth * 1e3 if bandwidth else None,
                 }
                 row.update(warm_start(engine_name, row, folder, dtype_name, cache, args))
+                row["start_is_cold"] = not (compiled_here and row["steps_compiled"])
+                compiled_here = compiled_here or bool(row["steps_compiled"])
                 rows.append(row)
                 print(
                     f"{dtype_name} {engine_name}: start {row['start_seconds']:.1f} s; warm-up "
@@ -523,13 +526,18 @@ def main() -> None:
     for r in rows:
         c = r["calls_ms"]
         print(
-            f"{r['dtype']:9} {r['engine']:15} {r['start_seconds']:7.1f} {fmt(r['warm_start_seconds'], 6, 1)} "
+            f"{r['dtype']:9} {r['engine']:15} {fmt(r['start_seconds'] if r['start_is_cold'] else None, 7, 1)} "
+            f"{fmt(r['warm_start_seconds'], 6, 1)} "
             f"{r['ms_per_ar_token']:9.3f} {r['ms_per_spec_round']:8.3f} "
             f"{c['target [1, 1]']:7.3f} {c[f'target [1, {B}]']:7.3f} {c[f'draft [1, {B}]']:7.3f} "
             f"{r['host_and_glue_ms']:6.3f} {fmt(r.get('ms_per_spec_round_separate_calls'), 7, 3)} "
             f"{r['break_even_tau']:14.2f} "
             + " ".join(f"{v:5.2f}x" for v in r["speedup_at_tau"].values())
             + (f" {r['memory_floor_ms']:8.3f}" if r["memory_floor_ms"] else f" {'-':>8}")
+        )
+    if not all(r["start_is_cold"] for r in rows):
+        print(
+            "start s '-': compiled after another engine in this process (Inductor started, steps shared); run it alone"
         )
     fp = fingerprint.collect()
     summary = issue_summary(rows, args.dtypes.split(",")[0], previous_results())
