@@ -25,12 +25,14 @@
 # training start: NOTES predicts ~60 s of setup):
 #   bash benchmarks/gpu_prepare.sh part                 # carry .bench/p1 .whl
 #   bash benchmarks/gpu_prepare.sh part                 # carry .bench/p2
-#   PREPARE_CAP=450 BUDGET=585 bash benchmarks/gpu_prepare.sh part join speed more   # carry .bench/p3: the
-#                       # side-by-side figure for prepare_speed.json (8,192 prompts, transformers' generate on
-#                       # 2,048 of them, ~180 s), then the data again (~383 s; cut near its end, resumed next)
-#   TRAIN_CAP=560 BUDGET=575 bash benchmarks/gpu_prepare.sh more train-more keep   # ~3,500 steps of the drafter
-#                       # of benchmarks/drafters/ (NOTES: setup ~60 s now), brought back
-#   BENCH_PROMPTS=16 BUDGET=330 bash benchmarks/gpu_prepare.sh bench   # the table (graphs-compiled, ~93 s compile)
+#   PREPARE_CAP=450 BUDGET=585 bash benchmarks/gpu_prepare.sh part join more train-more   # carry .bench/p3: the
+#                       # data again (~375 s), then the drafter of benchmarks/drafters/ trained on, cut by the
+#                       # limit (SIGTERM: checkpointed; NOTES: setup ~20 s, warm-up ~40 s)
+#   TRAIN_CAP=560 BUDGET=575 bash benchmarks/gpu_prepare.sh train-more keep   # resumed: ~3,400 more steps
+#   BENCH_PROMPTS=12 BUDGET=450 bash benchmarks/gpu_prepare.sh speed bench
+#                       # prepare_speed.json (8,192 prompts, transformers' generate on 2,048 of them, ~180 s),
+#                       # then the table (graphs-compiled, ~93 s of compile)
+#   (five commands: ~1,625 s of commands and ~25 s of start each; the ninth session used 1,724 s for seven)
 #   then commit the drafter that `keep` brought back to benchmarks/drafters/embedded-gpu-more if its held-out tau
 #   is higher
 # Ninth session, as run (the new checkout lost .bench, the 3-layer drafter with it: a new drafter from scratch):
