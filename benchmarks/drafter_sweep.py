@@ -78,16 +78,26 @@ def dflashkit(*args: str, timeout: float | None = None) -> int:
     timeout it gets SIGTERM: training ends the step under way and checkpoints it (then --resume continues)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     print("$ dflashkit " + " ".join(args), flush=True)
-    with subprocess.Popen([sys.executable, "-m", "dflashkit.cli", *args], env=env) as proc:
+    code = run_until([sys.executable, "-m", "dflashkit.cli", *args], env, timeout)
+    if code == 124:
+        print(f"(stopped after {timeout:.0f} s: continue with --resume)", flush=True)
+    return code
+
+
+def run_until(
+    cmd: list[str], env: dict[str, str] | None, timeout: float | None, grace: float = STOP_GRACE_S
+) -> int:
+    """Run ``cmd``; its exit status, or 124 when it ran past ``timeout`` seconds: then it gets SIGTERM and
+    ``grace`` seconds to stop (SIGKILL after)."""
+    with subprocess.Popen(cmd, env=env) as proc:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=STOP_GRACE_S)
+                proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            print(f"(stopped after {timeout:.0f} s: continue with --resume)", flush=True)
             return 124
 
 

@@ -75,3 +75,20 @@ def test_a_variant_config_is_the_base_with_its_overrides(tmp_path):
         "run": {"out_dir": str(tmp_path)},
     }
     assert cfg["drafter"]["layers"] == 2  # the base is left as it was
+
+
+def test_a_command_past_its_time_gets_sigterm_before_sigkill(tmp_path):
+    """The sweep's time limit lets training checkpoint the step under way: SIGTERM first (SIGKILL after the
+    grace), so a child that handles SIGTERM finishes its work."""
+    done = tmp_path / "checkpointed"
+    child = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        f"    open({str(done)!r}, 'w').write('step')\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "time.sleep(60)\n"
+    )
+    assert sweep.run_until([sys.executable, "-c", child], None, timeout=8.0, grace=20.0) == 124
+    assert done.read_text() == "step"
+    assert sweep.run_until([sys.executable, "-c", "pass"], None, timeout=30.0) == 0
