@@ -600,10 +600,10 @@ def train_drafter(
             quiet = _silent_console()
             session = trainer.start(w.run, w.resume_from, quiet)
             w.result = trainer.loop(w.run, session, w.source, console=quiet, stop_after=stop_after, stop=stop)
-        w.status = "done"
-        if w.result.stopped_by:
-            w.status = "stopped"
-            w.error = f"{w.result.stopped_by} after step {w.result.steps}, checkpointed: --resume continues"
+        stopped_by = w.result.stopped_by
+        w.status = "stopped" if stopped_by else "done"
+        if stopped_by:
+            w.error = f"{stopped_by} after step {w.result.steps}, checkpointed: --resume continues"
     except FanoutStopped as e:
         w.status, w.error = "stopped", str(e)
     except Exception as e:  # recorded, not raised: the other drafters go on
