@@ -125,14 +125,14 @@ for s in "$@"; do
   case $s in
     part)
       stage part
-      for d in .bench/p1 .bench/p2 .bench/p3; do [ -d $d ] && cp $d/* "$M/"; done
+      for d in .bench/p[0-9]*; do [ -d $d ] && cp $d/* "$M/"; done
       [ -d .whl ] && mkdir -p $M/whl && cp .whl/*.whl $M/whl/
       ls $M/whl/*.whl $M/*.whl 2>/dev/null | xargs -r python3 -m pip install -q --no-index --no-deps --no-compile \
         --no-cache-dir --upgrade --target /tmp/site
       ls -la "$M" ;;
     join)
       stage join
-      cat $M/gguf.part.aa $M/gguf.part.ab $M/gguf.part.ac > "$DFLASHKIT_EMBEDDED_GGUF" && rm $M/gguf.part.*
+      cat $(ls $M/gguf.part.* | sort) > "$DFLASHKIT_EMBEDDED_GGUF" && rm $M/gguf.part.*
       # the first load converts the GGUF and caches safetensors (~/.cache/dflashkit)
       python3 -c "from dflashkit.target.embedded import embedded_dir; print(embedded_dir())" || exit 1 ;;
     tests)

@@ -213,8 +213,23 @@ def test_the_fp32_check_runs_on_float32_copies_and_names_a_difference(tiny, monk
     dec16, dec32 = _decoder(t16, d16), _decoder(target, drafter)
     result = run_set(dec16, _set(), [0.0], settings=settings, lossless=dec32, lossless_limit=2)
     check = result["lossless_fp32"]
-    assert check == {"dtype": "float32", "responses": 4, "lossless": True, "first_difference": None}
+    assert check == {
+        "dtype": "float32",
+        "responses": 4,
+        "lossless": True,
+        "first_difference": None,
+        "engine": dec32.engine,
+    }
     assert result["temperatures"]["0"]["responses"] == 6
+    # a compiled engine's check runs on its eager steps; every other engine checks itself
+    assert (
+        bench.lossless_engine("graphs-compiled") == bench.lossless_engine("graphs-draft-compiled") == "graphs"
+    )
+    assert [bench.lossless_engine(e) for e in ("dynamic", "static", "graphs")] == [
+        "dynamic",
+        "static",
+        "graphs",
+    ]
 
     import dflashkit.infer.speculative as spec
 

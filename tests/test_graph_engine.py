@@ -139,12 +139,15 @@ def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
 
 
 @pytest.mark.gpu
-def test_graphs_engine_replays_cuda_graphs_on_gpu():
+@pytest.mark.parametrize("compiled", [False, "draft", True])
+def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
     """On CUDA (fp32, so the attention is the masked reference over the whole capacity): each step shape
-    is captured once at warm-up and replayed after; the same greedy output and acceptance lengths as the
-    dynamic engine, with scripted drafts (every acceptance length and crop)."""
+    is captured once at warm-up (compiled first: the graphs-draft-compiled and graphs-compiled engines) and
+    replayed after; the same greedy output and acceptance lengths as the dynamic engine, with scripted drafts
+    (every acceptance length and crop). `dflashkit bench` checks a compiled engine's rounds on its eager
+    steps in fp32; this test holds the compiled steps to the same output."""
     gpu, d = on_gpu()
-    engine = GraphEngine(gpu, d, capacity=128, compile=False)
+    engine = GraphEngine(gpu, d, capacity=128, compile=compiled)
     warmed = engine.warm_up()
     assert list(warmed) == CHAIN_STEPS and len(engine.steps) == 4
     for prompt in prompts(5, 13, 40):

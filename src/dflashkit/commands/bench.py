@@ -116,13 +116,13 @@ def _bench(args: argparse.Namespace) -> int:
     out = Path(args.out or drafter_dir.parent / "bench")
     bench.check_settings(out, settings)
 
-    def decoder(t: Any, d: Any) -> bench.Decoder:
+    def decoder(t: Any, d: Any, engine: str) -> bench.Decoder:
         return bench.Decoder(
             t,
             d,
             tokenizer,
             eos_ids,
-            engine=args.engine,
+            engine=engine,
             max_new_tokens=args.max_new_tokens,
             enable_thinking=thinking,
             top_p=args.top_p,
@@ -131,16 +131,24 @@ def _bench(args: argparse.Namespace) -> int:
             tree_budget=args.tree_budget or None,
         )
 
-    dec = decoder(target, drafter)
+    dec = decoder(target, drafter, args.engine)
     lossless = None
     if args.check_lossless:
         if dtype == torch.float32:
             lossless = dec
         else:
-            console.print("fp32 lossless check: loading float32 copies of the target and the drafter")
+            check_engine = bench.lossless_engine(args.engine)
+            console.print(
+                "fp32 lossless check: loading float32 copies of the target and the drafter"
+                + (
+                    f" (on the {check_engine} engine: the same rounds, steps not compiled)"
+                    if check_engine != args.engine
+                    else ""
+                )
+            )
             t32 = TargetModel.load(args.target or "embedded", dtype=torch.float32, device=target.device)
             d32 = load_drafter(args.drafter, t32, dtype=torch.float32, device=target.device, verify=False)
-            lossless = decoder(t32, d32.eval())
+            lossless = decoder(t32, d32.eval(), check_engine)
 
     # one static engine for every set (a new capacity means a new engine, compiled again on a GPU)
     capacity = max((dec.capacity(b) for b in sets if b.conversations), default=0)

@@ -7,7 +7,10 @@ temperature, every prompt is decoded speculatively and autoregressively on the s
 ratio. At T = 0 the rule is greedy; above 0 it is speculative rejection sampling (`Sampling(rule=
 "rejection")`), which keeps the target's distribution exactly. The fp32 lossless check decodes greedily in
 float32 (the run itself when it is float32, otherwise float32 copies of the target and drafter) and
-compares speculative and autoregressive output token for token.
+compares speculative and autoregressive output token for token; for a compiled engine it decodes on the
+same engine's eager steps (`lossless_engine`): the check is of the rounds, and compiling float32 copies
+of every step costs more than a minute on the GPU before the first measurement (the compiled steps'
+float32 output is held to the dynamic engine's by the GPU tests).
 
 Multi-turn sets (MT-Bench) decode every turn, the next turn after the speculative reply to the last, as
 the paper's evaluation does; each turn's reply is one "response". Held-out records are decoded from each
@@ -619,7 +622,15 @@ def write_outputs(
 # One set, every temperature
 
 
-def lossless_result(bset: BenchSet, responses: list[Response], dtype: str) -> dict[str, Any]:
+def lossless_engine(engine: str) -> str:
+    """The engine of the fp32 lossless check for a run on ``engine``: its eager steps when it compiles them
+    (the same rounds and steps, captured as CUDA graphs but not compiled), else the same engine."""
+    return "graphs" if engine in ("graphs-compiled", "graphs-draft-compiled") else engine
+
+
+def lossless_result(
+    bset: BenchSet, responses: list[Response], dtype: str, engine: str | None = None
+) -> dict[str, Any]:
     """Whether greedy speculative output equalled the autoregressive output on every checked response, and
     where the first difference was."""
     first = next((r for r in responses if r.first_difference is not None), None)
@@ -631,7 +642,15 @@ def lossless_result(bset: BenchSet, responses: list[Response], dtype: str) -> di
             "turn": first.turn,
             "new_token": first.first_difference,
         }
-    return {"dtype": dtype, "responses": len(responses), "lossless": first is None, "first_difference": where}
+    result = {
+        "dtype": dtype,
+        "responses": len(responses),
+        "lossless": first is None,
+        "first_difference": where,
+    }
+    if engine is not None:
+        result["engine"] = engine
+    return result
 
 
 def training_metric(
@@ -691,7 +710,7 @@ def run_set(
             {**r.__dict__, "key": bset.conversations[r.conversation].key} for r in responses
         ]
         if compare:
-            result["lossless_fp32"] = lossless_result(bset, responses, "float32")
+            result["lossless_fp32"] = lossless_result(bset, responses, "float32", dec.engine)
     if lossless is not None and result["lossless_fp32"] is None:
         subset = BenchSet(bset.name, bset.source, bset.conversations[:lossless_limit])
         if subset.conversations and lossless is not dec:
@@ -702,7 +721,7 @@ def run_set(
                 progress(f"{bset.name} fp32 check", r)
 
         checked = decode_set(lossless, subset, 0.0, compare=True, stop_at_difference=True, progress=report32)
-        result["lossless_fp32"] = lossless_result(subset, checked, "float32")
+        result["lossless_fp32"] = lossless_result(subset, checked, "float32", lossless.engine)
     t0 = result["temperatures"].get("0")
     if bset.name == "heldout" and drafter_dir is not None and t0 is not None:
         result["training_metric"] = training_metric(drafter_dir, data_dir, t0["tau"], bset)
