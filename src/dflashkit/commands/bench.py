@@ -207,7 +207,9 @@ def _bench(args: argparse.Namespace) -> int:
         raise bench.BenchLosslessError(
             f"fp32 lossless check failed on {', '.join(n for n, _ in failed)}: in {name}, prompt "
             f"{where['conversation']} turn {where['turn']}, speculative and autoregressive output differ at new "
-            f"token {where['new_token']} (see {out / bench.SETS_DIR / (name + '.json')})"
+            f"token {where['new_token']}"
+            + (f" on the {check['engine']} engine" if check.get("engine") else "")
+            + f" (see {out / bench.SETS_DIR / (name + '.json')})"
         )
     return 0
 
