@@ -236,31 +236,22 @@ def assert_decodes_as_dynamic(target, drafter, static, prompt, n):
     )
 
 
-@pytest.mark.slow
-def test_compiled_static_engine_decodes_as_the_dynamic_engine(target, drafter):
-    """torch.compile of each step shape (the default mode on the CPU), warmed up then frozen: the same
-    tokens and acceptance lengths, and nothing compiles after warm-up (it would raise)."""
-    from dflashkit.runtime.compile import is_frozen
-
-    static = StaticEngine(target, drafter, capacity=48, compile=True)
-    warmed = static.warm_up()
-    assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]"] and not is_frozen()
-    warm = graphs(static)
-    assert_decodes_as_dynamic(target, drafter, static, prompts(9)[0], 16)  # each step frozen while it runs
-    assert graphs(static) == warm, "compiled after warm-up"
-    assert not is_frozen()
-
-
-@pytest.mark.slow
-def test_compiled_static_engine_verifies_trees(target, drafter):
-    """The tree step compiles once for its node budget during warm-up, then tree rounds (branches off the
-    first nodes, rows moved) decode as autoregressive decoding with nothing compiled after warm-up."""
+@pytest.mark.cpu_compile  # `make compile-test`: ~4 minutes; on a GPU the compiled steps are tested captured
+def test_compiled_static_engine_decodes_chains_and_trees_as_the_dynamic_engine(target, drafter):
+    """torch.compile of each step shape (the default mode on the CPU), warmed up then frozen, one engine for
+    both kinds of round (each compile costs ~a minute on the CPU): chain rounds give the dynamic engine's
+    tokens and acceptance lengths; the tree step compiles once for its node budget, and tree rounds (branches
+    off the first nodes, rows moved) decode as autoregressive decoding; nothing compiles after warm-up (it
+    would raise)."""
     from dflashkit.runtime.compile import is_frozen
 
     static = StaticEngine(target, drafter, capacity=48, compile=True, tree_budget=6)
-    assert "target tree [1, 7]" in static.warm_up()
+    warmed = static.warm_up()
+    assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]", "target tree [1, 7]"]
+    assert not is_frozen()
     warm = (*graphs(static), static._tree_step.graphs())
     prompt = prompts(9)[0]
+    assert_decodes_as_dynamic(target, drafter, static, prompt, 16)  # each step frozen while it runs
     ar = autoregressive_generate(target, prompt, 16, layer_ids=LAYERS)
     script = ScriptedTree(static, prompt + ar.tokens)
     g = speculative_generate(target, drafter, prompt, 16, engine=script, tree_budget=6)

@@ -177,7 +177,7 @@ def _two_token_p_value(target, drafter, rule, tree_budget=None, n=1500):
     accepted = 0
     for seed in range(n):
         s.seed = seed
-        g = speculative_generate(target, drafter, prompt, 5, s, tree_budget=tree_budget)
+        g = speculative_generate(target, drafter, prompt, 2, s, tree_budget=tree_budget)
         counts[g.tokens[0], g.tokens[1]] += 1
         accepted += sum(t - 1 for t in g.accept_lengths)
     assert accepted > 0, "the test must exercise accepted drafts"
