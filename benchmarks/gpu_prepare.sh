@@ -224,10 +224,14 @@ for s in "$@"; do
     bench)
       # the paper's table for a drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
       stage bench
-      timeout $(cap 420) $DK bench --drafter ${DRAFTER:-$W/run-more/best} --data ${BENCH_DATA:-$W/more} --out $W/bench \
+      # BENCH_OUT: another folder for other settings (bench refuses to mix them into one, naming the difference)
+      timeout $(cap 420) $DK bench --drafter ${DRAFTER:-$W/run-more/best} --data ${BENCH_DATA:-$W/more} \
+        --out ${BENCH_OUT:-$W/bench} \
         --max-prompts ${BENCH_PROMPTS:-40} --check-lossless --lossless-prompts 4 \
         --summary "$OUT/drafter_table.json" ${BENCH_ARGS:-} 2>&1 | grep -v "Loading weights" | tail -30
-      for f in bench.json bench.md bench.png; do cp "$W/bench/$f" "$OUT/" 2>/dev/null; done ;;
+      for f in bench.json bench.md bench.png; do cp "${BENCH_OUT:-$W/bench}/$f" "$OUT/" 2>/dev/null; done
+      # each set as it finished, so that a bench cut by the limit still brings back the sets it measured
+      mkdir -p "$OUT/sets" && cp "${BENCH_OUT:-$W/bench}"/sets/*.json "$OUT/sets/" 2>/dev/null ;;
     keep)
       # the drafter comes back in pieces of 15 MB (files from the machine are at most 16 MiB each, ~64 MiB in
       # all): `cat drafter.tar.part.* | tar -x` gives best/; commit it under benchmarks/drafters/ to keep it
