@@ -204,6 +204,22 @@ def test_the_static_engine_grows_when_a_prompt_needs_more_room(tiny):
     assert dec.ready(bench.CAPACITY_STEP + 1).capacity == 2 * bench.CAPACITY_STEP
 
 
+def make_lossy(monkeypatch, at: int, vocab: int) -> None:
+    """Speculative decoding that changes new token ``at`` of every reply long enough (not the warm-up's few
+    tokens): what a lossy round would do."""
+    import dflashkit.infer.speculative as spec
+
+    real = spec.speculative_generate
+
+    def lossy(*args, **kwargs):
+        g = real(*args, **kwargs)
+        if len(g.tokens) > at:
+            g.tokens[at] = (g.tokens[at] + 1) % vocab
+        return g
+
+    monkeypatch.setattr(spec, "speculative_generate", lossy)
+
+
 def test_the_fp32_check_runs_on_float32_copies_and_names_a_difference(tiny, monkeypatch):
     folder, target, drafter = tiny
     t16 = _tiny_target(folder, torch.bfloat16)
@@ -231,17 +247,7 @@ def test_the_fp32_check_runs_on_float32_copies_and_names_a_difference(tiny, monk
         "graphs",
     ]
 
-    import dflashkit.infer.speculative as spec
-
-    real = spec.speculative_generate
-
-    def lossy(*args, **kwargs):
-        g = real(*args, **kwargs)
-        if len(g.tokens) > 5:  # not the warm-up's few tokens
-            g.tokens[5] = (g.tokens[5] + 1) % 12
-        return g
-
-    monkeypatch.setattr(spec, "speculative_generate", lossy)
+    make_lossy(monkeypatch, at=5, vocab=12)
     result = run_set(dec32, _set(), [0.0], settings=settings, lossless=dec32)
     assert result["lossless_fp32"]["lossless"] is False
     assert result["lossless_fp32"]["first_difference"] == {
@@ -364,17 +370,7 @@ def test_bench_says_what_is_missing_before_loading_anything(drafter_run, tmp_pat
 def test_a_failed_fp32_check_ends_the_command_with_one_line_after_writing_its_files(
     drafter_run, tiny_dataset, tmp_path, capsys, monkeypatch
 ):
-    import dflashkit.infer.speculative as spec
-
-    real = spec.speculative_generate
-
-    def lossy(*args, **kwargs):
-        g = real(*args, **kwargs)
-        if len(g.tokens) > 2:  # not the warm-up's few tokens
-            g.tokens[2] = (g.tokens[2] + 1) % 100
-        return g
-
-    monkeypatch.setattr(spec, "speculative_generate", lossy)
+    make_lossy(monkeypatch, at=2, vocab=100)
     out = tmp_path / "bench"
     args = ["bench", "--drafter", str(drafter_run), "--data", str(tiny_dataset), "--dtype", "float32"]
     args += ["--sets", "heldout", "--max-prompts", "1", "--max-new-tokens", "4", "--temperatures", "0"]

@@ -138,13 +138,10 @@ def _bench(args: argparse.Namespace) -> int:
             lossless = dec
         else:
             check_engine = bench.lossless_engine(args.engine)
+            on = f" (on the {check_engine} engine: the same rounds, steps not compiled)"
             console.print(
                 "fp32 lossless check: loading float32 copies of the target and the drafter"
-                + (
-                    f" (on the {check_engine} engine: the same rounds, steps not compiled)"
-                    if check_engine != args.engine
-                    else ""
-                )
+                + (on if check_engine != args.engine else "")
             )
             t32 = TargetModel.load(args.target or "embedded", dtype=torch.float32, device=target.device)
             d32 = load_drafter(args.drafter, t32, dtype=torch.float32, device=target.device, verify=False)

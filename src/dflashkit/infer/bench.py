@@ -628,11 +628,9 @@ def lossless_engine(engine: str) -> str:
     return "graphs" if engine in ("graphs-compiled", "graphs-draft-compiled") else engine
 
 
-def lossless_result(
-    bset: BenchSet, responses: list[Response], dtype: str, engine: str | None = None
-) -> dict[str, Any]:
-    """Whether greedy speculative output equalled the autoregressive output on every checked response, and
-    where the first difference was."""
+def lossless_result(bset: BenchSet, responses: list[Response], dtype: str, engine: str) -> dict[str, Any]:
+    """Whether greedy speculative output equalled the autoregressive output on every checked response (decoded
+    in ``dtype`` on ``engine``), and where the first difference was."""
     first = next((r for r in responses if r.first_difference is not None), None)
     where = None
     if first is not None:
@@ -642,15 +640,13 @@ def lossless_result(
             "turn": first.turn,
             "new_token": first.first_difference,
         }
-    result = {
+    return {
         "dtype": dtype,
+        "engine": engine,
         "responses": len(responses),
         "lossless": first is None,
         "first_difference": where,
     }
-    if engine is not None:
-        result["engine"] = engine
-    return result
 
 
 def training_metric(
