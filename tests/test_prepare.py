@@ -418,6 +418,19 @@ def test_a_mixture_with_samples_and_fixed_held_out_sets(tmp_path: Path, prompts_
     big_plan = plan_records(bigger)
     assert [j.record_id for j in big_plan[0].validation] == [j.record_id for j in small_plan[0].validation]
     assert {j.prompt.id for j in big_plan[0].train}.isdisjoint(j.prompt.id for j in small_plan[0].validation)
+    # Another sampling seed: new samples of the same training prompts, the same held-out records.
+    resampled = tmp_path / "resampled"
+    prepare_dataset(
+        PrepareSettings(
+            out=resampled, sources=mixture, max_new_tokens=6, batch_size=4, dtype="float32", sample_seed=7
+        ),
+        progress=False,
+    )
+    again = {r["id"]: r for r in cache_lines(resampled)}
+    assert again.keys() == lines.keys()
+    assert all(again[rid]["reply_ids"] == lines[rid]["reply_ids"] for rid in held)
+    assert any(again[r["id"]]["reply_ids"] != r["reply_ids"] for r in sampled)
+    assert read_manifest(resampled)["settings"]["sample_seed"] == 7
 
 
 def test_one_source_flags_clash_with_a_mixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -128,7 +128,8 @@ class DataSection(Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # generation only
     backend: Literal["auto", "slots", "hf"] = "auto"  # auto: slots for Llama-family targets, else hf
     enable_thinking: bool = False
-    seed: int = 0
+    seed: int = 0  # selection and held-out split (and sampling, unless sample_seed is given)
+    sample_seed: int | None = None  # sampling only: new replies (and self-written prompts), same held-out
 
 
 class DrafterSection(Section):

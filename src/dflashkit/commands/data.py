@@ -29,6 +29,7 @@ _FIELDS = (
     "temperature",
     "top_p",
     "seed",
+    "sample_seed",
     "dtype",
     "device",
     "skip_malformed",
@@ -202,6 +203,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, metavar="T", help="0 for greedy (default), else sampling")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (default 1.0)")
     p.add_argument("--seed", type=int, metavar="S", help="selection, split and sampling seed (default 0)")
+    p.add_argument(
+        "--sample-seed",
+        type=int,
+        metavar="S",
+        help="sampling seed alone: new samples of the same prompts, same held-out split (default: --seed)",
+    )
     p.add_argument(
         "--dtype", choices=("bfloat16", "float16", "float32"), help="target dtype (default bfloat16)"
     )

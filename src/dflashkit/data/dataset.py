@@ -87,7 +87,8 @@ class PrepareSettings(BaseModel):
     batch_size: int = Field(16, ge=1)  # replies generated at once
     temperature: float = Field(0.0, ge=0.0)  # 0: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = 0
+    seed: int = 0  # selection and held-out split; sampling too unless sample_seed is given
+    sample_seed: int | None = None  # sampling only (replies, self-written prompts): new samples, same split
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = "auto"
     backend: Literal["auto", "slots", "hf"] = "auto"
@@ -97,6 +98,11 @@ class PrepareSettings(BaseModel):
     server_retries: int = Field(5, ge=0)  # attempts after the first, per request, with --server
     skip_malformed: bool = False
     enable_thinking: bool = False
+
+    @property
+    def sampling_seed(self) -> int:
+        """The run seed that sampled replies and self-written prompts draw from."""
+        return self.seed if self.sample_seed is None else self.sample_seed
 
     def source_specs(self) -> list[SourceSpec]:
         """The sources to read: the mixture, or the one source the flat fields describe. Weights become
@@ -173,7 +179,7 @@ def _generation_identity(
         "generation": {
             "max_new_tokens": settings.max_new_tokens,
             "max_prompt_tokens": settings.max_prompt_tokens,
-            "seed": settings.seed,
+            "seed": settings.sampling_seed,
             "dtype": settings.dtype,
         },
     }
@@ -352,7 +358,7 @@ def prepare_dataset(
         gen = GenerationSettings(
             max_new_tokens=settings.max_new_tokens,
             max_prompt_tokens=settings.max_prompt_tokens,
-            seed=settings.seed,
+            seed=settings.sampling_seed,
             enable_thinking=settings.enable_thinking,
             flush_records=flush_records,
         )
@@ -371,7 +377,7 @@ def prepare_dataset(
                     tokenizer,
                     eos_ids,
                     questions,
-                    run_seed=settings.seed,
+                    run_seed=settings.sampling_seed,
                     enable_thinking=settings.enable_thinking,
                     progress=progress,
                 )
