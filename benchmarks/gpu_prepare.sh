@@ -213,6 +213,8 @@ for s in "$@"; do
     recipe) prepare recipe configs/embedded-gpu-recipe.yaml ;;
     train-recipe) train recipe configs/embedded-gpu-recipe.yaml ;;
     more) prepare more configs/embedded-gpu-more.yaml ;;
+    # the held-out set of `more` alone (the same 196 greedy records) for bench without the full dataset
+    heldout) prepare heldout configs/embedded-gpu-heldout.yaml ;;
     # the recipe's drafter (carried, see `drafter`: since the eighth session the 3-layer one) on twice the prompts
     # the drafter of configs/embedded-gpu-more.yaml (drafter.init: the one kept in benchmarks/drafters/) trained
     # on twice the recipe's prompts; cut by the command's limit (SIGTERM: the step under way is checkpointed),
