@@ -1,15 +1,17 @@
 """The speculative round on the CPU, before and after a change, side by side in one run.
 
 Runs `dflashkit eval --prompts validation --dtype bfloat16` (speculative and autoregressive decoding of the
-same held-out prompts on the same engine) from two checkouts one after the other: BEFORE (a commit, checked
-out into a temporary worktree) and this checkout, on the dynamic engine, and this checkout on the graphs
-engine too. A round's cost in autoregressive tokens is tau / speedup, i.e. how many one-token target steps
+same held-out prompts on the same engine; `--prompts mtbench` for MT-Bench, no dataset needed) from two
+checkouts, BEFORE (a commit, checked out into a temporary worktree) and this checkout, one right after the
+other on each engine of `--engines`. A round's cost in autoregressive tokens is tau / speedup, i.e. how many one-token target steps
 one draft + verify round costs. Prints a table and writes cpu_round.json to --out; with --update-results it
 also writes the best round cost of this checkout into benchmarks/results/decode_steps.json
 (``cpu_round_cost_ar_tokens``, the decode-engine issue's key).
 
     python benchmarks/cpu_round.py --drafter runs/embedded/best --data runs/embedded/data --out /tmp/cpu-round
     python benchmarks/cpu_round.py ... --before d65d31d~1 --max-prompts 16 --update-results
+    python benchmarks/cpu_round.py --drafter benchmarks/drafters/embedded-gpu-more --prompts mtbench \
+        --before HEAD~1 --engines graphs --max-prompts 4 --out /tmp/cpu-round
 
 Timings are wall-clock on a shared machine: run it on an idle one (`uptime`), and read the ratios.
 """
@@ -40,8 +42,9 @@ def checkout(commit: str, into: Path) -> Path:
 
 def run_eval(src: Path, engine: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One `dflashkit eval` from the checkout whose sources are ``src``; its eval.json plus wall seconds."""
-    cmd = [sys.executable, "-m", "dflashkit.cli", "eval", "--drafter", args.drafter, "--data", args.data]
-    cmd += ["--prompts", "validation", "--dtype", "bfloat16", "--engine", engine]
+    cmd = [sys.executable, "-m", "dflashkit.cli", "eval", "--drafter", args.drafter]
+    cmd += ["--data", args.data] if args.data else []
+    cmd += ["--prompts", args.prompts, "--dtype", "bfloat16", "--engine", engine]
     cmd += [
         "--max-prompts",
         str(args.max_prompts),
@@ -87,7 +90,9 @@ def head_commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True, help="drafter checkpoint folder (e.g. runs/embedded/best)")
-    ap.add_argument("--data", required=True, help="its dataset folder (the held-out prompts)")
+    ap.add_argument("--data", help="its dataset folder (the held-out prompts of --prompts validation)")
+    ap.add_argument("--prompts", default="validation", help="eval's --prompts: validation, mtbench or a file")
+    ap.add_argument("--engines", default="dynamic,graphs", help="engines, each run before and after")
     ap.add_argument(
         "--before",
         default="d65d31d~1",
@@ -100,23 +105,29 @@ def main() -> None:
         "--update-results", action="store_true", help="write cpu_round_cost_ar_tokens into " + str(RESULTS)
     )
     args = ap.parse_args()
+    if args.prompts == "validation" and not args.data:
+        ap.error("--prompts validation reads the held-out split of --data: give --data, or --prompts mtbench")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     here = head_commit()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        plan = [("after", here, ROOT / "src", "dynamic"), ("after", here, ROOT / "src", "graphs")]
-        if args.before != "none":
-            plan.insert(0, ("before", args.before, checkout(args.before, Path(tmp) / "before"), "dynamic"))
+        before = checkout(args.before, Path(tmp) / "before") if args.before != "none" else None
+        plan = []
+        for engine in args.engines.split(","):
+            if before is not None:
+                plan.append(("before", args.before, before, engine))
+            plan.append(("after", here, ROOT / "src", engine))
         try:
             for name, commit, src, engine in plan:
                 print(f"eval: {name} ({commit}), {engine} engine ...", flush=True)
                 report = run_eval(src, engine, args, out / f"{name}-{engine}")
                 rows.append(row(name, commit, engine, report))
         finally:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "before")]
-            )
+            if before is not None:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "before")]
+                )
     print("\n| variant | engine | prompts | tau | AR tok/s | spec tok/s | speedup | round cost (AR tokens) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

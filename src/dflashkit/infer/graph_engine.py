@@ -79,7 +79,7 @@ from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_com
 from dflashkit.runtime.compile_cache import CacheUse, portable_cache
 from dflashkit.runtime.compiled_region import CompiledRegion
 from dflashkit.target.hf import TargetModel
-from dflashkit.target.slot_decoder import Attention, DecoderWeights, SlotCache, decode, logits
+from dflashkit.target.slot_decoder import Attention, DecoderWeights, SlotCache, decode, linear, logits
 
 
 def _attention(device: torch.device, dtype: torch.dtype) -> Attention:
@@ -135,13 +135,14 @@ def draft_step(
     block_start: Tensor,
     offsets: Tensor,
     out_logits: Tensor,
+    lm_head_packed: Tensor | None = None,
 ) -> None:
     """Write the context rows (features [1, B, n*H] from position ``row_start``) into the drafter's cache,
     draft the block [1, B] anchored at ``block_start``, and put the drafted slots' float32 logits (the
-    target's head) into ``out_logits`` [B-1, V]."""
+    target's head, through its packed copy where there is one) into ``out_logits`` [B-1, V]."""
     drafter.write_context(rows, row_start + offsets, cache)
     hidden = drafter.draft_block(embed[block], block_start + offsets, cache, "sdpa")
-    out_logits.copy_(torch.nn.functional.linear(hidden[0, 1:].to(lm_head.dtype), lm_head))
+    out_logits.copy_(linear(hidden[0, 1:].to(lm_head.dtype), lm_head, packed=lm_head_packed))
 
 
 # One compiled region per step function, shared by every engine of the process (a graph per shape, guarded on
@@ -218,6 +219,8 @@ class GraphEngine:
         )
         self.block_size = drafter.config.block_size if drafter is not None else 1
         self.w = DecoderWeights.from_hf(target.model, max_positions=capacity)
+        # eager steps on a CPU in bf16: every weight packed once for oneDNN (no-op elsewhere)
+        self.packed = not compile and not graphs and self.w.pack_for_cpu()
         self.cache = SlotCache(self.w, slots=1, capacity=capacity)
         self.attention = _attention(dev, self.w.dtype)
         self.steps = Steps(graphs)
@@ -355,6 +358,7 @@ class GraphEngine:
             self._block_start,
             self._offsets,
             self._draft_logits,
+            self.w.lm_head_packed,
         )
 
     def _round_step(self) -> None:
