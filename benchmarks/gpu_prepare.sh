@@ -20,6 +20,13 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twelfth session, as run (29 device minutes; the first start failed and cost 91 s): part; part; part (carry
+#   .bench/p1 .whl, p2, p3); PREPARE_CAP=450 BUDGET=585 TRAIN_OVERRIDES="train.lr=2e-4 train.warmup_ratio=0.02
+#   train.max_steps=4400" ... part join more train-more (carry .bench/p4; 590 s: prepare 361 s, training cut at
+#   step 1,003); TRAIN_CAP=445 BUDGET=470 TRAIN_OVERRIDES=<the same> ... train-more keep (444 s, to 4,400:
+#   held-out served tau 3.535); BUDGET=515 BENCH_PROMPTS=80 BENCH_DATA=/root/work/more BENCH_ARGS="--sets
+#   heldout,mtbench,gsm8k,humaneval --temperatures 0" ... bench (299 s); T=1 on 16 prompts a set by hand (132 s).
+#   The config now holds those train settings.
 # Eleventh session's plan (~27 device minutes; the tenth measured prepare_speed 116k vs 3.3k (35.6x), trained the
 # drafter to 4,000 more steps (held-out served tau 3.40, still rising) and kept it in git; its table was measured
 # on the eager engine only: the compiled bench spent its budget compiling an fp32 engine, which it no longer does).

@@ -84,3 +84,26 @@ def test_the_bf16_graphs_engine_packs_and_decodes_as_the_unpacked_one(target16):
         assert a.tokens == b.tokens
         a, b = (speculative_generate(target16, drafter, prompt, 12, engine=e) for e in (packed, plain))
         assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+
+
+@needs_bf16
+def test_bf16_generation_on_a_cpu_packs_and_gives_the_unpacked_replies():
+    """`prepare`'s generator (the slots backend) packs in bf16 on a CPU; its replies are the unpacked ones."""
+    from dflashkit.data.generator import SlotGenerator, SlotSettings
+    from test_generator import EOS, ListSource, random_requests, tiny
+
+    model = tiny("qwen3").to(torch.bfloat16)
+    requests = random_requests(9)
+    settings = SlotSettings(slots=4, capacity=128, prefill_rows=3, max_chunk=16)
+    replies = {}
+    for packs in (True, False):
+        gen = SlotGenerator.create(model, EOS, settings)
+        assert gen.w.lm_head_packed is not None
+        if not packs:
+            gen.w.lm_head_packed = None
+            for layer in gen.w.layers:
+                layer.packed = {}
+        source = ListSource(requests)
+        gen.run(source)
+        replies[packs] = source.replies
+    assert replies[True] == replies[False] and len(replies[True]) == len(requests)

@@ -245,7 +245,9 @@ class SlotGenerator:
     def create(
         cls, model: Any, eos_ids: Sequence[int], settings: SlotSettings, fixed_shapes: bool | None = None
     ) -> SlotGenerator:
-        return cls(DecoderWeights.from_hf(model, max_positions=None), eos_ids, settings, fixed_shapes)
+        weights = DecoderWeights.from_hf(model, max_positions=None)
+        weights.pack_for_cpu()  # bf16 on a CPU: every weight packed once for oneDNN (the same numbers)
+        return cls(weights, eos_ids, settings, fixed_shapes)
 
     def _buffers(self) -> None:
         s, dev = self.settings.slots, self.device
