@@ -86,10 +86,9 @@ class DecoderWeights:
 
     def pack_for_cpu(self) -> bool:
         """Pack every matmul's weight once for oneDNN where that pays: bf16 on a CPU with bf16 matmul
-        instructions. ``F.linear`` re-lays a bf16 weight out on every call there; the packed weight makes a
-        step's matmuls 1.3-1.9x faster and a block of 8 rows cost what one row costs (the 49,152-row head:
-        6.4 ms for 1 row and 8.3 for 8 unpacked, 2.5 for either packed; benchmarks/RESULTS.md, twelfth
-        session), with the very numbers of the unpacked step (the same kernels, the weights laid out
+        instructions. ``F.linear`` re-lays a bf16 weight out on every call there; with the weights packed the
+        graphs engine decoded MT-Bench 28-31% faster, autoregressively and speculatively (benchmarks/RESULTS.md,
+        twelfth session), with the very numbers of the unpacked step (the same kernels, the weights laid out
         ahead; the residual adds as the matmuls' post-op, as ``addmm_`` adds them). The packed copies
         double the weights' memory; eager steps only (a compiled step reads plain tensors). Returns whether
         it packed."""
