@@ -255,7 +255,7 @@ for s in "$@"; do
       # the paper's table for a drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
       stage bench
       # BENCH_OUT: another folder for other settings (bench refuses to mix them into one, naming the difference)
-      timeout $(cap 420) $DK bench --drafter ${DRAFTER:-$W/run-more/best} --data ${BENCH_DATA:-$W/more} \
+      timeout $(cap ${BENCH_CAP:-420}) $DK bench --drafter ${DRAFTER:-$W/run-more/best} --data ${BENCH_DATA:-$W/more} \
         --out ${BENCH_OUT:-$W/bench} \
         --max-prompts ${BENCH_PROMPTS:-40} --check-lossless --lossless-prompts 4 \
         --summary "$OUT/drafter_table.json" ${BENCH_ARGS:-} 2>&1 | grep -v "Loading weights" | tail -30
