@@ -133,27 +133,51 @@ def test_static_draft_cache_reads_only_rows_before_the_anchor(target, drafter):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_static_engine_decodes_as_the_dynamic_engine(target, drafter):
+# New tokens per generation in the decode tests: scripted rounds commit 1, 2, 3, 4, 1, 2 tokens after the
+# prefill's one, so every acceptance length occurs and the last round is cut by the length limit.
+N = 13
+
+
+@pytest.fixture(scope="module")
+def dynamic_rounds(target, drafter):
+    """Per prompt (5 and 13 tokens): the autoregressive generation, and the dynamic engine's rounds with the
+    real drafter and with scripted drafts (every acceptance length, every crop): the references the other
+    engines must equal, made once per module."""
+    out = {}
+    for prompt in prompts(5, 13):
+        ar = autoregressive_generate(target, prompt, N, layer_ids=LAYERS)
+        real = speculative_generate(target, drafter, prompt, N)
+        scripted = speculative_generate(
+            target,
+            drafter,
+            prompt,
+            N,
+            engine=ScriptedDrafts(DynamicEngine(target, drafter), prompt + ar.tokens),
+        )
+        assert real.tokens == scripted.tokens == ar.tokens
+        assert set(scripted.accept_lengths[:-1]) == set(range(1, B + 1))
+        assert 1 + sum(scripted.accept_lengths) > N  # the last round was cut short
+        out[tuple(prompt)] = (ar, real, scripted)
+    return out
+
+
+def test_static_engine_decodes_as_the_dynamic_engine(target, drafter, dynamic_rounds):
     """Greedy tokens and per-round acceptance lengths are the same, for the real drafter (every round
     rejects) and for scripted drafts (every acceptance length, every crop); AR too. One static engine
     serves every prompt and both loops."""
     static = StaticEngine(target, drafter, capacity=64)
-    for prompt in prompts(5, 13):
-        ar = autoregressive_generate(target, prompt, 20, layer_ids=LAYERS)
-        assert autoregressive_generate(target, prompt, 20, engine=static).tokens == ar.tokens
-        dyn = speculative_generate(target, drafter, prompt, 20)
-        sta = speculative_generate(target, drafter, prompt, 20, engine=static)
+    for key, (ar, dyn, scripted) in dynamic_rounds.items():
+        prompt = list(key)
+        assert autoregressive_generate(target, prompt, N, engine=static).tokens == ar.tokens
+        sta = speculative_generate(target, drafter, prompt, N, engine=static)
         assert sta.tokens == dyn.tokens == ar.tokens
         assert sta.accept_lengths == dyn.accept_lengths
-        scripted = {}
-        for name, engine in (("dynamic", DynamicEngine(target, drafter)), ("static", static)):
-            g = speculative_generate(
-                target, drafter, prompt, 20, engine=ScriptedDrafts(engine, prompt + ar.tokens)
-            )
-            scripted[name] = g
-            assert g.tokens == ar.tokens
-        assert scripted["static"].accept_lengths == scripted["dynamic"].accept_lengths
-        assert set(scripted["static"].accept_lengths[:-1]) == set(range(1, B + 1))
+        g = speculative_generate(
+            target, drafter, prompt, N, engine=ScriptedDrafts(static, prompt + ar.tokens)
+        )
+        assert g.tokens == ar.tokens
+        assert g.accept_lengths == scripted.accept_lengths
+        assert set(g.accept_lengths[:-1]) == set(range(1, B + 1))
 
 
 def test_static_engine_errors(target, drafter):
@@ -280,16 +304,16 @@ def test_static_engine_replays_cuda_graphs_on_gpu():
 
 
 @pytest.mark.parametrize("budget", [3, 10])
-def test_tree_rounds_decode_as_autoregressive_on_both_engines(target, drafter, budget):
+def test_tree_rounds_decode_as_autoregressive_on_both_engines(target, drafter, dynamic_rounds, budget):
     """Greedy tree rounds give the autoregressive tokens on both engines, with the same acceptance lengths,
     for scripted trees (accepted branches off the first nodes: rows moved) and for the real drafter."""
     static = StaticEngine(target, drafter, capacity=64, tree_budget=budget)
-    for prompt in prompts(5, 13):
-        ar = autoregressive_generate(target, prompt, 20, layer_ids=LAYERS)
+    for key, (ar, _, _) in dynamic_rounds.items():
+        prompt = list(key)
         scripted = {}
         for name, engine in (("dynamic", DynamicEngine(target, drafter)), ("static", static)):
             script = ScriptedTree(engine, prompt + ar.tokens)
-            g = speculative_generate(target, drafter, prompt, 20, engine=script, tree_budget=budget)
+            g = speculative_generate(target, drafter, prompt, N, engine=script, tree_budget=budget)
             assert g.tokens == ar.tokens, name
             scripted[name] = (g, script.paths)
         (dyn, paths), (sta, _) = scripted["dynamic"], scripted["static"]
@@ -299,7 +323,7 @@ def test_tree_rounds_decode_as_autoregressive_on_both_engines(target, drafter, b
         )
         assert any(p != list(range(len(p))) for p in paths), "no accepted branch needed its rows moved"
         for engine in ("dynamic", static):
-            real = speculative_generate(target, drafter, prompt, 20, engine=engine, tree_budget=budget)
+            real = speculative_generate(target, drafter, prompt, N, engine=engine, tree_budget=budget)
             assert real.tokens == ar.tokens
 
 

@@ -21,7 +21,9 @@ from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 from test_engine import LAYERS, ScriptedDrafts, ScriptedTree, on_gpu, prompts
 
-target, drafter = test_engine.target, test_engine.drafter  # the same module-scoped fixtures (B = 4)
+# the same module-scoped fixtures (B = 4), and the dynamic engine's chain rounds of N new tokens
+target, drafter, dynamic_rounds = test_engine.target, test_engine.drafter, test_engine.dynamic_rounds
+N = test_engine.N
 
 B = test_engine.B
 # what warm-up captures for chains, in order (the greedy round: the draft and target steps and the glue)
@@ -29,25 +31,21 @@ CHAIN_STEPS = ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]", f"greedy 
 
 
 @pytest.mark.parametrize("fixed_shapes", [False, True])
-def test_graphs_engine_decodes_as_the_dynamic_engine(target, drafter, fixed_shapes):
+def test_graphs_engine_decodes_as_the_dynamic_engine(target, drafter, dynamic_rounds, fixed_shapes):
     """Greedy tokens and per-round acceptance lengths: AR, the real drafter, and scripted drafts (every
     acceptance length, every crop). One engine serves every prompt and both loops."""
     engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=fixed_shapes)
-    for prompt in prompts(5, 13):
-        ar = autoregressive_generate(target, prompt, 20, layer_ids=LAYERS)
-        assert autoregressive_generate(target, prompt, 20, engine=engine).tokens == ar.tokens
-        dyn = speculative_generate(target, drafter, prompt, 20)
-        ours = speculative_generate(target, drafter, prompt, 20, engine=engine)
+    for key, (ar, dyn, scripted) in dynamic_rounds.items():
+        prompt = list(key)
+        assert autoregressive_generate(target, prompt, N, engine=engine).tokens == ar.tokens
+        ours = speculative_generate(target, drafter, prompt, N, engine=engine)
         assert ours.tokens == dyn.tokens == ar.tokens and ours.accept_lengths == dyn.accept_lengths
-        scripted = {}
-        for name, e in (("dynamic", DynamicEngine(target, drafter)), ("graphs", engine)):
-            g = speculative_generate(
-                target, drafter, prompt, 20, engine=ScriptedDrafts(e, prompt + ar.tokens)
-            )
-            assert g.tokens == ar.tokens
-            scripted[name] = g.accept_lengths
-        assert scripted["graphs"] == scripted["dynamic"]
-        assert set(scripted["graphs"][:-1]) == set(range(1, B + 1))
+        g = speculative_generate(
+            target, drafter, prompt, N, engine=ScriptedDrafts(engine, prompt + ar.tokens)
+        )
+        assert g.tokens == ar.tokens
+        assert g.accept_lengths == scripted.accept_lengths
+        assert set(g.accept_lengths[:-1]) == set(range(1, B + 1))
 
 
 def test_graphs_engine_draft_and_verify_logits_match_the_dynamic_engine(target, drafter):
