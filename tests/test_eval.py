@@ -156,3 +156,59 @@ def test_generate_hides_end_of_sequence_tokens_and_shows_a_legend(untrained_draf
     assert "stopped by eos" in out  # the reply ended with the end-of-sequence token...
     assert "<|im_end|>" not in out  # ...which is not printed
     assert "each round of speculative decoding is one span" in out and "green = the target accepted" in out
+
+
+def test_the_training_metric_compares_on_another_dataset_holding_out_the_same_prompts(tiny_dataset, tmp_path):
+    """A dataset written again with the same held-out prompts (e.g. `configs/embedded-gpu-heldout.yaml` beside
+    the drafter's own dataset) compares, whatever its replies; other held-out prompts do not."""
+    import shutil
+
+    import torch
+
+    from dflashkit.data.dataset import held_out_prompts_fingerprint, load_dataset, read_manifest, write_split
+    from dflashkit.infer.evaluate import training_reference
+
+    fingerprint = held_out_prompts_fingerprint(tiny_dataset)
+    assert fingerprint is not None and held_out_prompts_fingerprint(tmp_path / "none") is None
+    best = tmp_path / "best"
+    best.mkdir()
+    trained = {
+        "step": 1,
+        "served_acceptance_length": 1.2,
+        "data_dir": "/gone",
+        "held_out_prompts": fingerprint,
+    }
+    (best / "metrics.json").write_text(json.dumps(trained))
+
+    def rewritten(name: str, change) -> str:
+        folder = tmp_path / name
+        shutil.copytree(tiny_dataset, folder)
+        records = load_dataset(folder, "validation")
+        ids, masks = change([r.input_ids.clone() for r in records]), [r.loss_mask for r in records]
+        write_split(
+            folder / read_manifest(folder)["splits"]["validation"]["file"],
+            [r.id for r in records],
+            ids,
+            masks,
+        )
+        return str(folder)
+
+    def new_replies(ids):  # every reply token another one: the target wrote other replies
+        return [
+            torch.where(r.loss_mask, (i + 1) % 100, i)
+            for i, r in zip(ids, load_dataset(tiny_dataset, "validation"), strict=True)
+        ]
+
+    def new_prompt(ids):  # one prompt token another one
+        ids[0][0] += 1
+        return ids
+
+    same, other = rewritten("same", new_replies), rewritten("other", new_prompt)
+    assert held_out_prompts_fingerprint(same) == fingerprint
+    assert training_reference(best, "validation", same).comparable
+    assert not training_reference(best, "mtbench", same).comparable  # not the held-out split
+    assert held_out_prompts_fingerprint(other) != fingerprint
+    assert not training_reference(best, "validation", other).comparable
+    del trained["held_out_prompts"]  # a drafter trained before the fingerprint: the folder alone
+    (best / "metrics.json").write_text(json.dumps(trained))
+    assert not training_reference(best, "validation", same).comparable

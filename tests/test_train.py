@@ -1,6 +1,7 @@
 """Training end to end on the embedded target: exact resume, acceptance rises, environment drift,
 mismatched data, dry run, and a trained drafter that decodes losslessly."""
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -56,8 +57,13 @@ def quiet():
     return Console(quiet=True)
 
 
-def test_resume_is_exact(tiny_dataset, tmp_path):
-    full = trainer.train(tiny_config(tiny_dataset, tmp_path / "full"), console=quiet())
+@pytest.fixture(scope="module")
+def full(tiny_dataset, tmp_path_factory):
+    """The uninterrupted 6-step run (checkpoints at 3 and 6) that the interrupted runs must equal."""
+    return trainer.train(tiny_config(tiny_dataset, tmp_path_factory.mktemp("full") / "run"), console=quiet())
+
+
+def test_resume_is_exact(tiny_dataset, full, tmp_path):
     cfg = tiny_config(tiny_dataset, tmp_path / "split")
     first = trainer.train(cfg, console=quiet(), stop_after=3)
     assert first.steps == 3
@@ -65,7 +71,7 @@ def test_resume_is_exact(tiny_dataset, tmp_path):
     assert second.steps == 6
     assert first.losses + second.losses == full.losses
     full_w = torch.load(
-        tmp_path / "full" / "checkpoints" / "step-00000006" / "training_state.pt", weights_only=True
+        full.out_dir / "checkpoints" / "step-00000006" / "training_state.pt", weights_only=True
     )
     split_w = torch.load(
         tmp_path / "split" / "checkpoints" / "step-00000006" / "training_state.pt", weights_only=True
@@ -74,11 +80,10 @@ def test_resume_is_exact(tiny_dataset, tmp_path):
 
 
 def test_sigterm_checkpoints_the_step_under_way_and_resume_continues_exactly(
-    tiny_dataset, tmp_path, monkeypatch
+    tiny_dataset, full, tmp_path, monkeypatch
 ):
     """A scheduler's time limit (SIGTERM) in the middle of step 2, between the cadence's checkpoints (3, 6):
     the step ends, its checkpoint is written, and a resume gives the uninterrupted run's losses."""
-    full = trainer.train(tiny_config(tiny_dataset, tmp_path / "full"), console=quiet())
     real = trainer.accumulate
 
     def signalled(run, s, *args, **kwargs):
@@ -100,12 +105,18 @@ def test_sigterm_checkpoints_the_step_under_way_and_resume_continues_exactly(
 
 
 def test_a_second_signal_stops_at_once():
-    with stop_on_signals() as request:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert request.name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGTERM)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own handler first: a process started in the background (`nohup ... &`) inherits SIGINT ignored,
+    # and stop_on_signals restores whatever handler it found
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with stop_on_signals() as request:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert request.name == "SIGINT"
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, found)
 
 
 def test_a_checkpoint_from_before_the_served_order_keeps_best_updating(tiny_dataset, tmp_path):
@@ -162,11 +173,12 @@ def test_a_non_finite_loss_stops_the_run_before_the_optimizer_applies_it(tiny_da
 def test_validation_in_groups_of_the_batch_measures_what_row_by_row_does(tiny_dataset, tmp_path):
     """Held-out rows go through in groups of train.batch_size (3 here: the last group is filled up with a
     row that counts nothing); the blocks, acceptance and served walk are those of one row at a time."""
-    results = {}
+    results, target = {}, None
     for batch in (1, 3):
         run = trainer.setup_run(
-            tiny_config(tiny_dataset, tmp_path / f"b{batch}", **{"train.batch_size": batch})
+            tiny_config(tiny_dataset, tmp_path / f"b{batch}", **{"train.batch_size": batch}), target=target
         )
+        target = run.target  # loaded once
         run.val_rows = run.train_rows.take(list(range(7)), torch.device("cpu"))  # 3 groups of 3
         results[batch] = validate(run)
     one, grouped = results[1], results[3]
@@ -175,15 +187,32 @@ def test_validation_in_groups_of_the_batch_measures_what_row_by_row_does(tiny_da
         assert grouped[key] == pytest.approx(one[key], rel=1e-6), key
 
 
-def test_training_raises_acceptance_above_untrained(tiny_dataset, tmp_path):
-    cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.max_steps": 40, "train.eval_every": 40})
+@pytest.fixture(scope="module")
+def trained(tiny_dataset, tmp_path_factory):
+    """A 40-step run (evaluated and saved at step 40; rows of 256 tokens hold every record whole), made once
+    for the tests of what training gives, with its untrained drafter's acceptance on the training rows
+    measured first, and a Run (its target loaded) holding that untrained drafter."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    over = {"train.max_steps": 40, "train.eval_every": 40, "train.max_len": 256}
+    cfg = tiny_config(tiny_dataset, out, **over)
     run = trainer.setup_run(cfg)
     run.val_rows = run.train_rows  # measure on the rows it trains on: the drafter must learn them
     before = validate(run)["acceptance_length"]
     result = trainer.train(cfg, console=quiet())
+    return cfg, run, before, result
+
+
+def test_training_raises_acceptance_above_untrained(trained):
+    cfg, untrained, before, result = trained
+    run = dataclasses.replace(untrained, drafter=copy.deepcopy(untrained.drafter))
     run.drafter.load_state_dict(load_drafter(result.out_dir / "checkpoints" / "step-00000040").state_dict())
     after = validate(run)["acceptance_length"]
     assert after > before + 0.05, (before, after)
+    # best/ records the held-out prompts it was measured on (bench and eval compare other folders by them)
+    from dflashkit.data.dataset import held_out_prompts_fingerprint
+
+    record = json.loads((result.out_dir / "best" / "metrics.json").read_text())
+    assert record["held_out_prompts"] == held_out_prompts_fingerprint(cfg.data.dir) is not None
     log = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 40 and "val" in log[-1]
     assert (result.out_dir / "best" / "model.safetensors").is_file()
@@ -242,7 +271,8 @@ def test_dry_run_checks_without_training(tiny_dataset, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_ready_configs_validate(tmp_path):
+def test_ready_configs_validate(tmp_path, monkeypatch):
+    import functools
     import glob
 
     names = sorted(glob.glob("configs/*.yaml"))
@@ -252,11 +282,14 @@ def test_ready_configs_validate(tmp_path):
         assert cfg.train.lr > 0
     # The GPU data configs hold out exactly the same prompts (their held-out curves compare data alone);
     # sources the target writes itself ("self") hold out none, so they leave that set as it is.
+    from dflashkit.data import dataset
     from dflashkit.data.dataset import PrepareSettings, plan_records
     from dflashkit.data.sources import PromptSet
 
     stand_in = tmp_path / "prompts.jsonl"  # for the prompt files of the GPU machine (/root/m/...)
     stand_in.write_text('{"prompt": "What is 2 + 3?"}\n{"prompt": "Write a Python function."}\n')
+    # the configs read the same two sources: each source is read once (reading is deterministic)
+    monkeypatch.setattr(dataset, "load_prompts", functools.cache(dataset.load_prompts))
 
     def held_out(name: str) -> list[list[str]]:
         data = load_config(name).data
@@ -292,14 +325,12 @@ def test_ready_configs_validate(tmp_path):
     assert paper.decay_gamma() == 7.0
 
 
-def test_trained_drafter_decodes_losslessly(tiny_dataset, tmp_path):
+def test_trained_drafter_decodes_losslessly(tiny_dataset, trained):
     from dflashkit.data.dataset import load_dataset
     from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
 
-    cfg = tiny_config(tiny_dataset, tmp_path / "run", **{"train.max_steps": 20, "train.eval_every": 20})
-    trainer.train(cfg, console=quiet())
-    run = trainer.setup_run(cfg)
-    drafter = load_drafter(tmp_path / "run" / "best", run.target)
+    _cfg, run, _before, result = trained
+    drafter = load_drafter(result.out_dir / "best", run.target)
     for rec in load_dataset(tiny_dataset, "validation")[:2]:
         first = int(rec.loss_mask.nonzero()[0])
         prompt = rec.input_ids[:first].tolist()
@@ -366,7 +397,7 @@ def test_compiled_regions_follow_the_backend_and_strategy(tmp_path):
         use_compiled_regions(on, "flex", "fsdp")
 
 
-def test_served_order_walk_equals_real_speculative_decoding(tiny_dataset, tmp_path):
+def test_served_order_walk_equals_real_speculative_decoding(tiny_dataset, trained):
     """The served-order acceptance that evaluation reports is what serving measures: on each record whose
     reply is the target's own greedy continuation, the walk over blocks measured at every anchor gives the very
     acceptance lengths, round by round, of speculative decoding with the same drafter (fp32; the last round
@@ -374,14 +405,10 @@ def test_served_order_walk_equals_real_speculative_decoding(tiny_dataset, tmp_pa
     from dflashkit.data.dataset import load_dataset, prompt_ids
     from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
 
-    cfg = tiny_config(
-        tiny_dataset,
-        tmp_path / "run",
-        **{"train.max_steps": 40, "train.eval_every": 40, "train.max_len": 256},
+    cfg, untrained, _before, result = trained  # 40 steps, rows of 256 tokens
+    run = dataclasses.replace(
+        untrained, drafter=load_drafter(result.out_dir / "best", untrained.target).eval()
     )
-    result = trainer.train(cfg, console=quiet())
-    run = trainer.setup_run(cfg)
-    run.drafter = load_drafter(result.out_dir / "best", run.target).eval()
     layer_ids = run.drafter.config.target_layer_ids
     compared, rounds_seen = 0, []
     with torch.no_grad():

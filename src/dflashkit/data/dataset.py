@@ -606,6 +606,24 @@ def load_dataset(
     ]
 
 
+def held_out_prompts_fingerprint(path: str | os.PathLike[str]) -> str | None:
+    """A fingerprint of the prompts of a dataset's held-out split: every token of each record the target did
+    not write (template, system and user turns), record by record in order. Two datasets that hold out the
+    same prompts share it, whatever their replies and training records; None when the folder is no finished
+    dataset."""
+    import hashlib
+
+    try:
+        records = load_dataset(path, "validation")
+    except (DataError, OSError, KeyError, ValueError):
+        return None
+    digest = hashlib.sha256()
+    for rec in records:
+        digest.update(rec.input_ids[~rec.loss_mask].numpy().astype("<i8").tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()[:16]
+
+
 def prompt_ids(records: list[TokenizedRecord]) -> list[list[int]]:
     """The prompt of each record as token ids: everything before its first supervised (assistant) token.
     Records without one are left out."""

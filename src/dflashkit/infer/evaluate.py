@@ -221,9 +221,21 @@ def training_reference(drafter_dir: Path, prompts: str, data_dir: str | None) ->
     kind = "served order" if "served_acceptance_length" in trained else "mean over anchors"
     measured_on = trained.get("data_dir") or _run_data_dir(drafter_dir)
     same_data = measured_on is None or (
-        data_dir is not None and Path(measured_on).resolve() == Path(data_dir).resolve()
+        data_dir is not None
+        and (
+            Path(measured_on).resolve() == Path(data_dir).resolve()
+            or _holds_out_the_same_prompts(trained.get("held_out_prompts"), data_dir)
+        )
     )
     return TrainingReference(tau, kind, measured_on, prompts == "validation" and same_data)
+
+
+def _holds_out_the_same_prompts(fingerprint: object, data_dir: str) -> bool:
+    """Whether the dataset at ``data_dir`` holds out the prompts training measured on (another folder, e.g. a
+    dataset of the held-out set alone, written again with the same prompts)."""
+    from dflashkit.data.dataset import held_out_prompts_fingerprint
+
+    return isinstance(fingerprint, str) and fingerprint == held_out_prompts_fingerprint(data_dir)
 
 
 def _run_data_dir(drafter_dir: Path) -> str | None:

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from dflashkit.atomic import atomic_dir
 from dflashkit.config import RunConfig, dump_config
+from dflashkit.data.dataset import held_out_prompts_fingerprint
 from dflashkit.errors import CheckpointError, EnvironmentDriftError
 from dflashkit.model.checkpoint import write_checkpoint
 from dflashkit.model.drafter import DFlashDrafter
@@ -167,8 +168,14 @@ def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
         return
     with atomic_dir(run.out_dir / BEST, checksums=True) as tmp:
         _write_weights(run, weights, tmp, torch.bfloat16)  # bf16 z-lab layout: what serving loads
-        # data_dir: whose held-out split these numbers were measured on (eval compares like with like)
-        record = {"step": step, "data_dir": str(Path(run.cfg.data.dir).resolve()), **metrics}
+        # data_dir and its held-out prompts: what these numbers were measured on (eval and bench compare like
+        # with like: the same folder, or another dataset holding out the same prompts)
+        record = {
+            "step": step,
+            "data_dir": str(Path(run.cfg.data.dir).resolve()),
+            "held_out_prompts": held_out_prompts_fingerprint(run.cfg.data.dir),
+            **metrics,
+        }
         (tmp / BEST_METRICS).write_text(json.dumps(record, indent=2) + "\n")
         fingerprint.save(fingerprint.collect(), tmp / fingerprint.FINGERPRINT_FILE)
 
