@@ -20,6 +20,21 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Fourteenth session's plan (~28 device minutes; the thirteenth prepared the real-prompt mixture at 108k new
+# tokens/s, then lost the machine between two commands, and with it the data and a run at step 423; NOTES "A plan
+# that outlives a lost machine"). After the three `part` commands (carry .bench/p1 .whl, p2, p3), with no pause:
+#   PREPARE_CAP=400 TRAIN_CAP=560 BUDGET=578 KEEP=/root/work/run-real bash benchmarks/gpu_prepare.sh \
+#     part join real train-real keep                   # carry .bench/p4; the drafter back at the end
+#   TRAIN_CAP=440 BUDGET=450 KEEP=/root/work/run-real bash benchmarks/gpu_prepare.sh train-real keep
+#   BUDGET=560 BENCH_CAP=550 DRAFTER=/root/work/run-real/best BENCH_DATA=/root/work/real BENCH_PROMPTS=200 \
+#     BENCH_ARGS="--sets heldout,gsm8k,humaneval,mtbench --temperatures 0" bash benchmarks/gpu_prepare.sh bench
+# and if the machine is lost after a `keep`: the next start carries the kept drafter (.bench/drafter-real) with
+# p4 and runs `part join heldout bench` with DRAFTER=.bench/drafter-real/best BENCH_DATA=/root/work/heldout.
+# Thirteenth session, as run: part; part (the machine went back: a pause here); part; part; part; PREPARE_CAP=470
+#   BUDGET=585 ... part join real train-real (588 s: prepare 325 s, step 423; then the machine was lost); part;
+#   part; part; BUDGET=592 BENCH_CAP=590 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout
+#   BENCH_PROMPTS=200 BENCH_ARGS="--sets heldout,mtbench,humaneval,gsm8k --temperatures 0" ... part join heldout
+#   bench (532 s: the table on every held-out record).
 # Thirteenth session's plan (~28 device minutes; the twelfth trained the drafter to held-out served tau 3.53 and
 # measured the table on 80 prompts a set: MT-Bench 3.16 / 2.49x, GSM8K 3.32 / 2.61x, HumanEval 3.44 / 2.68x,
 # held-out 3.57 / 2.83x; GSM8K and HumanEval gain least from each round of data). First, here:
