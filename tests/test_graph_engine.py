@@ -117,7 +117,13 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
         draft_only._draft_fn is graph_engine.DRAFT_STEP and draft_only._target_fn is graph_engine.target_step
     )
     assert engine._target_fn is graph_engine.TARGET_STEP and engine._draft_fn is graph_engine.DRAFT_STEP
-    with pytest.raises(DflashkitError, match="choose False, True or 'draft'"):
+    # graphs-fused: every step compiled, the target's matmuls as reductions, its own cache file
+    fused = make_engine("graphs-fused", target, drafter, capacity=24)
+    assert (
+        fused._target_fn is graph_engine.TARGET_STEP and fused._reduce_matmuls and not engine._reduce_matmuls
+    )
+    assert fused.compile_cache not in (None, path, draft_only.compile_cache)
+    with pytest.raises(DflashkitError, match="choose False, True, 'draft' or 'fused'"):
         GraphEngine(target, drafter, capacity=24, compile="target")  # type: ignore[arg-type]
 
 
@@ -137,7 +143,7 @@ def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, "draft", True])
+@pytest.mark.parametrize("compiled", [False, "draft", True, "fused"])
 def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
     """On CUDA (fp32, so the attention is the masked reference over the whole capacity): each step shape
     is captured once at warm-up (compiled first: the graphs-draft-compiled and graphs-compiled engines) and
@@ -504,7 +510,7 @@ def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [True, "draft"])
+@pytest.mark.parametrize("compiled", [True, "draft", "fused"])
 def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compiled):
     """On CUDA in fp32: the compiled steps (all, or the draft step alone), captured as CUDA graphs, replay
     and decode as the eager graphs engine (and the dynamic engine), with nothing captured or compiled after
@@ -533,3 +539,44 @@ def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compil
     fused.prefill(torch.tensor([prompts(11)[0]], device="cuda"))
     torch.testing.assert_close(fused.draft(context, 17), eager.draft(context, 17), atol=1e-3, rtol=1e-4)
     assert len(fused.steps) == 4, "a step was captured after warm-up"
+
+
+def test_matmuls_as_reductions_give_the_matmuls_numbers(tmp_path):
+    """slot_decoder.linear_as_reduction (the "graphs-fused" engine's layers, run eagerly here): in fp32 a
+    step's logits and kept features are the matmul path's up to summation order, bias included."""
+    import torch.nn.functional as F
+
+    from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, decode, linear_as_reduction, logits
+
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(2, 3, 16), torch.randn(8, 16), torch.randn(8)
+    assert torch.allclose(linear_as_reduction(x, weight, bias), F.linear(x, weight, bias), atol=1e-5)
+    tiny = tiny_target(tmp_path / "target")
+    w = DecoderWeights.from_hf(tiny.model)
+    ids = torch.randint(5, 500, (1, B), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for reduce in (False, True):
+        cache = SlotCache(w, slots=1, capacity=32)
+        zero = torch.zeros(1, dtype=torch.long)
+        x, kept = decode(w, cache, ids, zero, zero, kv_len=B, keep=(0, 2), reduce_matmuls=reduce)
+        out[reduce] = (logits(w, x), kept, cache.k[1].clone())
+    for a, b in zip(out[False], out[True], strict=True):
+        for p, q in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b], strict=True):
+            assert torch.allclose(p, q, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cpu_compile
+def test_fused_engine_decodes_as_the_dynamic_engine(tmp_path):
+    """compile="fused" (the "graphs-fused" engine) on the CPU: the target layers' matmuls as reductions,
+    compiled; greedy tokens and acceptance lengths equal the dynamic engine's, token for token in fp32
+    (~1 minute: `make compile-test`; on a GPU the captured steps are held to the same by the tests above)."""
+    tiny = tiny_target(tmp_path / "target")
+    layers = [0, 2]
+    cfg = config_for_target(
+        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
+    )
+    torch.manual_seed(1)
+    d = DFlashDrafter(cfg).eval()
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="fused")
+    assert list(engine.warm_up()) == CHAIN_STEPS
+    decodes_as_dynamic(tiny, d, engine, layers)

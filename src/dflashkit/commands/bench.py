@@ -392,7 +392,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "on the CPU, dynamic for targets the fused forward does not cover), dynamic (any target), static "
         "(transformers' layers compiled per step shape), graphs (the fused target forward, one CUDA graph per "
         "step shape; llama/mistral/qwen2/qwen3 targets), graphs-compiled (its steps compiled first: faster "
-        "steps, a start of ~25-65 s) or graphs-draft-compiled (only the draft step compiled: ~10 s)",
+        "steps, a start of ~25-65 s), graphs-draft-compiled (only the draft step compiled: ~10 s) or graphs-fused "
+        "(as graphs-compiled, the target's matmuls written as reductions that fuse with their neighbours)",
     )
     add_tree_budget(p)
     p.add_argument(

@@ -10,7 +10,15 @@ from dflashkit.config import PATHS_RULE, load_config
 from dflashkit.errors import ConfigError
 
 # what --engine takes: dflashkit.infer.engine.ENGINES and "auto" (spelled here so --help needs no torch)
-ENGINE_CHOICES = ("auto", "dynamic", "static", "graphs", "graphs-compiled", "graphs-draft-compiled")
+ENGINE_CHOICES = (
+    "auto",
+    "dynamic",
+    "static",
+    "graphs",
+    "graphs-compiled",
+    "graphs-draft-compiled",
+    "graphs-fused",
+)
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] | None]:
@@ -426,7 +434,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "(growing caches, eager; any target), static (preallocated caches, transformers' layers compiled "
         "once per step shape), graphs (preallocated caches, the fused target forward, one CUDA graph per "
         "step shape; starts in a second), graphs-compiled (the same steps compiled first: faster steps, a "
-        "start of ~25-65 s) or graphs-draft-compiled (only the draft step compiled: ~10 s)",
+        "start of ~25-65 s), graphs-draft-compiled (only the draft step compiled: ~10 s) or graphs-fused (as "
+        "graphs-compiled, the target's matmuls written as reductions that fuse with their neighbours)",
     )
     add_tree_budget(p)
 

@@ -44,6 +44,9 @@ Engines:
 - ``"graphs-draft-compiled"``: the graphs engine with only its draft step compiled (the step compiling
   speeds up 2.2x; the target steps' time moved 1% compiled, benchmarks/RESULTS.md), so the compile takes
   the draft step's ~10 s cold.
+- ``"graphs-fused"``: as ``"graphs-compiled"``, with the target layers' matmuls written as reductions
+  (``slot_decoder.linear_as_reduction``) so that Inductor fuses the activation and the residual adds into
+  them: fewer kernels a step where a small target's step is bound by its kernel count (not measured yet).
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on all engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
@@ -75,12 +78,20 @@ from dflashkit.target.embedded import cache_root
 from dflashkit.target.hf import TargetModel
 from dflashkit.target.slot_decoder import check_supported
 
-ENGINES: tuple[str, ...] = ("dynamic", "static", "graphs", "graphs-compiled", "graphs-draft-compiled")
+ENGINES: tuple[str, ...] = (
+    "dynamic",
+    "static",
+    "graphs",
+    "graphs-compiled",
+    "graphs-draft-compiled",
+    "graphs-fused",
+)
 # the graphs engines by name: which of their steps Inductor compiles before they are captured
-GRAPH_ENGINES: dict[str, bool | Literal["draft"]] = {
+GRAPH_ENGINES: dict[str, bool | Literal["draft", "fused"]] = {
     "graphs": False,
     "graphs-compiled": True,
     "graphs-draft-compiled": "draft",
+    "graphs-fused": "fused",
 }
 ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINES)  # what --engine takes
 WARM_CALLS_GRAPHED = 3  # a CUDA-graph region warms, records, then replays: all three before freezing
@@ -525,10 +536,10 @@ def compile_cache_path(
     drafter: Any,
     capacity: int,
     layer_ids: Sequence[int] | None = None,
-    steps: bool | Literal["draft"] = True,
+    steps: bool | Literal["draft", "fused"] = True,
 ) -> Path:
     """The portable compile cache of a compiling graphs engine: one file per target, dtype, drafter shape,
-    capacity (the compiled steps' shapes) and compiled steps (``steps``: all, or "draft"), under
+    capacity (the compiled steps' shapes) and compiled steps (``steps``: all, "draft" or "fused"), under
     ``$DFLASHKIT_CACHE/compile``; the file itself checks the environment (``dflashkit.runtime.compile_cache``)."""
     shape = {
         "target": target.name,

@@ -102,10 +102,12 @@ def target_step(
     keep: tuple[int, ...],
     positions: Tensor | None = None,
     mask: Tensor | None = None,
+    reduce_matmuls: bool = False,
 ) -> None:
     """ids [1, t] written at position ``start`` of the cache; their float32 logits into ``out_logits`` [t, V]
     and the outputs of the layers ``keep`` (concatenated) into ``out_rows`` [1, t, n*H]. A tree's nodes give
-    their own rotary ``positions`` and attention ``mask`` (``slot_decoder.decode``)."""
+    their own rotary ``positions`` and attention ``mask``; ``reduce_matmuls``: the layers' matmuls as
+    reductions Inductor fuses with their neighbours (the "graphs-fused" engine; ``slot_decoder.decode``)."""
     x, kept = decode(
         w,
         cache,
@@ -117,6 +119,7 @@ def target_step(
         keep=keep,
         positions=positions,
         mask=mask,
+        reduce_matmuls=reduce_matmuls,
     )
     out_logits.copy_(logits(w, x[0]))
     if keep:
@@ -178,7 +181,9 @@ class GraphEngine:
     ``fixed_shapes`` (default: with graphs or compile) makes attention read the whole capacity, as a graph
     and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default
     False; True: the "graphs-compiled" engine) compiles the target and draft steps before they are captured,
-    ``"draft"`` (the "graphs-draft-compiled" engine) the draft step only;
+    ``"draft"`` (the "graphs-draft-compiled" engine) the draft step only, ``"fused"`` (the "graphs-fused"
+    engine) both, with the target layers' matmuls written as reductions that Inductor fuses with the work
+    around them (``slot_decoder.linear_as_reduction``);
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
@@ -197,7 +202,7 @@ class GraphEngine:
         layer_ids: Sequence[int] | None = None,
         graphs: bool | None = None,
         fixed_shapes: bool | None = None,
-        compile: bool | Literal["draft"] | None = None,
+        compile: bool | Literal["draft", "fused"] | None = None,
         compile_cache: str | os.PathLike[str] | None = None,
         tree_budget: int | None = None,
     ):
@@ -206,8 +211,8 @@ class GraphEngine:
         if graphs and dev.type != "cuda":
             raise DflashkitError("the graphs engine captures CUDA graphs: it needs the target on a GPU")
         compile = False if compile is None else compile  # compiled steps: the "graphs-compiled" engine
-        if compile not in (False, True, "draft"):
-            raise DflashkitError(f"GraphEngine(compile={compile!r}): choose False, True or 'draft'")
+        if compile not in (False, True, "draft", "fused"):
+            raise DflashkitError(f"GraphEngine(compile={compile!r}): choose False, True, 'draft' or 'fused'")
         fixed_shapes = graphs or compile if fixed_shapes is None else fixed_shapes
         if compile and not fixed_shapes:
             raise DflashkitError(
@@ -229,7 +234,8 @@ class GraphEngine:
         self.compiled = bool(compile)
         self.compile_cache = compile_cache
         self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
-        self._target_fn: Callable[..., None] = TARGET_STEP if compile is True else target_step
+        self._target_fn: Callable[..., None] = TARGET_STEP if compile in (True, "fused") else target_step
+        self._reduce_matmuls = compile == "fused"
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
@@ -296,6 +302,9 @@ class GraphEngine:
             self._kv_len(t),
             self.attention,
             keep,
+            None,
+            None,
+            self._reduce_matmuls,
         )
 
     def _tree_step(self) -> None:
@@ -313,6 +322,7 @@ class GraphEngine:
             tuple(self.layer_ids) if self.drafter is not None else (),
             self._start + self._tree_inputs[1:2],  # positions: the root's + depth
             self._tree_mask(),  # mask (positional: a compiled region takes no keywords)
+            self._reduce_matmuls,
         )
 
     def _build_step(self) -> None:

@@ -268,6 +268,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def linear_as_reduction(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T written as a product and a sum over the inner dimension, accumulated in float32 (as a
+    GEMM accumulates). Under torch.compile this is a reduction kernel Inductor generates itself, so the
+    work around it (the casts, SwiGLU's activation, the residual add) fuses into it where a cuBLAS call
+    stays a kernel of its own: fewer kernels a step for the few rows of a decode step, where kernel count,
+    not bytes, bounds a small target. Eagerly it materialises [rows, out, in]: compiled steps only."""
+    y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 def forward(
     w: DecoderWeights,
     cache: SlotCache,
@@ -383,6 +395,7 @@ def decode(
     positions: Tensor | None = None,
     mask: Tensor | None = None,
     packing: Packing | None = None,
+    reduce_matmuls: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
     """The decoder layers over rows of new tokens (as ``forward``), writing their keys and values into the
     cache. Returns the last layer's hidden states [R, C, hidden] (before the final norm) and the outputs
@@ -394,7 +407,11 @@ def decode(
     are still written at starts[r] + c.
 
     Packed prompts (``forward_packed``): one row of tokens, ``packing`` says each token's slot and
-    position (``slots`` and ``starts``, then [1, T], are those per token)."""
+    position (``slots`` and ``starts``, then [1, T], are those per token).
+
+    ``reduce_matmuls``: the layers' matmuls as ``linear_as_reduction`` (the "graphs-fused" engine's compiled
+    steps), gate and up as two reductions so that SwiGLU fuses into them, the residual adds out of place
+    (fused into the reduction that feeds them)."""
     rows, chunk = tokens.shape
     if packing is not None:
         written = packing.positions[None]
@@ -430,7 +447,11 @@ def decode(
     kept = []
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
-        qkv = linear(h, layer.qkv, layer.qkv_bias, layer.packed.get("qkv")).view(rows, chunk, nq + 2 * nk, d)
+        if reduce_matmuls:
+            qkv = linear_as_reduction(h, layer.qkv, layer.qkv_bias)
+        else:
+            qkv = linear(h, layer.qkv, layer.qkv_bias, layer.packed.get("qkv"))
+        qkv = qkv.view(rows, chunk, nq + 2 * nk, d)
         qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk :]
         if layer.q_norm is not None:  # Qwen3: each head normalised before the rotation
             qk = torch.cat(
@@ -441,6 +462,18 @@ def decode(
         cache.k[i].view(-1, nk, d).index_copy_(0, rows_at, qk[:, :, nq:].reshape(-1, nk, d))
         cache.v[i].view(-1, nk, d).index_copy_(0, rows_at, v.reshape(-1, nk, d))
         out = attend(qk[:, :, :nq], cache.k[i], cache.v[i])  # [R, C, nq * d]
+        if reduce_matmuls:
+            x = x + linear_as_reduction(out, layer.o)
+            h = rms_norm(x, layer.post_norm, w.eps)
+            half = layer.gate_up.shape[0] // 2
+            gate, up = (
+                linear_as_reduction(h, layer.gate_up[:half]),
+                linear_as_reduction(h, layer.gate_up[half:]),
+            )
+            x = x + linear_as_reduction(F.silu(gate) * up, layer.down)
+            if i in keep:
+                kept.append(x)  # a new tensor each layer: nothing changes it later
+            continue
         _add_linear_(x, out, layer.o, layer.packed.get("o"))
         h = rms_norm(x, layer.post_norm, w.eps)
         gate, up = linear(h, layer.gate_up, packed=layer.packed.get("gate_up")).chunk(2, dim=-1)
