@@ -22,12 +22,18 @@
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
 # Fourteenth session's plan (~28 device minutes; the thirteenth prepared the real-prompt mixture at 108k new
 # tokens/s, then lost the machine between two commands, and with it the data and a run at step 423; NOTES "A plan
-# that outlives a lost machine"). After the three `part` commands (carry .bench/p1 .whl, p2, p3), with no pause:
+# that outlives a lost machine"; it also built the graphs-fused engine, NOTES predicts its step). With no pause:
+#   ENGINES=graphs-compiled,graphs-fused DECODE_ARGS=--no-warm-start BUDGET=290 \
+#     bash benchmarks/gpu_prepare.sh part decode       # carry .bench/p1 .whl; random weights: no GGUF needed
+#   bash benchmarks/gpu_prepare.sh part                # carry .bench/p2
+#   bash benchmarks/gpu_prepare.sh part                # carry .bench/p3
 #   PREPARE_CAP=400 TRAIN_CAP=560 BUDGET=578 KEEP=/root/work/run-real bash benchmarks/gpu_prepare.sh \
 #     part join real train-real keep                   # carry .bench/p4; the drafter back at the end
-#   TRAIN_CAP=440 BUDGET=450 KEEP=/root/work/run-real bash benchmarks/gpu_prepare.sh train-real keep
-#   BUDGET=560 BENCH_CAP=550 DRAFTER=/root/work/run-real/best BENCH_DATA=/root/work/real BENCH_PROMPTS=200 \
+#   TRAIN_CAP=330 BUDGET=340 KEEP=/root/work/run-real bash benchmarks/gpu_prepare.sh train-real keep
+#   BUDGET=330 BENCH_CAP=325 DRAFTER=/root/work/run-real/best BENCH_DATA=/root/work/real BENCH_PROMPTS=80 \
 #     BENCH_ARGS="--sets heldout,gsm8k,humaneval,mtbench --temperatures 0" bash benchmarks/gpu_prepare.sh bench
+#                       # 80 prompts a set: the very prompts of the twelfth session's table (seed 0), side by side
+# If graphs-fused wins (NOTES), `pytest -m gpu tests/test_graph_engine.py -k fused` before auto takes it.
 # and if the machine is lost after a `keep`: the next start carries the kept drafter (.bench/drafter-real) with
 # p4 and runs `part join heldout bench` with DRAFTER=.bench/drafter-real/best BENCH_DATA=/root/work/heldout.
 # Thirteenth session, as run: part; part (the machine went back: a pause here); part; part; part; PREPARE_CAP=470
