@@ -20,6 +20,27 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Fifteenth session's plan (~16 device minutes; the fourteenth measured graphs-fused's one-token step at 1.05 ms
+# (1.43 compiled) and its eight-token step at 1.97 (1.51), so it now reduces in the one-token step only; and it
+# trained the drafter on the real-prompt mixture to held-out 3.567 at step 3,000, kept on the branch
+# drafter-real, not benched). First, here, if .bench/drafter-real is gone:
+#   mkdir -p .bench/drafter-real/best && git archive drafter-real benchmarks/drafters/embedded-gpu-real \
+#     | tar -x --strip-components=3 -C .bench/drafter-real/best
+# then back to back (never a pause: the machine goes back after 30 s idle, and with it every file of /root):
+#   ENGINES=graphs-compiled,graphs-fused DECODE_ARGS=--no-warm-start BUDGET=200 \
+#     bash benchmarks/gpu_prepare.sh part decode       # carry .bench/p1 .whl (NOTES: the prediction)
+#   bash benchmarks/gpu_prepare.sh part                # carry .bench/p2
+#   bash benchmarks/gpu_prepare.sh part                # carry .bench/p3
+#   bash benchmarks/gpu_prepare.sh part join heldout ftests    # carry .bench/p4; graphs-fused's GPU tests
+#   BUDGET=590 BENCH_CAP=585 DRAFTER=.bench/drafter-real/best BENCH_DATA=/root/work/heldout BENCH_PROMPTS=200 \
+#     BENCH_ARGS="--sets heldout,gsm8k,humaneval,mtbench --temperatures 0" bash benchmarks/gpu_prepare.sh bench
+#                       # carry .bench/drafter-real: the thirteenth session's prompts, side by side with its table
+# With 12 minutes left: PREPARE_CAP=470 TRAIN_CAP=100 KEEP=/root/work/run-real TRAIN_OVERRIDES="drafter.init=
+# .bench/drafter-real/best" bash benchmarks/gpu_prepare.sh real train-real keep, and the rest of the schedule next.
+# Fourteenth session, as run: PREPARE_CAP=400 ... part decode; part; part; part join real train-real keep (prepare
+#   cut at 400 s with the replies generated, no training); PREPARE_CAP=150 TRAIN_CAP=420 BUDGET=590 ... real
+#   train-real keep (the dataset from the reply cache in 64 s; step 3,082, best 3.567 kept); then the machine went
+#   back during a pause here, a start failed, and 5 minutes could not bring the target back.
 # Fourteenth session's plan (~28 device minutes; the thirteenth prepared the real-prompt mixture at 108k new
 # tokens/s, then lost the machine between two commands, and with it the data and a run at step 423; NOTES "A plan
 # that outlives a lost machine"; it also built the graphs-fused engine, NOTES predicts its step). With no pause:
@@ -207,6 +228,11 @@ for s in "$@"; do
       stage drafter
       mkdir -p $W/drafter0 && rm -rf $W/drafter0/best && cp -r ${KEPT_DRAFTER:-benchmarks/drafters/embedded-gpu-more} \
         $W/drafter0/best && ls $W/drafter0/best ;;
+    ftests)
+      # the graphs-fused engine's GPU tests (captured and compiled, held to the eager engine in fp32)
+      stage ftests
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k fused 2>&1 \
+        | tee "$OUT/pytest-ftests.log" | tail -15 ;;
     etests)
       stage etests
       timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py tests/test_engine.py 2>&1 \
@@ -275,8 +301,9 @@ for s in "$@"; do
     bench)
       # the paper's table for a drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
       stage bench
+      # BENCH_DATA=none: no dataset (the sets other than heldout need none)
       # BENCH_OUT: another folder for other settings (bench refuses to mix them into one, naming the difference)
-      timeout $(cap ${BENCH_CAP:-420}) $DK bench --drafter ${DRAFTER:-$W/run-more/best} --data ${BENCH_DATA:-$W/more} \
+      timeout $(cap ${BENCH_CAP:-420}) $DK bench --drafter ${DRAFTER:-$W/run-more/best} $([ "${BENCH_DATA:-}" = none ] || echo --data ${BENCH_DATA:-$W/more}) \
         --out ${BENCH_OUT:-$W/bench} \
         --max-prompts ${BENCH_PROMPTS:-40} --check-lossless --lossless-prompts 4 \
         --summary "$OUT/drafter_table.json" ${BENCH_ARGS:-} 2>&1 | grep -v "Loading weights" | tail -30

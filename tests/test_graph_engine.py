@@ -123,6 +123,18 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
         fused._target_fn is graph_engine.TARGET_STEP and fused._reduce_matmuls and not engine._reduce_matmuls
     )
     assert fused.compile_cache not in (None, path, draft_only.compile_cache)
+    # the reductions go to the one-token step only: a many-token step is faster with the matmuls
+    calls: list[tuple[int, bool]] = []
+
+    def recorded(*args: object) -> None:
+        calls.append((args[2].shape[1], args[-1]))  # type: ignore[attr-defined]
+        graph_engine.target_step(*args)  # type: ignore[arg-type]
+
+    fused._target_fn = recorded
+    fused.prefill(torch.tensor([prompts(5)[0]]))
+    fused._target_step(1)
+    fused._target_step(B)
+    assert {c for c in calls if c[0] in (1, B)} == {(1, True), (B, False)}
     with pytest.raises(DflashkitError, match="choose False, True, 'draft' or 'fused'"):
         GraphEngine(target, drafter, capacity=24, compile="target")  # type: ignore[arg-type]
 

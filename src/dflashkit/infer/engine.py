@@ -44,9 +44,10 @@ Engines:
 - ``"graphs-draft-compiled"``: the graphs engine with only its draft step compiled (the step compiling
   speeds up 2.2x; the target steps' time moved 1% compiled, benchmarks/RESULTS.md), so the compile takes
   the draft step's ~10 s cold.
-- ``"graphs-fused"``: as ``"graphs-compiled"``, with the target layers' matmuls written as reductions
-  (``slot_decoder.linear_as_reduction``) so that Inductor fuses the activation and the residual adds into
-  them: fewer kernels a step where a small target's step is bound by its kernel count (not measured yet).
+- ``"graphs-fused"``: as ``"graphs-compiled"``, with the one-token target step's matmuls written as
+  reductions (``slot_decoder.linear_as_reduction``) so that Inductor fuses the activation and the residual
+  adds into them: the one-token step 1.05 instead of 1.43 ms on the H200 in bf16 (a many-token step keeps its
+  matmuls: as reductions it took 1.97 instead of 1.51 ms; benchmarks/RESULTS.md, fourteenth session).
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on all engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a

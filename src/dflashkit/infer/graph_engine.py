@@ -304,7 +304,9 @@ class GraphEngine:
             keep,
             None,
             None,
-            self._reduce_matmuls,
+            # reductions only for the one-token step: at [1, 8] they cost 1.97 ms against the matmuls' 1.51
+            # (H200, bf16), at [1, 1] 1.05 against 1.43 (benchmarks/RESULTS.md, fourteenth session)
+            self._reduce_matmuls and t == 1,
         )
 
     def _tree_step(self) -> None:
@@ -322,7 +324,7 @@ class GraphEngine:
             tuple(self.layer_ids) if self.drafter is not None else (),
             self._start + self._tree_inputs[1:2],  # positions: the root's + depth
             self._tree_mask(),  # mask (positional: a compiled region takes no keywords)
-            self._reduce_matmuls,
+            False,  # the matmuls: a many-token step is faster with them (see _target_step)
         )
 
     def _build_step(self) -> None:
