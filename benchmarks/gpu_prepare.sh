@@ -20,15 +20,14 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Fifteenth session's plan (~16 device minutes; the fourteenth measured graphs-fused's one-token step at 1.05 ms
+# Fifteenth session's plan (~13 device minutes; the fourteenth measured graphs-fused's one-token step at 1.05 ms
 # (1.43 compiled) and its eight-token step at 1.97 (1.51), so it now reduces in the one-token step only; and it
 # trained the drafter on the real-prompt mixture to held-out 3.567 at step 3,000, kept on the branch
 # drafter-real, not benched). First, here, if .bench/drafter-real is gone:
 #   mkdir -p .bench/drafter-real/best && git archive drafter-real benchmarks/drafters/embedded-gpu-real \
 #     | tar -x --strip-components=3 -C .bench/drafter-real/best
 # then back to back (never a pause: the machine goes back after 30 s idle, and with it every file of /root):
-#   ENGINES=graphs-compiled,graphs-fused DECODE_ARGS=--no-warm-start BUDGET=200 \
-#     bash benchmarks/gpu_prepare.sh part decode       # carry .bench/p1 .whl (NOTES: the prediction)
+#   bash benchmarks/gpu_prepare.sh part                # carry .bench/p1 .whl (graphs-fused's decode: measured)
 #   bash benchmarks/gpu_prepare.sh part                # carry .bench/p2
 #   bash benchmarks/gpu_prepare.sh part                # carry .bench/p3
 #   bash benchmarks/gpu_prepare.sh part join heldout ftests    # carry .bench/p4; graphs-fused's GPU tests
@@ -40,7 +39,8 @@
 # Fourteenth session, as run: PREPARE_CAP=400 ... part decode; part; part; part join real train-real keep (prepare
 #   cut at 400 s with the replies generated, no training); PREPARE_CAP=150 TRAIN_CAP=420 BUDGET=590 ... real
 #   train-real keep (the dataset from the reply cache in 64 s; step 3,082, best 3.567 kept); then the machine went
-#   back during a pause here, a start failed, and 5 minutes could not bring the target back.
+#   back during a pause here, a start failed, and 5 minutes could not bring the target back; with the last ones:
+#   ENGINES=graphs-compiled,graphs-fused DECODE_ARGS=--no-warm-start BUDGET=178 ... part decode (carry .whl).
 # Fourteenth session's plan (~28 device minutes; the thirteenth prepared the real-prompt mixture at 108k new
 # tokens/s, then lost the machine between two commands, and with it the data and a run at step 423; NOTES "A plan
 # that outlives a lost machine"; it also built the graphs-fused engine, NOTES predicts its step). With no pause:
