@@ -166,6 +166,9 @@ def cache_report(warm) -> dict:
         "compile_cache_warm": warm.cache_warm,
         "graphs_compiled": warm.compiled,
         "graphs_from_cache": warm.cached,
+        "steps_precompiled_loaded": warm.precompiled_loaded,  # loaded whole (runtime.precompiled)
+        "steps_precompiled_built": warm.precompiled_built,
+        "precompile_notes": list(warm.notes),
     }
 
 

@@ -229,9 +229,9 @@ for s in "$@"; do
       mkdir -p $W/drafter0 && rm -rf $W/drafter0/best && cp -r ${KEPT_DRAFTER:-benchmarks/drafters/embedded-gpu-more} \
         $W/drafter0/best && ls $W/drafter0/best ;;
     ftests)
-      # the graphs-fused engine's GPU tests (captured and compiled, held to the eager engine in fp32)
+      # the graphs-fused engine's and the precompiled steps' GPU tests (captured, held to the eager engine in fp32)
       stage ftests
-      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k fused 2>&1 \
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "fused or precompiled" 2>&1 \
         | tee "$OUT/pytest-ftests.log" | tail -15 ;;
     etests)
       stage etests

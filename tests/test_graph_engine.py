@@ -464,7 +464,8 @@ def test_compiled_graphs_engine_decodes_as_the_dynamic_engine(tmp_path):
     torch.manual_seed(1)
     d = DFlashDrafter(cfg).eval()
     cache = tmp_path / "graphs.cache"
-    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile=True, compile_cache=cache)
+    kw = dict(capacity=64, graphs=False, compile=True, compile_cache=cache, precompile=False)
+    engine = GraphEngine(tiny, d, **kw)  # type: ignore[arg-type]
     warmed = engine.warm_up()
     assert list(warmed) == CHAIN_STEPS and not is_frozen()
     assert warmed.compiled == 3 and not warmed.cache_warm and cache.is_file()  # the round compiles nothing
@@ -480,10 +481,53 @@ def test_compiled_graphs_engine_decodes_as_the_dynamic_engine(tmp_path):
 
     with temporary_cache_dir(str(tmp_path / "empty-inductor-cache")):
         torch._dynamo.reset()
-        second = GraphEngine(tiny, d, capacity=64, graphs=False, compile=True, compile_cache=cache)
+        second = GraphEngine(tiny, d, **kw)  # type: ignore[arg-type]
         rewarmed = second.warm_up()
         assert rewarmed.cache_loaded and rewarmed.cache_warm and rewarmed.cached == 3
         decodes_as_dynamic(tiny, d, second, layers)
+
+
+@pytest.mark.slow
+def test_precompiled_steps_load_whole_and_decode_as_the_dynamic_engine(tmp_path):
+    """compile=True with a compile cache: warm-up precompiles the target steps and the draft step into files
+    beside the cache; a second engine, after dynamo's caches are cleared and with an empty Inductor cache,
+    loads them whole (nothing traced or compiled) and decodes as the dynamic engine, token for token in fp32,
+    with another drafter of the same shapes (the weights are inputs, not constants); a step shape never
+    warmed is a CompileAfterWarmupError, as a compiled region's."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    from dflashkit.runtime import precompiled
+    from dflashkit.runtime.compile import CompileAfterWarmupError
+
+    if not precompiled.available():
+        pytest.skip(f"torch {torch.__version__} cannot precompile steps")
+    tiny = tiny_target(tmp_path / "target")
+    layers = [0, 2]
+    cfg = config_for_target(
+        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
+    )
+    torch.manual_seed(1)
+    d = DFlashDrafter(cfg).eval()
+    cache = tmp_path / "graphs.cache"
+    first = GraphEngine(tiny, d, capacity=64, graphs=False, compile=True, compile_cache=cache)
+    warmed = first.warm_up()
+    assert warmed.precompiled_built == 3 and not warmed.notes, warmed.notes
+    assert sorted(p.name for p in tmp_path.glob("*.step")) == [
+        f"graphs.draft-{B}.step",
+        "graphs.target-1.step",
+        f"graphs.target-{B}.step",
+    ]
+    with temporary_cache_dir(str(tmp_path / "empty-inductor-cache")):
+        torch._dynamo.reset()
+        torch.manual_seed(2)
+        other = DFlashDrafter(cfg).eval()
+        second = GraphEngine(tiny, other, capacity=64, graphs=False, compile=True, compile_cache=cache)
+        rewarmed = second.warm_up()
+        assert rewarmed.precompiled_loaded == 3 and rewarmed.compiled == 0 and rewarmed.cache_warm
+        decodes_as_dynamic(tiny, other, second, layers)
+        second._kv_len = lambda t: second.capacity - 1  # type: ignore[method-assign]  # never warmed
+        with pytest.raises(CompileAfterWarmupError, match="target step would compile after warm-up"):
+            second.verify(torch.zeros(1, 1, dtype=torch.long))
 
 
 @pytest.mark.slow
@@ -522,18 +566,31 @@ def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [True, "draft", "fused"])
-def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compiled):
+@pytest.mark.parametrize("compiled", [True, "draft", "fused", "precompiled"])
+def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compiled, tmp_path):
     """On CUDA in fp32: the compiled steps (all, or the draft step alone), captured as CUDA graphs, replay
     and decode as the eager graphs engine (and the dynamic engine), with nothing captured or compiled after
-    warm-up."""
+    warm-up; "precompiled": all steps, precompiled beside a compile cache by one engine and loaded whole by
+    a second, which is the one tested."""
     gpu, d = on_gpu()
     eager = GraphEngine(gpu, d, capacity=128, compile=False)
-    fused = GraphEngine(gpu, d, capacity=128, compile=compiled)
+    if compiled == "precompiled":
+        from dflashkit.runtime import precompiled
+
+        if not precompiled.available():
+            pytest.skip(f"torch {torch.__version__} cannot precompile steps")
+        cache = tmp_path / "graphs.cache"
+        assert (
+            GraphEngine(gpu, d, capacity=128, compile=True, compile_cache=cache).warm_up().precompiled_built
+        )
+        fused = GraphEngine(gpu, d, capacity=128, compile=True, compile_cache=cache)
+    else:
+        fused = GraphEngine(gpu, d, capacity=128, compile=compiled)  # type: ignore[arg-type]
     assert fused.compiled and fused.graphs and not eager.compiled
     eager.warm_up()
     warmed = fused.warm_up()
     assert list(warmed) == CHAIN_STEPS and len(fused.steps) == 4
+    assert warmed.precompiled_loaded == (3 if compiled == "precompiled" else 0), warmed.notes
     for prompt in prompts(5, 13, 40):
         ar = autoregressive_generate(gpu, prompt, 48, layer_ids=LAYERS)
         for engine in (eager, fused):

@@ -275,6 +275,13 @@ def _engine(args: argparse.Namespace, target: Any, drafter: Any, capacity: int, 
     if warm:
         steps = ", ".join(f"{name} {s:.1f} s" for name, s in warm.items())
         console.print(f"{args.engine} engine: {capacity} positions; warmed up ({steps})")
+        loaded, built = getattr(warm, "precompiled_loaded", 0), getattr(warm, "precompiled_built", 0)
+        if loaded or built:
+            console.print(
+                f"precompiled steps: {loaded} loaded whole, {built} precompiled now (beside the compile cache)"
+            )
+        for note in getattr(warm, "notes", []):
+            console.print(f"[yellow]{note}[/] (compiled as before)")
     return engine
 
 

@@ -40,7 +40,8 @@ Engines:
 - ``"graphs-compiled"``: the graphs engine with its target and draft steps compiled by Inductor before
   they are captured (fewer, fused kernels: a round of 1.17-1.28 instead of 1.51 autoregressive tokens on
   the H200, benchmarks/RESULTS.md), through a portable compile cache under ``$DFLASHKIT_CACHE/compile`` (a
-  start of ~64 s cold, ~24 s with the cache, against 0.4 s eager).
+  start of ~64 s cold, ~24 s with the cache, against 0.4 s eager), its chain steps precompiled beside the
+  cache and loaded whole by a later process (``dflashkit.runtime.precompiled``; not measured on a GPU yet).
 - ``"graphs-draft-compiled"``: the graphs engine with only its draft step compiled (the step compiling
   speeds up 2.2x; the target steps' time moved 1% compiled, benchmarks/RESULTS.md), so the compile takes
   the draft step's ~10 s cold.

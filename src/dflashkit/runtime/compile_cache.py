@@ -44,10 +44,15 @@ def save_compile_cache(path: str | os.PathLike[str]) -> Path:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None or not saved[0]:
         raise CompileCacheError("nothing to save: no compile has produced cache artifacts in this process")
-    data, _info = saved
+    return write_keyed(path, CACHE_FORMAT, saved[0])
+
+
+def write_keyed(path: str | os.PathLike[str], fmt: str, data: bytes) -> Path:
+    """``data`` in one file behind a header line (its format, the environment's key, its length), written
+    atomically (a temporary file per writer, then renamed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = {"format": CACHE_FORMAT, "key": cache_key(), "bytes": len(data)}
+    header = {"format": fmt, "key": cache_key(), "bytes": len(data)}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # per writer
     try:
         with os.fdopen(fd, "wb") as f:
@@ -61,9 +66,15 @@ def save_compile_cache(path: str | os.PathLike[str]) -> Path:
 
 
 def read_compile_cache(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
+    return read_keyed(path, CACHE_FORMAT, "a dflashkit compile cache", "write one with save_compile_cache()")
+
+
+def read_keyed(path: str | os.PathLike[str], fmt: str, what: str, how: str) -> tuple[dict[str, Any], bytes]:
+    """The header and payload of a file ``write_keyed`` wrote in format ``fmt`` (``check_environment``
+    checks its key). CompileCacheError, in one line, for a missing, foreign or truncated file."""
     path = Path(path)
     if not path.is_file():
-        raise CompileCacheError(f"{path} does not exist; write one with save_compile_cache()")
+        raise CompileCacheError(f"{path} does not exist; {how}")
     with open(path, "rb") as f:
         first = f.readline()
         data = f.read()
@@ -71,17 +82,15 @@ def read_compile_cache(path: str | os.PathLike[str]) -> tuple[dict[str, Any], by
         header = json.loads(first)
     except (json.JSONDecodeError, UnicodeDecodeError):
         header = None
-    if not isinstance(header, dict) or header.get("format") != CACHE_FORMAT:
-        raise CompileCacheError(f"{path} is not a dflashkit compile cache")
+    if not isinstance(header, dict) or header.get("format") != fmt:
+        raise CompileCacheError(f"{path} is not {what}")
     if header.get("bytes") != len(data):
         raise CompileCacheError(f"{path} is truncated ({len(data)} of {header.get('bytes')} bytes)")
     return header, data
 
 
-def load_compile_cache(path: str | os.PathLike[str], fp: dict[str, Any] | None = None) -> Any:
-    """Load a portable compile cache written by save_compile_cache, after checking that it was built by
-    this environment (same torch build, CUDA, triton and GPU type). Returns torch's CacheInfo."""
-    header, data = read_compile_cache(path)
+def check_environment(path: Path, header: dict[str, Any], fp: dict[str, Any] | None) -> None:
+    """CompileCacheError naming the first entry where the file's environment differs from this one."""
     here = cache_key(fp)
     differ = [k for k in here if header["key"].get(k) != here[k]]
     if differ:
@@ -91,6 +100,13 @@ def load_compile_cache(path: str | os.PathLike[str], fp: dict[str, Any] | None =
             f"{header['key'].get(first)!r} there, {here[first]!r} here); delete it and let this machine "
             f"compile (caches are for speed only)"
         )
+
+
+def load_compile_cache(path: str | os.PathLike[str], fp: dict[str, Any] | None = None) -> Any:
+    """Load a portable compile cache written by save_compile_cache, after checking that it was built by
+    this environment (same torch build, CUDA, triton and GPU type). Returns torch's CacheInfo."""
+    header, data = read_compile_cache(path)
+    check_environment(Path(path), header, fp)
     try:
         return torch.compiler.load_cache_artifacts(data)
     except Exception as e:  # a payload torch cannot read: the cache is only for speed
