@@ -39,8 +39,8 @@ attention; the compiled step is then captured as one CUDA graph as before. Compi
 artifacts go to the portable compile cache (``compile_cache=``), so a second process starts in seconds. With
 a compile cache the chain's target steps and draft step are precompiled beside it (``precompile``,
 ``dflashkit.runtime.precompiled``): a later process loads each whole, without tracing it again (the embedded
-target's warm engine start 14.6 -> 3.7 s on the CPU; a torch that cannot precompile compiles as before). On
-the CPU ``compile=True`` runs the compiled steps without graphs (the tests). With ``compile="draft"`` (the
+target's warm engine start 12.8 -> 4.8 s on the CPU, benchmarks/warm_start.py; a torch that cannot precompile
+compiles as before). On the CPU ``compile=True`` runs the compiled steps without graphs (the tests). With ``compile="draft"`` (the
 ``"graphs-draft-compiled"`` engine) only the draft step is compiled: on the H200 compiling the target steps
 saved 1% of their time (one token 1.370 -> 1.359 ms, a block 1.492 -> 1.474) for ~60 s of cold compile, while
 the draft step ran 2.2x faster compiled (0.524 -> 0.236 ms; benchmarks/RESULTS.md, eighth session).
