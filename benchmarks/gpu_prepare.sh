@@ -20,7 +20,7 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Fifteenth session's plan (~13 device minutes; the fourteenth measured graphs-fused's one-token step at 1.05 ms
+# Fifteenth session's plan (~20 device minutes; the fourteenth measured graphs-fused's one-token step at 1.05 ms
 # (1.43 compiled) and its eight-token step at 1.97 (1.51), so it now reduces in the one-token step only; and it
 # trained the drafter on the real-prompt mixture to held-out 3.567 at step 3,000, kept on the branch
 # drafter-real, not benched). First, here, if .bench/drafter-real is gone:
@@ -34,6 +34,7 @@
 #   BUDGET=590 BENCH_CAP=585 DRAFTER=.bench/drafter-real/best BENCH_DATA=/root/work/heldout BENCH_PROMPTS=200 \
 #     BENCH_ARGS="--sets heldout,gsm8k,humaneval,mtbench --temperatures 0" bash benchmarks/gpu_prepare.sh bench
 #                       # carry .bench/drafter-real: the thirteenth session's prompts, side by side with its table
+#   BUDGET=430 bash benchmarks/gpu_prepare.sh warm   # precompiled steps' warm start on the GPU (NOTES: prediction)
 # With 12 minutes left: PREPARE_CAP=470 TRAIN_CAP=100 KEEP=/root/work/run-real TRAIN_OVERRIDES="drafter.init=
 # .bench/drafter-real/best" bash benchmarks/gpu_prepare.sh real train-real keep, and the rest of the schedule next.
 # Fourteenth session, as run: PREPARE_CAP=400 ... part decode; part; part; part join real train-real keep (prepare
@@ -233,6 +234,10 @@ for s in "$@"; do
       stage ftests
       timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "fused or precompiled" 2>&1 \
         | tee "$OUT/pytest-ftests.log" | tail -15 ;;
+    warm)
+      # the compiled engine's warm start, compiled vs precompiled steps (random target: no GGUF; ~6 minutes)
+      stage warm
+      timeout $(cap 420) python3 benchmarks/warm_start.py --out "$OUT" 2>&1 | tail -9 ;;
     etests)
       stage etests
       timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py tests/test_engine.py 2>&1 \
