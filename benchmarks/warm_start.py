@@ -45,24 +45,12 @@ def child(args: argparse.Namespace) -> dict:
     """One fresh process: load, build the engine around the caches, warm up, decode the first token."""
     import torch
 
+    from decode_steps import load_models  # the random target saved in the folder, a random drafter
     from dflashkit.infer.graph_engine import GraphEngine
     from dflashkit.infer.speculative import autoregressive_generate
-    from dflashkit.model.config import config_for_target, default_target_layer_ids
-    from dflashkit.model.drafter import DFlashDrafter
-    from dflashkit.target.hf import TargetModel
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
-    target = TargetModel.load(Path(args.target_folder), dtype=dtype, device=device)
-    cfg = config_for_target(
-        target.config,
-        num_layers=args.layers,
-        block_size=args.block,
-        mask_token_id=target.vocab_size - 1,
-        target_layer_ids=default_target_layer_ids(target.num_layers, args.target_layers),
-    )
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+    target, drafter = load_models(Path(args.target_folder), args.dtype, args, device)
     loaded = time.time()
     t0 = time.perf_counter()
     engine = GraphEngine(
@@ -77,7 +65,7 @@ def child(args: argparse.Namespace) -> dict:
         warm = engine.warm_up()
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(100, target.vocab_size - 1, (64,), generator=g).tolist()
-        autoregressive_generate(target, prompt, 1, layer_ids=cfg.target_layer_ids, engine=engine)
+        autoregressive_generate(target, prompt, 1, layer_ids=drafter.config.target_layer_ids, engine=engine)
     if device.type == "cuda":
         torch.cuda.synchronize()
     now = time.time()

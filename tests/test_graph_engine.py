@@ -426,6 +426,17 @@ def tiny_target(folder):
     return TargetModel.load(folder, dtype=torch.float32)
 
 
+def tiny_pair(tmp_path):
+    """The tiny target, a one-layer drafter of it reading layers [0, 2] (seed 1), and those layers."""
+    tiny = tiny_target(tmp_path / "target")
+    layers = [0, 2]
+    cfg = config_for_target(
+        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
+    )
+    torch.manual_seed(1)
+    return tiny, DFlashDrafter(cfg).eval(), layers
+
+
 def decodes_as_dynamic(target, drafter, engine, layers):
     """AR tokens, the real drafter's rounds, and scripted drafts (every acceptance length) as the dynamic
     engine's, token for token."""
@@ -456,13 +467,7 @@ def test_compiled_graphs_engine_decodes_as_the_dynamic_engine(tmp_path):
     from dflashkit.infer import graph_engine
     from dflashkit.runtime.compile import CompileAfterWarmupError, is_frozen
 
-    tiny = tiny_target(tmp_path / "target")
-    layers = [0, 2]
-    cfg = config_for_target(
-        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
-    )
-    torch.manual_seed(1)
-    d = DFlashDrafter(cfg).eval()
+    tiny, d, layers = tiny_pair(tmp_path)
     cache = tmp_path / "graphs.cache"
     kw = dict(capacity=64, graphs=False, compile=True, compile_cache=cache, precompile=False)
     engine = GraphEngine(tiny, d, **kw)  # type: ignore[arg-type]
@@ -501,13 +506,7 @@ def test_precompiled_steps_load_whole_and_decode_as_the_dynamic_engine(tmp_path)
 
     if not precompiled.available():
         pytest.skip(f"torch {torch.__version__} cannot precompile steps")
-    tiny = tiny_target(tmp_path / "target")
-    layers = [0, 2]
-    cfg = config_for_target(
-        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
-    )
-    torch.manual_seed(1)
-    d = DFlashDrafter(cfg).eval()
+    tiny, d, layers = tiny_pair(tmp_path)
     cache = tmp_path / "graphs.cache"
     first = GraphEngine(tiny, d, capacity=64, graphs=False, compile=True, compile_cache=cache)
     warmed = first.warm_up()
@@ -520,7 +519,7 @@ def test_precompiled_steps_load_whole_and_decode_as_the_dynamic_engine(tmp_path)
     with temporary_cache_dir(str(tmp_path / "empty-inductor-cache")):
         torch._dynamo.reset()
         torch.manual_seed(2)
-        other = DFlashDrafter(cfg).eval()
+        other = DFlashDrafter(d.config).eval()
         second = GraphEngine(tiny, other, capacity=64, graphs=False, compile=True, compile_cache=cache)
         rewarmed = second.warm_up()
         assert rewarmed.precompiled_loaded == 3 and rewarmed.compiled == 0 and rewarmed.cache_warm
@@ -538,13 +537,8 @@ def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
     from dflashkit.infer import graph_engine
     from dflashkit.runtime.compile import is_frozen
 
-    tiny = tiny_target(tmp_path / "target")
-    layers, budget = [0, 2], 5
-    cfg = config_for_target(
-        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
-    )
-    torch.manual_seed(1)
-    d = DFlashDrafter(cfg).eval()
+    tiny, d, layers = tiny_pair(tmp_path)
+    budget = 5
     before = graph_engine.TARGET_STEP.graphs()
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile=True, tree_budget=budget)
     warmed = engine.warm_up()
@@ -639,13 +633,7 @@ def test_fused_engine_decodes_as_the_dynamic_engine(tmp_path):
     """compile="fused" (the "graphs-fused" engine) on the CPU: the target layers' matmuls as reductions,
     compiled; greedy tokens and acceptance lengths equal the dynamic engine's, token for token in fp32
     (~1 minute: `make compile-test`; on a GPU the captured steps are held to the same by the tests above)."""
-    tiny = tiny_target(tmp_path / "target")
-    layers = [0, 2]
-    cfg = config_for_target(
-        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
-    )
-    torch.manual_seed(1)
-    d = DFlashDrafter(cfg).eval()
+    tiny, d, layers = tiny_pair(tmp_path)
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="fused")
     assert list(engine.warm_up()) == CHAIN_STEPS
     decodes_as_dynamic(tiny, d, engine, layers)

@@ -40,10 +40,11 @@ artifacts go to the portable compile cache (``compile_cache=``), so a second pro
 a compile cache the chain's target steps and draft step are precompiled beside it (``precompile``,
 ``dflashkit.runtime.precompiled``): a later process loads each whole, without tracing it again (the embedded
 target's warm engine start 12.8 -> 4.8 s on the CPU, benchmarks/warm_start.py; a torch that cannot precompile
-compiles as before). On the CPU ``compile=True`` runs the compiled steps without graphs (the tests). With ``compile="draft"`` (the
-``"graphs-draft-compiled"`` engine) only the draft step is compiled: on the H200 compiling the target steps
-saved 1% of their time (one token 1.370 -> 1.359 ms, a block 1.492 -> 1.474) for ~60 s of cold compile, while
-the draft step ran 2.2x faster compiled (0.524 -> 0.236 ms; benchmarks/RESULTS.md, eighth session).
+compiles as before). On the CPU ``compile=True`` runs the compiled steps without graphs (the tests). With
+``compile="draft"`` (the ``"graphs-draft-compiled"`` engine) only the draft step is compiled: on the H200
+compiling the target steps saved 1% of their time (one token 1.370 -> 1.359 ms, a block 1.492 -> 1.474) for
+~60 s of cold compile, while the draft step ran 2.2x faster compiled (0.524 -> 0.236 ms; benchmarks/RESULTS.md,
+eighth session).
 
 The prefill (any prompt length) runs eagerly. Step inputs and outputs live in buffers allocated once: the
 logits an engine call returns are valid until the next call of the same kind (the decode loops read them

@@ -14,6 +14,7 @@ and the step compiles as before (``compile_step`` returns None, never raises).
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import time
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dflashkit.runtime import torch_errors
 from dflashkit.runtime.compile import CompileAfterWarmupError
 from dflashkit.runtime.compile_cache import (
     CompileCacheError,
@@ -35,6 +37,7 @@ from dflashkit.runtime.compile_cache import (
 STEP_FORMAT = "dflashkit-precompiled-step-1"
 
 
+@functools.cache
 def available() -> bool:
     """This torch can precompile a step and load one (the API is experimental: it came in torch 2.9-2.10)."""
     if not hasattr(torch.compiler, "load_compiled_function"):
@@ -121,11 +124,9 @@ def guarded(fn: Callable[..., Any], name: str, warm_with: str) -> Callable[..., 
         try:
             return fn(*args)
         except RuntimeError as e:
-            if "GuardManager check failed" not in str(e):
+            if not torch_errors.is_guard_refusal(e):
                 raise
-            reason = (
-                str(e).split("reason:", 1)[-1].strip().splitlines()[0][:160] if "reason:" in str(e) else ""
-            )
+            reason = torch_errors.guard_refusal_reason(str(e))
             raise CompileAfterWarmupError(
                 f"{name} would compile after warm-up (it was precompiled for other inputs"
                 + (f"; guard failed: {reason}" if reason else "")
