@@ -110,3 +110,22 @@ def test_the_graphs_engine_runs_its_precompiled_steps(target, drafter, tmp_path,
     )
     assert not GraphEngine(target, drafter, capacity=48, graphs=False, compile=True).precompile
     assert asked == []
+
+
+def test_a_step_file_torch_cannot_load_or_check_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A payload torch fails on (to read, or to check its guards) is a CompileCacheError: compile_step then
+    precompiles the step again instead of ending the warm-up in a traceback."""
+    path = tmp_path / "x.target-1.step"
+    write_keyed(path, precompiled.STEP_FORMAT, b"payload")
+
+    class Unchecked:
+        def guard_check(self, *args):
+            raise TypeError("guards of another torch")
+
+    def unreadable(*args, **kwargs):
+        raise ValueError("bad pickle")
+
+    for loader in (unreadable, lambda *args, **kwargs: Unchecked()):
+        monkeypatch.setattr(torch.compiler, "load_compiled_function", loader)
+        with pytest.raises(CompileCacheError, match="could not be loaded by torch"):
+            load_step(path, precompiled._probe, ())

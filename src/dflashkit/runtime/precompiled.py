@@ -76,10 +76,11 @@ def load_step(path: Path, fn: Callable[..., Any], args: tuple[Any, ...]) -> Call
     check_environment(path, header, None)
     try:
         loaded = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=fn.__globals__)
-    except Exception as e:  # a payload this torch cannot read: for speed only
+        check = getattr(loaded, "guard_check", None)
+        accepted = not callable(check) or check(*args)
+    except Exception as e:  # a payload this torch cannot read or check: for speed only
         raise CompileCacheError(f"{path} could not be loaded by torch ({type(e).__name__}: {e})") from None
-    check = getattr(loaded, "guard_check", None)
-    if callable(check) and not check(*args):
+    if not accepted:
         raise CompileCacheError(f"{path} was precompiled for other inputs (its guards refuse these)")
     return loaded
 
