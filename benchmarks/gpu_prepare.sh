@@ -181,7 +181,7 @@ cap() { local left=$(( ${BUDGET:-570} - SECONDS )); (( left < $1 )) && echo $(( 
 prepare() {  # name, config (a dataset whose manifest is written is finished: kept as it is)
   stage "prepare $1"
   [ -f $W/$1/manifest.json ] && { echo "$W/$1 is finished"; return; }
-  timeout $(cap ${PREPARE_CAP:-420}) $DK prepare -c "$2" data.dir=$W/$1 --no-progress 2>&1 | grep -v "Loading weights" | tail -16
+  timeout $(cap ${PREPARE_CAP:-420}) $DK prepare -c "$2" data.dir=$W/$1 ${PREPARE_OVERRIDES:-} --no-progress 2>&1 | grep -v "Loading weights" | tail -16
   cp $W/$1/manifest.json "$OUT/manifest-$1.json" 2>/dev/null
 }
 
@@ -303,6 +303,19 @@ for s in "$@"; do
     train-real)
       R="--move-aside"; [ -f $W/run-real/checkpoints/latest ] && R="--resume"
       TRAIN_OVERRIDES="$R ${TRAIN_OVERRIDES:-}" train real configs/embedded-gpu-real.yaml ;;
+    # one round of the drafter in one command (configs/embedded-gpu-round.yaml): a slice of the real-prompt
+    # mixture sampled afresh (ROUND_SEED: data.sample_seed, new each session), the drafter in git trained on it
+    # to the end of its schedule, and the best drafter brought back (`keep`) before the command's limit, so that
+    # a machine lost before the next command loses nothing (three sessions lost a run between two commands)
+    round)
+      PREPARE_CAP=${PREPARE_CAP:-230} PREPARE_OVERRIDES="data.sample_seed=${ROUND_SEED:-3}" \
+        prepare round configs/embedded-gpu-round.yaml
+      # the trainer stops (SIGTERM: checkpointed, best kept) ROUND_KEEP_S before the limit, for `keep`
+      BUDGET=$(( ${BUDGET:-570} - ${ROUND_KEEP_S:-20} )) TRAIN_CAP=${TRAIN_CAP:-590} \
+        TRAIN_OVERRIDES="--move-aside ${TRAIN_OVERRIDES:-}" \
+        train round configs/embedded-gpu-round.yaml
+      stage keep
+      tar -C $W/run-round -cf - best | split -b 15M - "$OUT/drafter.tar.part." && ls -la "$OUT" ;;
     bench)
       # the paper's table for a drafter (T=0 and T=1), on --engine auto (graphs-compiled on a GPU)
       stage bench

@@ -315,6 +315,7 @@ def test_ready_configs_validate(tmp_path, monkeypatch):
         assert reference == held_out("configs/embedded-gpu-recipe.yaml")
         assert reference == held_out("configs/embedded-gpu-more.yaml")
         assert reference == held_out("configs/embedded-gpu-real.yaml")
+        assert reference == held_out("configs/embedded-gpu-round.yaml")
     paper = load_config("configs/qwen3-8b-paper.yaml")
     assert (paper.drafter.layers, paper.drafter.block_size, paper.train.num_anchors, paper.train.max_len) == (
         5,

@@ -521,16 +521,21 @@ def resolve_engine(
     built for that budget), on a GPU (its steps captured) and on the CPU (eager: a round of the embedded
     target cost 2.72 autoregressive tokens against the dynamic engine's 3.11, benchmarks/RESULTS.md); else
     "dynamic" (the reference, any target). On a GPU, a ``long_run`` (a command that measures speed over
-    many prompts: bench, eval) takes "graphs-compiled": its steps decode ~15-25% faster, and the compile
-    (~64 s cold, ~24 s from the compile cache) is paid once, outside the measured decoding; a short one
-    (generate) takes "graphs", which starts in under a second."""
+    many prompts: bench, eval) takes a compiled engine, whose compile (~63 s cold, ~11 s from the compile
+    cache, H200) is paid once, outside the measured decoding: "graphs-fused" for chain rounds (its GPU tests
+    pass; its autoregressive baseline decoded 852-900 against graphs-compiled's 657-688 tokens/s and its
+    rounds ~4% more tokens/s per target pass, benchmarks/RESULTS.md, sixteenth session), "graphs-compiled"
+    for tree rounds (the tree step is measured there only). A short one (generate) takes "graphs", which
+    starts in under a second."""
     if name != "auto":
         return name
     try:
         check_supported(target.config)
     except DflashkitError:
         return "dynamic"
-    return "graphs-compiled" if long_run and target.device.type == "cuda" else "graphs"
+    if not long_run or target.device.type != "cuda":
+        return "graphs"
+    return "graphs-compiled" if tree_budget else "graphs-fused"
 
 
 def compile_cache_path(
