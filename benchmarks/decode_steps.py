@@ -22,7 +22,8 @@ timing does not depend on the weights, so nothing has to be carried to the GPU) 
 Engines (``--engines``, side by side): ``static`` (torch.compile, CUDA-graph mode), ``graphs`` (the fused
 target forward, each step one CUDA graph of eager kernels), ``graphs-compiled`` (the same steps compiled by
 Inductor, then captured), ``graphs-draft-compiled`` (only the draft step compiled) and ``graphs-fused`` (as
-graphs-compiled, the target layers' matmuls written as reductions Inductor fuses with their neighbours). Start seconds: ``start_seconds`` is building the engine to the first token in this
+graphs-compiled, the target layers' matmuls written as reductions Inductor fuses with their neighbours) and
+``graphs-layers`` (as graphs-fused, one decoder layer compiled for every layer). Start seconds: ``start_seconds`` is building the engine to the first token in this
 process, cold (the run uses a fresh, empty Inductor cache directory, so nothing compiled by an earlier run
 helps); for the compiling graphs engines, ``warm_start_seconds`` is a second, fresh process (its own empty Inductor
 cache) that loads only the portable compile cache the first one wrote, from its spawn to its first token
@@ -479,7 +480,7 @@ def main() -> None:
     if args.smoke:
         args.shape, args.tokens, args.repeats, args.calls, args.target_layers = SMOKE_SHAPE, 24, 1, 3, 2
     engines = args.engines.split(",")
-    for name in ("graphs-compiled", "graphs-draft-compiled", "graphs-fused"):
+    for name in ("graphs-compiled", "graphs-draft-compiled", "graphs-fused", "graphs-layers"):
         if args.smoke and name in engines:
             print(f"--smoke: {name} left out (a CPU compile of its steps takes minutes)")
             engines.remove(name)

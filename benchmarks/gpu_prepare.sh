@@ -20,6 +20,30 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Seventeenth session's plan (~27 device minutes; the sixteenth ran graphs-fused's GPU tests (passed: `auto` takes
+# it), measured the warm start on the GPU (15.4 s engine with the portable file; torch 2.11 cannot precompile),
+# lost its real-prompt run with the machine (the third in a row), and built the `round` stage (prepare a slice,
+# train and keep in one command) and the graphs-layers engine (one decoder layer compiled for all; NOTES: its
+# prediction). Back to back, never a pause (the machine goes back after 30 s idle, with every file of /root):
+#   ENGINES=graphs-fused,graphs-layers DECODE_ARGS=--no-warm-start BUDGET=470 WARM_ARGS="--engines \
+#     graphs-fused,graphs-layers --cases compile" bash benchmarks/gpu_prepare.sh part decode warm
+#                       # carry .bench/p1 .whl; random weights: no GGUF; the steps and starts side by side
+#   bash benchmarks/gpu_prepare.sh part                # carry .bench/p2
+#   bash benchmarks/gpu_prepare.sh part                # carry .bench/p3
+#   ROUND_SEED=4 BUDGET=590 bash benchmarks/gpu_prepare.sh part join round    # carry .bench/p4: a slice of the
+#                       # real-prompt mixture sampled afresh, the drafter in git trained 1,800 steps, and kept
+#   BUDGET=470 BENCH_CAP=465 DRAFTER=/root/work/run-round/best BENCH_DATA=/root/work/round BENCH_PROMPTS=120 \
+#     BENCH_ARGS="--sets heldout,gsm8k,humaneval,mtbench --temperatures 0" bash benchmarks/gpu_prepare.sh bench
+#                       # (if the machine went back: carry the kept drafter with p4, `part join heldout bench`
+#                       # with BENCH_DATA=/root/work/heldout, after the three `part` commands)
+# then here: `cat drafter.tar.part.* | tar -x`, and commit best/ over benchmarks/drafters/embedded-gpu-more if
+# its held-out served tau is higher (the round's init, so the next round starts from it).
+# Sixteenth session, as run: part; part; part; PREPARE_CAP=470 BUDGET=588 TRAIN_OVERRIDES="train.max_steps=3000"
+#   ... part join real train-real (593 s: prepare 108k tok/s, step 497; then the machine went back); BUDGET=592
+#   ... part warm ftests (carry .whl; ftests needed the GGUF); part; part; part; BUDGET=575 BENCH_CAP=400
+#   DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=none BENCH_PROMPTS=40 BENCH_ARGS="--sets
+#   gsm8k,mtbench --temperatures 0 --engine graphs-fused" ... part join ftests bench; the same bench with
+#   humaneval added (BUDGET=260).
 # Fifteenth session's plan (~20 device minutes; the fourteenth measured graphs-fused's one-token step at 1.05 ms
 # (1.43 compiled) and its eight-token step at 1.97 (1.51), so it now reduces in the one-token step only; and it
 # trained the drafter on the real-prompt mixture to held-out 3.567 at step 3,000, kept on the branch
@@ -237,7 +261,7 @@ for s in "$@"; do
     warm)
       # the compiled engine's warm start, compiled vs precompiled steps (random target: no GGUF; ~6 minutes)
       stage warm
-      timeout $(cap 420) python3 benchmarks/warm_start.py --out "$OUT" 2>&1 | tail -9 ;;
+      timeout $(cap 420) python3 benchmarks/warm_start.py --out "$OUT" ${WARM_ARGS:-} 2>&1 | tail -9 ;;
     etests)
       stage etests
       timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py tests/test_engine.py 2>&1 \

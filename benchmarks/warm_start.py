@@ -12,6 +12,8 @@ one after another on a random target of the chosen shape and a random drafter:
 
     python benchmarks/warm_start.py --shape smollm2-135m --out /tmp/warm-start     # CPU: fp32, ~6 minutes
     python benchmarks/warm_start.py --dtype bfloat16                                 # GPU: bf16, captured
+    python benchmarks/warm_start.py --engines graphs-fused,graphs-layers --cases compile
+                        # the whole-step compile against one decoder layer compiled, the compile cases only
 """
 
 from __future__ import annotations
@@ -53,11 +55,13 @@ def child(args: argparse.Namespace) -> dict:
     target, drafter = load_models(Path(args.target_folder), args.dtype, args, device)
     loaded = time.time()
     t0 = time.perf_counter()
+    from dflashkit.infer.engine import GRAPH_ENGINES
+
     engine = GraphEngine(
         target,
         drafter,
         capacity=args.capacity,
-        compile=True,
+        compile=GRAPH_ENGINES[args.engine],
         compile_cache=args.cache,
         precompile=args.precompile == "on",
     )
@@ -93,11 +97,20 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=400)
     ap.add_argument("--timeout", type=float, default=900, help="seconds a case may take")
     ap.add_argument("--out", help="folder for warm_start.json")
+    ap.add_argument(
+        "--engines",
+        default="graphs-compiled",
+        help="compiling graphs engines, one after another (comma-separated)",
+    )
+    ap.add_argument(
+        "--cases", choices=["all", "compile"], default="all", help="compile: the first three cases"
+    )
     # a case's child (internal)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--target-folder", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("--precompile", choices=["on", "off"], help=argparse.SUPPRESS)
+    ap.add_argument("--engine", default="graphs-compiled", help=argparse.SUPPRESS)
     ap.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -110,9 +123,18 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="warm-start-") as tmp:
         folder = make_target(args.shape, Path(tmp) / "target", args.dtype, device="cuda" if on_gpu else "cpu")
-        for label, precompile, inductor, cache in CASES:
+        cases = [
+            (e, *case)
+            for e in args.engines.split(",")
+            for case in CASES
+            if args.cases == "all" or not case[1]
+        ]
+        for engine, label, precompile, inductor, cache in cases:
+            if engine != "graphs-compiled":  # each engine its own caches
+                label, inductor, cache = f"{engine}: {label}", f"{engine}-{inductor}", f"{engine}/{cache}"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--target-folder", str(folder)]
             cmd += ["--cache", str(Path(tmp) / cache), "--precompile", "on" if precompile else "off"]
+            cmd += ["--engine", engine]
             cmd += ["--dtype", args.dtype, "--layers", str(args.layers), "--block", str(args.block)]
             cmd += ["--target-layers", str(args.target_layers), "--capacity", str(args.capacity)]
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / inductor)}
@@ -121,15 +143,15 @@ def main() -> None:
             print(f"{label}: {out}", flush=True)
     print()
     print(
-        f"{'case':24} {'process s':>9} {'engine s':>9} {'before s':>9} {'loaded':>6} {'built':>6}  steps (s)"
+        f"{'case':40} {'process s':>9} {'engine s':>9} {'before s':>9} {'loaded':>6} {'built':>6}  steps (s)"
     )
     for r in rows:
         if "errors" in r:
-            print(f"{r['case']:24} {r['errors']}")
+            print(f"{r['case']:40} {r['errors']}")
             continue
         steps = ", ".join(f"{k} {v:.1f}" for k, v in r["warmup_seconds"].items())
         print(
-            f"{r['case']:24} {r['process_to_first_token_seconds']:9.1f} {r['engine_to_first_token_seconds']:9.1f} "
+            f"{r['case']:40} {r['process_to_first_token_seconds']:9.1f} {r['engine_to_first_token_seconds']:9.1f} "
             f"{r['before_engine_seconds']:9.1f} {r['steps_precompiled_loaded']:6d} "
             f"{r['steps_precompiled_built']:6d}  {steps}"
         )

@@ -127,7 +127,7 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
     calls: list[tuple[int, bool]] = []
 
     def recorded(*args: object) -> None:
-        calls.append((args[2].shape[1], args[-1]))  # type: ignore[attr-defined]
+        calls.append((args[2].shape[1], args[12]))  # type: ignore[attr-defined]  # (t, reduce_matmuls)
         graph_engine.target_step(*args)  # type: ignore[arg-type]
 
     fused._target_fn = recorded
@@ -135,7 +135,14 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
     fused._target_step(1)
     fused._target_step(B)
     assert {c for c in calls if c[0] in (1, B)} == {(1, True), (B, False)}
-    with pytest.raises(DflashkitError, match="choose False, True, 'draft' or 'fused'"):
+    # graphs-layers: as graphs-fused, the target compiled one decoder layer at a time, its own cache file
+    layers = make_engine("graphs-layers", target, drafter, capacity=24)
+    assert layers._target_fn is graph_engine.target_step and layers._layer_step is graph_engine.LAYER_STEP
+    assert (
+        layers._reduce_matmuls and layers._draft_fn is graph_engine.DRAFT_STEP and fused._layer_step is None
+    )
+    assert layers.compile_cache not in (None, path, draft_only.compile_cache, fused.compile_cache)
+    with pytest.raises(DflashkitError, match="choose False, True, 'draft', 'fused' or 'layers'"):
         GraphEngine(target, drafter, capacity=24, compile="target")  # type: ignore[arg-type]
 
 
@@ -155,7 +162,7 @@ def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, "draft", True, "fused"])
+@pytest.mark.parametrize("compiled", [False, "draft", True, "fused", "layers"])
 def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
     """On CUDA (fp32, so the attention is the masked reference over the whole capacity): each step shape
     is captured once at warm-up (compiled first: the graphs-draft-compiled and graphs-compiled engines) and
@@ -561,7 +568,7 @@ def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [True, "draft", "fused", "precompiled"])
+@pytest.mark.parametrize("compiled", [True, "draft", "fused", "layers", "precompiled"])
 def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compiled, tmp_path):
     """On CUDA in fp32: the compiled steps (all, or the draft step alone), captured as CUDA graphs, replay
     and decode as the eager graphs engine (and the dynamic engine), with nothing captured or compiled after
@@ -627,6 +634,64 @@ def test_matmuls_as_reductions_give_the_matmuls_numbers(tmp_path):
     for a, b in zip(out[False], out[True], strict=True):
         for p, q in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b], strict=True):
             assert torch.allclose(p, q, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_by_layer_decode_gives_the_whole_step_numbers(tmp_path):
+    """slot_decoder.decode_by_layer (the "graphs-layers" engine's target steps, here with the layer run
+    eagerly): each layer ends with the next one's input norm (the final norm after the last), so its
+    hidden states are decode's normed; logits, kept features and the cache writes equal decode's in fp32,
+    with and without the reductions, for a chain and for a tree's mask and positions."""
+    from dflashkit.target.slot_decoder import (
+        DecoderWeights,
+        SlotCache,
+        decode,
+        decode_by_layer,
+        decoder_layer,
+        head,
+        logits,
+    )
+
+    tiny = tiny_target(tmp_path / "target")
+    w = DecoderWeights.from_hf(tiny.model)
+    ids = torch.randint(5, 500, (1, B), generator=torch.Generator().manual_seed(3))
+    zero = torch.zeros(1, dtype=torch.long)
+    parents = [-1] + [(i - 1) // 2 for i in range(1, B)]  # a binary tree of B nodes
+    depth = [0] * B
+    tree_mask = torch.zeros(1, B, 16, dtype=torch.bool)
+    for i, parent in enumerate(parents):  # each node sees itself and its ancestors
+        tree_mask[0, i, i] = True
+        if parent >= 0:
+            tree_mask[0, i] |= tree_mask[0, parent]
+            depth[i] = depth[parent] + 1
+    tree_positions = torch.tensor([depth])
+    for reduce in (False, True):
+        for positions, mask, kv in ((None, None, B), (tree_positions, tree_mask, 16)):
+            caches = [SlotCache(w, slots=1, capacity=32) for _ in range(2)]
+            common = dict(kv_len=kv, keep=(0, 2), positions=positions, mask=mask, reduce_matmuls=reduce)
+            x, kept = decode(w, caches[0], ids, zero, zero, **common)  # type: ignore[arg-type]
+            h, kept_by_layer = decode_by_layer(w, caches[1], ids, zero, zero, decoder_layer, **common)  # type: ignore[arg-type]
+            torch.testing.assert_close(head(w, h), logits(w, x), atol=1e-4, rtol=1e-4)
+            for a, b in zip(kept, kept_by_layer, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            for layer in range(len(w.layers)):
+                torch.testing.assert_close(caches[0].k[layer], caches[1].k[layer], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(caches[0].v[layer], caches[1].v[layer], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cpu_compile
+def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
+    """compile="layers" (the "graphs-layers" engine) on the CPU: one decoder layer compiled, which serves
+    every layer of a step shape (its graphs: one per target step shape, whatever the depth); greedy tokens and
+    acceptance lengths equal the dynamic engine's, token for token in fp32."""
+    from dflashkit.infer import graph_engine
+
+    tiny, d, layers = tiny_pair(tmp_path)
+    before = graph_engine.LAYER_STEP.graphs()
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="layers")
+    assert list(engine.warm_up()) == CHAIN_STEPS
+    depth = len(engine.w.layers)
+    assert 1 <= graph_engine.LAYER_STEP.graphs() - before <= 2 < depth * 2, "a graph per shape, not per layer"
+    decodes_as_dynamic(tiny, d, engine, layers)
 
 
 @pytest.mark.cpu_compile

@@ -18,6 +18,7 @@ ENGINE_CHOICES = (
     "graphs-compiled",
     "graphs-draft-compiled",
     "graphs-fused",
+    "graphs-layers",
 )
 
 
@@ -441,8 +442,9 @@ def _common(p: argparse.ArgumentParser) -> None:
         "(growing caches, eager; any target), static (preallocated caches, transformers' layers compiled "
         "once per step shape), graphs (preallocated caches, the fused target forward, one CUDA graph per "
         "step shape; starts in a second), graphs-compiled (the same steps compiled first: faster steps, a "
-        "start of ~25-65 s), graphs-draft-compiled (only the draft step compiled: ~10 s) or graphs-fused (as "
-        "graphs-compiled, the target's matmuls written as reductions that fuse with their neighbours)",
+        "start of ~25-65 s), graphs-draft-compiled (only the draft step compiled: ~10 s), graphs-fused (as "
+        "graphs-compiled, the target's matmuls written as reductions that fuse with their neighbours) or "
+        "graphs-layers (as graphs-fused, one decoder layer compiled for every layer)",
     )
     add_tree_budget(p)
 

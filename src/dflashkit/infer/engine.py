@@ -49,6 +49,11 @@ Engines:
   reductions (``slot_decoder.linear_as_reduction``) so that Inductor fuses the activation and the residual
   adds into them: the one-token step 1.05 instead of 1.43 ms on the H200 in bf16 (a many-token step keeps its
   matmuls: as reductions it took 1.97 instead of 1.51 ms; benchmarks/RESULTS.md, fourteenth session).
+- ``"graphs-layers"``: as ``"graphs-fused"``, with the target compiled one decoder layer at a time
+  (``slot_decoder.decode_by_layer``): every layer is the same function of tensors of the same shapes (it ends
+  with the next layer's input norm), so one compile of one layer serves all of them, where a whole step
+  unrolls every layer into one graph (~25-30 s a target step shape cold on the H200); the step around the
+  layers runs as it is, and the CUDA graph holds it all.
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on all engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
@@ -87,13 +92,15 @@ ENGINES: tuple[str, ...] = (
     "graphs-compiled",
     "graphs-draft-compiled",
     "graphs-fused",
+    "graphs-layers",
 )
 # the graphs engines by name: which of their steps Inductor compiles before they are captured
-GRAPH_ENGINES: dict[str, bool | Literal["draft", "fused"]] = {
+GRAPH_ENGINES: dict[str, bool | Literal["draft", "fused", "layers"]] = {
     "graphs": False,
     "graphs-compiled": True,
     "graphs-draft-compiled": "draft",
     "graphs-fused": "fused",
+    "graphs-layers": "layers",
 }
 ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINES)  # what --engine takes
 WARM_CALLS_GRAPHED = 3  # a CUDA-graph region warms, records, then replays: all three before freezing
@@ -543,7 +550,7 @@ def compile_cache_path(
     drafter: Any,
     capacity: int,
     layer_ids: Sequence[int] | None = None,
-    steps: bool | Literal["draft", "fused"] = True,
+    steps: bool | Literal["draft", "fused", "layers"] = True,
 ) -> Path:
     """The portable compile cache of a compiling graphs engine: one file per target, dtype, drafter shape,
     capacity (the compiled steps' shapes) and compiled steps (``steps``: all, "draft" or "fused"), under

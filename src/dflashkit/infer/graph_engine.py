@@ -84,7 +84,18 @@ from dflashkit.runtime.compile_cache import CacheUse, portable_cache
 from dflashkit.runtime.compiled_region import CompiledRegion
 from dflashkit.runtime.precompiled import compile_step, guarded, step_path
 from dflashkit.target.hf import TargetModel
-from dflashkit.target.slot_decoder import Attention, DecoderWeights, SlotCache, decode, linear, logits
+from dflashkit.target.slot_decoder import (
+    Attention,
+    DecoderWeights,
+    LayerStep,
+    SlotCache,
+    decode,
+    decode_by_layer,
+    decoder_layer,
+    head,
+    linear,
+    logits,
+)
 
 
 def _attention(device: torch.device, dtype: torch.dtype) -> Attention:
@@ -108,25 +119,45 @@ def target_step(
     positions: Tensor | None = None,
     mask: Tensor | None = None,
     reduce_matmuls: bool = False,
+    layer_step: LayerStep | None = None,
 ) -> None:
     """ids [1, t] written at position ``start`` of the cache; their float32 logits into ``out_logits`` [t, V]
     and the outputs of the layers ``keep`` (concatenated) into ``out_rows`` [1, t, n*H]. A tree's nodes give
     their own rotary ``positions`` and attention ``mask``; ``reduce_matmuls``: the layers' matmuls as
-    reductions Inductor fuses with their neighbours (the "graphs-fused" engine; ``slot_decoder.decode``)."""
-    x, kept = decode(
-        w,
-        cache,
-        ids,
-        slot,
-        start,
-        kv_len=kv_len,
-        attention=attention,
-        keep=keep,
-        positions=positions,
-        mask=mask,
-        reduce_matmuls=reduce_matmuls,
-    )
-    out_logits.copy_(logits(w, x[0]))
+    reductions Inductor fuses with their neighbours (the "graphs-fused" engine; ``slot_decoder.decode``);
+    ``layer_step``: the layers one at a time through it (the "graphs-layers" engine's compiled layer;
+    ``slot_decoder.decode_by_layer``)."""
+    if layer_step is not None:
+        h, kept = decode_by_layer(
+            w,
+            cache,
+            ids,
+            slot,
+            start,
+            layer_step,
+            kv_len=kv_len,
+            attention=attention,
+            keep=keep,
+            positions=positions,
+            mask=mask,
+            reduce_matmuls=reduce_matmuls,
+        )
+        out_logits.copy_(head(w, h[0]))
+    else:
+        x, kept = decode(
+            w,
+            cache,
+            ids,
+            slot,
+            start,
+            kv_len=kv_len,
+            attention=attention,
+            keep=keep,
+            positions=positions,
+            mask=mask,
+            reduce_matmuls=reduce_matmuls,
+        )
+        out_logits.copy_(logits(w, x[0]))
     if keep:
         assert out_rows is not None
         out_rows.copy_(torch.cat(kept, dim=-1))
@@ -162,6 +193,11 @@ TARGET_STEP = CompiledRegion(
 DRAFT_STEP = CompiledRegion(
     draft_step, "the graphs engine's draft step", warm_with="GraphEngine.warm_up()", off_switch=_OFF
 )
+# the "graphs-layers" engine's target steps: one decoder layer compiled (one graph serves every layer of a step
+# shape), the rest of the step as it is; the CUDA graph of the step holds it all
+LAYER_STEP = CompiledRegion(
+    decoder_layer, "the graphs engine's decoder layer", warm_with="GraphEngine.warm_up()", off_switch=_OFF
+)
 
 
 class WarmUp(dict[str, float]):
@@ -195,7 +231,9 @@ class GraphEngine:
     False; True: the "graphs-compiled" engine) compiles the target and draft steps before they are captured,
     ``"draft"`` (the "graphs-draft-compiled" engine) the draft step only, ``"fused"`` (the "graphs-fused"
     engine) both, with the target layers' matmuls written as reductions that Inductor fuses with the work
-    around them (``slot_decoder.linear_as_reduction``);
+    around them (``slot_decoder.linear_as_reduction``), ``"layers"`` (the "graphs-layers" engine) as
+    "fused" with the target compiled one decoder layer at a time (``slot_decoder.decode_by_layer``: one
+    compile of one layer serves all of them, where a whole step unrolls every layer into its graph);
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
@@ -214,7 +252,7 @@ class GraphEngine:
         layer_ids: Sequence[int] | None = None,
         graphs: bool | None = None,
         fixed_shapes: bool | None = None,
-        compile: bool | Literal["draft", "fused"] | None = None,
+        compile: bool | Literal["draft", "fused", "layers"] | None = None,
         compile_cache: str | os.PathLike[str] | None = None,
         tree_budget: int | None = None,
         precompile: bool = True,
@@ -224,8 +262,10 @@ class GraphEngine:
         if graphs and dev.type != "cuda":
             raise DflashkitError("the graphs engine captures CUDA graphs: it needs the target on a GPU")
         compile = False if compile is None else compile  # compiled steps: the "graphs-compiled" engine
-        if compile not in (False, True, "draft", "fused"):
-            raise DflashkitError(f"GraphEngine(compile={compile!r}): choose False, True, 'draft' or 'fused'")
+        if compile not in (False, True, "draft", "fused", "layers"):
+            raise DflashkitError(
+                f"GraphEngine(compile={compile!r}): choose False, True, 'draft', 'fused' or 'layers'"
+            )
         fixed_shapes = graphs or compile if fixed_shapes is None else fixed_shapes
         if compile and not fixed_shapes:
             raise DflashkitError(
@@ -251,7 +291,9 @@ class GraphEngine:
         self._precompiled: dict[tuple[Any, ...], Callable[..., None]] = {}
         self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
         self._target_fn: Callable[..., None] = TARGET_STEP if compile in (True, "fused") else target_step
-        self._reduce_matmuls = compile == "fused"
+        self._reduce_matmuls = compile in ("fused", "layers")
+        # "layers": the target steps run as they are, one decoder layer at a time through its compiled region
+        self._layer_step: LayerStep | None = LAYER_STEP if compile == "layers" else None
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
@@ -326,6 +368,7 @@ class GraphEngine:
             # reductions only for the one-token step: at [1, 8] they cost 1.97 ms against the matmuls' 1.51
             # (H200, bf16), at [1, 1] 1.05 against 1.43 (benchmarks/RESULTS.md, fourteenth session)
             self._reduce_matmuls and t == 1,
+            self._layer_step,
         )
 
     def _tree_step(self) -> None:
@@ -344,6 +387,7 @@ class GraphEngine:
             self._start + self._tree_inputs[1:2],  # positions: the root's + depth
             self._tree_mask(),  # mask (positional: a compiled region takes no keywords)
             False,  # the matmuls: a many-token step is faster with them (see _target_step)
+            self._layer_step,
         )
 
     def _build_step(self) -> None:

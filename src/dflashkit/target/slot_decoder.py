@@ -413,37 +413,21 @@ def decode(
     steps), gate and up as two reductions so that SwiGLU fuses into them, the residual adds out of place
     (fused into the reduction that feeds them)."""
     rows, chunk = tokens.shape
-    if packing is not None:
-        written = packing.positions[None]
-    else:
-        written = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
-            max=cache.capacity - 1
-        )
-    compiling = torch.compiler.is_compiling()
-    rotate = apply_rotary_pairs if compiling else apply_rotary
-    table = w.rotary_pairs if compiling else w.rotary  # real (cos, sin) pairs when compiling
-    rotary = table[written if positions is None else positions]  # [R, C, head_dim/2 (, 2)]
-    x = w.embed[tokens]  # [R, C, hidden]
+    x, rotary, attend, rows_at = _step_plan(
+        w,
+        cache,
+        tokens,
+        slots,
+        starts,
+        kv_len=kv_len,
+        attention=attention,
+        positions=positions,
+        mask=mask,
+        packing=packing,
+        pairs=torch.compiler.is_compiling(),  # real (cos, sin) pairs when compiling
+    )
+    rotate = apply_rotary_pairs if torch.compiler.is_compiling() else apply_rotary
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
-    if mask is not None:
-        if rows == cache.slots == 1:  # a decode engine's tree step: its one slot, read as a view
-            attend = _tree_plan(mask[:, :, :kv_len], nq, nk, w.dtype)
-        else:
-            attend = _masked_plan(slots, mask[:, :, :kv_len], nq, nk)  # once for all layers
-    elif packing is not None:
-        if attention == "flash":
-            attend = _packed_flash_plan(packing, nq, nk, cache.capacity, cache.slots + 1)
-        else:
-            attend = _packed_sdpa_plan(packing, nq, nk)
-    else:
-        # once for all layers
-        if attention == "flash":
-            attend = _flash_plan(slots, written, kv_len, nq, nk, cache.capacity, cache.slots + 1)
-        else:
-            one_slot = rows == cache.slots == 1  # a decode engine's one slot
-            attend = _sdpa_plan(slots, written, kv_len, nq, nk, cache.capacity, cache.slots + 1, one_slot)
-    token_slots = packing.slots[None] if packing is not None else slots[:, None]
-    rows_at = (token_slots * cache.capacity + written).reshape(-1)  # each new token's cache row
     kept = []
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
@@ -481,6 +465,153 @@ def decode(
         if i in keep:
             kept.append(x.clone())  # x keeps changing in place
     return x, kept
+
+
+def decoder_layer(
+    x: Tensor,
+    h: Tensor,
+    layer: LayerWeights,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    rotary: Tensor,
+    rows_at: Tensor,
+    attend: Attend,
+    next_norm: Tensor,
+    eps: float,
+    reduce_matmuls: bool,
+) -> tuple[Tensor, Tensor]:
+    """One decoder layer of ``decode_by_layer``: the residual stream x [R, C, hidden] and its normed copy h
+    in, the layer's keys and values written at ``rows_at``, and out the new x and ``rms_norm(x, next_norm)``:
+    the next layer's input norm (the final norm after the last layer), so that every layer, the last
+    included, is the same function of tensors of the same shapes: one compile serves them all. The rotary
+    angles are (cos, sin) pairs; ``reduce_matmuls`` as in ``decode``."""
+    rows, chunk = x.shape[:2]
+    nk, d = k_cache.shape[-2], k_cache.shape[-1]
+    nq = layer.qkv.shape[0] // d - 2 * nk
+    matmul = linear_as_reduction if reduce_matmuls else linear
+    qkv = matmul(h, layer.qkv, layer.qkv_bias).view(rows, chunk, nq + 2 * nk, d)
+    qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk :]
+    if layer.q_norm is not None:  # Qwen3: each head normalised before the rotation
+        qk = torch.cat(
+            [rms_norm(qk[:, :, :nq], layer.q_norm, eps), rms_norm(qk[:, :, nq:], layer.k_norm, eps)], dim=2
+        )
+    qk = apply_rotary_pairs(qk, rotary)
+    k_cache.view(-1, nk, d).index_copy_(0, rows_at, qk[:, :, nq:].reshape(-1, nk, d))
+    v_cache.view(-1, nk, d).index_copy_(0, rows_at, v.reshape(-1, nk, d))
+    x = x + matmul(attend(qk[:, :, :nq], k_cache, v_cache), layer.o)
+    h = rms_norm(x, layer.post_norm, eps)
+    if reduce_matmuls:  # gate and up as two reductions, SwiGLU fused into them
+        half = layer.gate_up.shape[0] // 2
+        gate, up = matmul(h, layer.gate_up[:half]), matmul(h, layer.gate_up[half:])
+    else:
+        gate, up = matmul(h, layer.gate_up).chunk(2, dim=-1)
+    x = x + matmul(F.silu(gate) * up, layer.down)
+    return x, rms_norm(x, next_norm, eps)
+
+
+LayerStep = Callable[..., tuple[Tensor, Tensor]]  # ``decoder_layer`` or a compiled region of it
+
+
+def decode_by_layer(
+    w: DecoderWeights,
+    cache: SlotCache,
+    tokens: Tensor,
+    slots: Tensor,
+    starts: Tensor,
+    layer_step: LayerStep,
+    *,
+    kv_len: int,
+    attention: Attention = "sdpa",
+    keep: tuple[int, ...] = (),
+    positions: Tensor | None = None,
+    mask: Tensor | None = None,
+    reduce_matmuls: bool = False,
+) -> tuple[Tensor, list[Tensor]]:
+    """``decode`` one layer at a time through ``layer_step`` (``decoder_layer``, or a compiled region of it:
+    the "graphs-layers" engine, whose one compile of one layer serves every layer and every step shape's
+    layers are compiled in seconds, where a whole step unrolls all of them into one graph). Returns the
+    final-normed hidden states [R, C, hidden] (``logits`` would norm them again: take ``head``) and the
+    outputs of the layers ``keep``. The work around the layers (embedding, attention plan, head) runs as it
+    is (captured with the layers on a GPU)."""
+    x, rotary, attend, rows_at = _step_plan(
+        w,
+        cache,
+        tokens,
+        slots,
+        starts,
+        kv_len=kv_len,
+        attention=attention,
+        positions=positions,
+        mask=mask,
+        packing=None,
+        pairs=True,
+    )
+    h = rms_norm(x, w.layers[0].input_norm, w.eps)
+    kept = []
+    for i, layer in enumerate(w.layers):
+        last = i == len(w.layers) - 1
+        next_norm = w.norm if last else w.layers[i + 1].input_norm
+        x, h = layer_step(
+            x, h, layer, cache.k[i], cache.v[i], rotary, rows_at, attend, next_norm, w.eps, reduce_matmuls
+        )
+        if i in keep:
+            kept.append(x)  # a new tensor each layer: nothing changes it later
+    return h, kept
+
+
+def head(w: DecoderWeights, h: Tensor) -> Tensor:
+    """The vocabulary head over final-normed hidden states (``decode_by_layer``'s): float32 logits."""
+    return linear(h, w.lm_head, packed=w.lm_head_packed).float()
+
+
+def _step_plan(
+    w: DecoderWeights,
+    cache: SlotCache,
+    tokens: Tensor,
+    slots: Tensor,
+    starts: Tensor,
+    *,
+    kv_len: int,
+    attention: Attention,
+    positions: Tensor | None,
+    mask: Tensor | None,
+    packing: Packing | None,
+    pairs: bool,
+) -> tuple[Tensor, Tensor, Attend, Tensor]:
+    """What every layer of a step shares, built once: the embedded tokens [R, C, hidden], their rotary
+    angles (``pairs``: as real (cos, sin) pairs, what a compiled step reads), the attention plan and each new
+    token's cache row (``decode`` says what the arguments mean)."""
+    rows, chunk = tokens.shape
+    if packing is not None:
+        written = packing.positions[None]
+    else:
+        written = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
+            max=cache.capacity - 1
+        )
+    table = w.rotary_pairs if pairs else w.rotary
+    rotary = table[written if positions is None else positions]  # [R, C, head_dim/2 (, 2)]
+    x = w.embed[tokens]  # [R, C, hidden]
+    nq, nk = w.heads, w.kv_heads
+    if mask is not None:
+        if rows == cache.slots == 1:  # a decode engine's tree step: its one slot, read as a view
+            attend = _tree_plan(mask[:, :, :kv_len], nq, nk, w.dtype)
+        else:
+            attend = _masked_plan(slots, mask[:, :, :kv_len], nq, nk)  # once for all layers
+    elif packing is not None:
+        if attention == "flash":
+            attend = _packed_flash_plan(packing, nq, nk, cache.capacity, cache.slots + 1)
+        else:
+            attend = _packed_sdpa_plan(packing, nq, nk)
+    else:
+        # once for all layers
+        if attention == "flash":
+            attend = _flash_plan(slots, written, kv_len, nq, nk, cache.capacity, cache.slots + 1)
+        else:
+            one_slot = rows == cache.slots == 1  # a decode engine's one slot
+            attend = _sdpa_plan(slots, written, kv_len, nq, nk, cache.capacity, cache.slots + 1, one_slot)
+    token_slots = packing.slots[None] if packing is not None else slots[:, None]
+    rows_at = (token_slots * cache.capacity + written).reshape(-1)  # each new token's cache row
+    return x, rotary, attend, rows_at
 
 
 def _add_linear_(x: Tensor, a: Tensor, weight: Tensor, packed: Tensor | None = None) -> None:
