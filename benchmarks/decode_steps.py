@@ -456,6 +456,12 @@ def main() -> None:
         metavar="N",
         help="profile N uncaptured one-token steps of each graphs engine (kernels, device time; GPU)",
     )
+    ap.add_argument(
+        "--max-autotune",
+        action="store_true",
+        help="Inductor's GEMM templates, autotuned, with the work after a matmul fused into it (every "
+        "compiled step of this process; affordable where one decoder layer is compiled: graphs-layers)",
+    )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-warm-start", action="store_true", help="skip the second process (graphs-compiled)")
     # the warm-start child (internal): a fresh process that loads the portable compile cache
@@ -474,6 +480,12 @@ def main() -> None:
     import torch
 
     from dflashkit.runtime import fingerprint
+
+    if args.max_autotune:  # the matmuls as Triton templates where they win, their epilogues fused
+        import torch._inductor.config as inductor_config
+
+        inductor_config.max_autotune_gemm = True
+        inductor_config.max_autotune_gemm_backends = "TRITON,ATEN"
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     args.compile = device.type == "cuda"
@@ -501,6 +513,7 @@ def main() -> None:
                     "block_size": args.block,
                     "drafter_layers": args.layers,
                     "compiled": args.compile,
+                    "max_autotune": args.max_autotune,
                     "steps_compiled": graph_engines().get(
                         engine_name, engine_name == "static" and args.compile
                     ),

@@ -28,6 +28,9 @@
 #   ENGINES=graphs-fused,graphs-layers DECODE_ARGS=--no-warm-start BUDGET=470 WARM_ARGS="--engines \
 #     graphs-fused,graphs-layers --cases compile" bash benchmarks/gpu_prepare.sh part decode warm
 #                       # carry .bench/p1 .whl; random weights: no GGUF; the steps and starts side by side
+#   (with time to spare, after the bench: ENGINES=graphs-layers DECODE_ARGS="--no-warm-start --max-autotune"
+#    bash benchmarks/gpu_prepare.sh decode: the layer's matmuls as autotuned Triton templates, their epilogues
+#    fused: affordable now that one layer is compiled; NOTES: the eight-token step is what the round waits on)
 #   bash benchmarks/gpu_prepare.sh part                # carry .bench/p2
 #   bash benchmarks/gpu_prepare.sh part                # carry .bench/p3
 #   ROUND_SEED=4 BUDGET=590 bash benchmarks/gpu_prepare.sh part join round    # carry .bench/p4: a slice of the
@@ -332,7 +335,7 @@ for s in "$@"; do
     # to the end of its schedule, and the best drafter brought back (`keep`) before the command's limit, so that
     # a machine lost before the next command loses nothing (three sessions lost a run between two commands)
     round)
-      PREPARE_CAP=${PREPARE_CAP:-230} PREPARE_OVERRIDES="data.sample_seed=${ROUND_SEED:-3}" \
+      PREPARE_CAP=${PREPARE_CAP:-260} PREPARE_OVERRIDES="data.sample_seed=${ROUND_SEED:-3}" \
         prepare round configs/embedded-gpu-round.yaml
       # the trainer stops (SIGTERM: checkpointed, best kept) ROUND_KEEP_S before the limit, for `keep`
       BUDGET=$(( ${BUDGET:-570} - ${ROUND_KEEP_S:-20} )) TRAIN_CAP=${TRAIN_CAP:-590} \
