@@ -138,8 +138,10 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
     # graphs-layers: as graphs-fused, the target compiled one decoder layer at a time, its own cache file
     layers = make_engine("graphs-layers", target, drafter, capacity=24)
     assert layers._target_fn is graph_engine.target_step and layers._layer_step is graph_engine.LAYER_STEP
+    assert layers._reduce_matmuls and fused._layer_step is None and fused._draft_layer_step is None
     assert (
-        layers._reduce_matmuls and layers._draft_fn is graph_engine.DRAFT_STEP and fused._layer_step is None
+        layers._draft_fn is graph_engine.draft_step
+        and layers._draft_layer_step is graph_engine.DRAFT_LAYER_STEP
     )
     assert layers.compile_cache not in (None, path, draft_only.compile_cache, fused.compile_cache)
     with pytest.raises(DflashkitError, match="choose False, True, 'draft', 'fused' or 'layers'"):
@@ -434,12 +436,13 @@ def tiny_target(folder):
     return TargetModel.load(folder, dtype=torch.float32)
 
 
-def tiny_pair(tmp_path):
-    """The tiny target, a one-layer drafter of it reading layers [0, 2] (seed 1), and those layers."""
+def tiny_pair(tmp_path, drafter_layers: int = 1):
+    """The tiny target, a drafter of it (one layer unless told) reading layers [0, 2] (seed 1), and those
+    layers."""
     tiny = tiny_target(tmp_path / "target")
     layers = [0, 2]
     cfg = config_for_target(
-        tiny.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=layers
+        tiny.config, num_layers=drafter_layers, block_size=B, mask_token_id=511, target_layer_ids=layers
     )
     torch.manual_seed(1)
     return tiny, DFlashDrafter(cfg).eval(), layers
@@ -678,6 +681,26 @@ def test_layer_by_layer_decode_gives_the_whole_step_numbers(tmp_path):
                 torch.testing.assert_close(caches[0].v[layer], caches[1].v[layer], atol=1e-5, rtol=1e-5)
 
 
+def test_drafting_layer_by_layer_gives_the_draft_steps_numbers(target, drafter):
+    """DFlashDrafter.draft_by_layer (the "graphs-layers" engine's draft step, the layer run eagerly here):
+    the context written and the block drafted one layer at a time give the logits and the cache rows of
+    write_context then draft_block."""
+    from dflashkit.model.drafter import static_layer_step
+
+    engines = [GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=True) for _ in range(2)]
+    engines[1]._draft_layer_step = static_layer_step
+    drafts = []
+    for engine in engines:
+        context = engine.prefill(torch.tensor([prompts(11)[0]]))[1]
+        drafts.append(engine.draft(context, 17))
+    torch.testing.assert_close(drafts[0], drafts[1], atol=1e-5, rtol=1e-5)
+    caches = [e._dcache for e in engines]
+    assert caches[0] is not None and caches[1] is not None
+    for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert caches[0].keys[0].abs().sum() > 0, "the context was written"
+
+
 @pytest.mark.cpu_compile
 def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
     """compile="layers" (the "graphs-layers" engine) on the CPU: one decoder layer compiled, which serves
@@ -685,12 +708,13 @@ def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
     acceptance lengths equal the dynamic engine's, token for token in fp32."""
     from dflashkit.infer import graph_engine
 
-    tiny, d, layers = tiny_pair(tmp_path)
-    before = graph_engine.LAYER_STEP.graphs()
+    tiny, d, layers = tiny_pair(tmp_path, drafter_layers=2)
+    before, drafts_before = graph_engine.LAYER_STEP.graphs(), graph_engine.DRAFT_LAYER_STEP.graphs()
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="layers")
     assert list(engine.warm_up()) == CHAIN_STEPS
     depth = len(engine.w.layers)
     assert 1 <= graph_engine.LAYER_STEP.graphs() - before <= 2 < depth * 2, "a graph per shape, not per layer"
+    assert graph_engine.DRAFT_LAYER_STEP.graphs() - drafts_before == 1, "one graph for every drafter layer"
     decodes_as_dynamic(tiny, d, engine, layers)
 
 
