@@ -127,36 +127,19 @@ def target_step(
     reductions Inductor fuses with their neighbours (the "graphs-fused" engine; ``slot_decoder.decode``);
     ``layer_step``: the layers one at a time through it (the "graphs-layers" engine's compiled layer;
     ``slot_decoder.decode_by_layer``)."""
+    common = dict(
+        kv_len=kv_len,
+        attention=attention,
+        keep=keep,
+        positions=positions,
+        mask=mask,
+        reduce_matmuls=reduce_matmuls,
+    )
     if layer_step is not None:
-        h, kept = decode_by_layer(
-            w,
-            cache,
-            ids,
-            slot,
-            start,
-            layer_step,
-            kv_len=kv_len,
-            attention=attention,
-            keep=keep,
-            positions=positions,
-            mask=mask,
-            reduce_matmuls=reduce_matmuls,
-        )
+        h, kept = decode_by_layer(w, cache, ids, slot, start, layer_step, **common)  # type: ignore[arg-type]
         out_logits.copy_(head(w, h[0]))
     else:
-        x, kept = decode(
-            w,
-            cache,
-            ids,
-            slot,
-            start,
-            kv_len=kv_len,
-            attention=attention,
-            keep=keep,
-            positions=positions,
-            mask=mask,
-            reduce_matmuls=reduce_matmuls,
-        )
+        x, kept = decode(w, cache, ids, slot, start, **common)  # type: ignore[arg-type]
         out_logits.copy_(logits(w, x[0]))
     if keep:
         assert out_rows is not None
