@@ -25,7 +25,7 @@
 # lost its real-prompt run with the machine (the third in a row), and built the `round` stage (prepare a slice,
 # train and keep in one command) and the graphs-layers engine (one decoder layer compiled for all; NOTES: its
 # prediction). Back to back, never a pause (the machine goes back after 30 s idle, with every file of /root):
-#   ENGINES=graphs-fused,graphs-layers DECODE_ARGS=--no-warm-start BUDGET=470 WARM_ARGS="--engines \
+#   ENGINES=graphs-fused,graphs-layers DECODE_ARGS=--no-warm-start BUDGET=560 WARM_ARGS="--engines \
 #     graphs-fused,graphs-layers --cases compile" bash benchmarks/gpu_prepare.sh part decode warm
 #                       # carry .bench/p1 .whl; random weights: no GGUF; the steps and starts side by side
 #   (with time to spare, after the bench: ENGINES=graphs-layers DECODE_ARGS="--no-warm-start --max-autotune"
@@ -39,6 +39,7 @@
 #     BENCH_ARGS="--sets heldout,gsm8k,humaneval,mtbench --temperatures 0" bash benchmarks/gpu_prepare.sh bench
 #                       # (if the machine went back: carry the kept drafter with p4, `part join heldout bench`
 #                       # with BENCH_DATA=/root/work/heldout, after the three `part` commands)
+#   BUDGET=200 bash benchmarks/gpu_prepare.sh ftests   # graphs-layers' GPU tests (before `auto` may take it)
 # then here: `cat drafter.tar.part.* | tar -x`, and commit best/ over benchmarks/drafters/embedded-gpu-more if
 # its held-out served tau is higher (the round's init, so the next round starts from it).
 # Sixteenth session, as run: part; part; part; PREPARE_CAP=470 BUDGET=588 TRAIN_OVERRIDES="train.max_steps=3000"
@@ -257,9 +258,10 @@ for s in "$@"; do
       mkdir -p $W/drafter0 && rm -rf $W/drafter0/best && cp -r ${KEPT_DRAFTER:-benchmarks/drafters/embedded-gpu-more} \
         $W/drafter0/best && ls $W/drafter0/best ;;
     ftests)
-      # the graphs-fused engine's and the precompiled steps' GPU tests (captured, held to the eager engine in fp32)
+      # the graphs-fused and graphs-layers engines' and the precompiled steps' GPU tests (captured, held to the
+      # eager engine in fp32; they load the embedded target: after `join`)
       stage ftests
-      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "fused or precompiled" 2>&1 \
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "fused or layers or precompiled" 2>&1 \
         | tee "$OUT/pytest-ftests.log" | tail -15 ;;
     warm)
       # the compiled engine's warm start, compiled vs precompiled steps (random target: no GGUF; ~6 minutes)
