@@ -688,7 +688,13 @@ def test_drafting_layer_by_layer_gives_the_draft_steps_numbers(target, drafter):
     from dflashkit.model.drafter import static_layer_step
 
     engines = [GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=True) for _ in range(2)]
-    engines[1]._draft_layer_step = static_layer_step
+    calls: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return static_layer_step(*args)  # type: ignore[arg-type]
+
+    engines[1]._draft_layer_step = counted
     drafts = []
     for engine in engines:
         context = engine.prefill(torch.tensor([prompts(11)[0]]))[1]
@@ -699,6 +705,7 @@ def test_drafting_layer_by_layer_gives_the_draft_steps_numbers(target, drafter):
     for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert caches[0].keys[0].abs().sum() > 0, "the context was written"
+    assert len(calls) == len(drafter.layers), "the draft went through the layer step, once a layer"
 
 
 @pytest.mark.cpu_compile

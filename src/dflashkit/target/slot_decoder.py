@@ -413,6 +413,7 @@ def decode(
     steps), gate and up as two reductions so that SwiGLU fuses into them, the residual adds out of place
     (fused into the reduction that feeds them)."""
     rows, chunk = tokens.shape
+    compiling = torch.compiler.is_compiling()  # real (cos, sin) pairs when compiling
     x, rotary, attend, rows_at = _step_plan(
         w,
         cache,
@@ -424,9 +425,9 @@ def decode(
         positions=positions,
         mask=mask,
         packing=packing,
-        pairs=torch.compiler.is_compiling(),  # real (cos, sin) pairs when compiling
+        pairs=compiling,
     )
-    rotate = apply_rotary_pairs if torch.compiler.is_compiling() else apply_rotary
+    rotate = apply_rotary_pairs if compiling else apply_rotary
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     kept = []
     for i, layer in enumerate(w.layers):
