@@ -21,9 +21,9 @@ timing does not depend on the weights, so nothing has to be carried to the GPU) 
 
 Engines (``--engines``, side by side): ``static`` (torch.compile, CUDA-graph mode), ``graphs`` (the fused
 target forward, each step one CUDA graph of eager kernels), ``graphs-compiled`` (the same steps compiled by
-Inductor, then captured), ``graphs-draft-compiled`` (only the draft step compiled) and ``graphs-fused`` (as
-graphs-compiled, the target layers' matmuls written as reductions Inductor fuses with their neighbours) and
-``graphs-layers`` (as graphs-fused, one decoder layer compiled for every layer). Start seconds: ``start_seconds`` is building the engine to the first token in this
+Inductor, then captured), ``graphs-draft-compiled`` (only the draft step compiled) and ``graphs-layers`` (one
+decoder layer compiled for every layer, the one-token step's matmuls as reductions Inductor fuses with their
+neighbours; the whole steps compiled that way, the retired graphs-fused, measured the same steps). Start seconds: ``start_seconds`` is building the engine to the first token in this
 process, cold (the run uses a fresh, empty Inductor cache directory, so nothing compiled by an earlier run
 helps); for the compiling graphs engines, ``warm_start_seconds`` is a second, fresh process (its own empty Inductor
 cache) that loads only the portable compile cache the first one wrote, from its spawn to its first token
@@ -59,7 +59,9 @@ from report import print_result, run_child, write_report  # noqa: E402
 SMOKE_SHAPE = "tiny"
 TAUS = (1.5, 2.0, 3.0, 4.0)
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
-CARRIED = ("tree_tau_gain", "cpu_round_cost_ar_tokens")  # summary keys other measurements fill
+# summary keys other measurements fill (cpu_round.py, tree_vs_chain.py; warm_start.py --update-results writes
+# warm_start_s and its block, for the summary's engine)
+CARRIED = ("tree_tau_gain", "cpu_round_cost_ar_tokens", "cpu_round")
 
 
 def graph_engines() -> dict:
@@ -492,7 +494,7 @@ def main() -> None:
     if args.smoke:
         args.shape, args.tokens, args.repeats, args.calls, args.target_layers = SMOKE_SHAPE, 24, 1, 3, 2
     engines = args.engines.split(",")
-    for name in ("graphs-compiled", "graphs-draft-compiled", "graphs-fused", "graphs-layers"):
+    for name in ("graphs-compiled", "graphs-draft-compiled", "graphs-layers"):
         if args.smoke and name in engines:
             print(f"--smoke: {name} left out (a CPU compile of its steps takes minutes)")
             engines.remove(name)

@@ -258,10 +258,10 @@ for s in "$@"; do
       mkdir -p $W/drafter0 && rm -rf $W/drafter0/best && cp -r ${KEPT_DRAFTER:-benchmarks/drafters/embedded-gpu-more} \
         $W/drafter0/best && ls $W/drafter0/best ;;
     ftests)
-      # the graphs-fused and graphs-layers engines' and the precompiled steps' GPU tests (captured, held to the
-      # eager engine in fp32; they load the embedded target: after `join`)
+      # the graphs-layers engine's (chain and tree steps) and the precompiled steps' GPU tests (captured, held to
+      # the eager engine in fp32; they load the embedded target: after `join`)
       stage ftests
-      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "fused or layers or precompiled" 2>&1 \
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "layers or precompiled" 2>&1 \
         | tee "$OUT/pytest-ftests.log" | tail -15 ;;
     warm)
       # the compiled engine's warm start, compiled vs precompiled steps (random target: no GGUF; ~6 minutes)

@@ -12,13 +12,20 @@ one after another on a random target of the chosen shape and a random drafter:
 
     python benchmarks/warm_start.py --shape smollm2-135m --out /tmp/warm-start     # CPU: fp32, ~6 minutes
     python benchmarks/warm_start.py --dtype bfloat16                                 # GPU: bf16, captured
-    python benchmarks/warm_start.py --engines graphs-fused,graphs-layers --cases compile
+    python benchmarks/warm_start.py --engines graphs-compiled,graphs-layers --cases compile
                         # the whole-step compile against one decoder layer compiled, the compile cases only
+    python benchmarks/warm_start.py --from benchmarks/results/warm_start-layers-gpu-s17.json --update-results
+                        # a run's file (measured on the GPU) into benchmarks/results/decode_steps.json
+
+``--update-results`` writes the issue's ``warm_start_s`` (process to first token, the portable file alone: a
+fresh machine) and a ``warm_start`` block (cold and warm, engine and process, per step shape) into
+``benchmarks/results/decode_steps.json``, for the engine that file's summary names (``summary_engine``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -30,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fanout import TARGET_SHAPES, make_target  # noqa: E402  (the random target)
 from report import print_result, run_child, write_report  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 
 # (label, precompile, Inductor cache folder, compile cache file): folders and files by name, under the run's
 # temporary folder; a name used twice is the same cache, so a later case finds what an earlier one left
@@ -119,6 +128,14 @@ def main() -> None:
     ap.add_argument(
         "--cases", choices=["all", "compile"], default="all", help="compile: the first three cases"
     )
+    ap.add_argument(
+        "--from", dest="from_file", help="a warm_start.json of an earlier run: report it, measure nothing"
+    )
+    ap.add_argument(
+        "--update-results",
+        action="store_true",
+        help="write warm_start_s and the warm_start block into " + str(RESULTS),
+    )
     # a case's child (internal)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--target-folder", help=argparse.SUPPRESS)
@@ -129,6 +146,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         print_result(child(args))
+        return
+    if args.from_file:
+        report = json.loads(Path(args.from_file).read_text())
+        print_table(report["rows"])
+        if args.update_results:
+            update_results(report, args.from_file)
         return
     import torch
 
@@ -155,6 +178,22 @@ def main() -> None:
             out = run_child([*cmd, "--spawned-at", repr(time.time())], env, args.timeout)
             rows.append({"case": label, **out})
             print(f"{label}: {out}", flush=True)
+    report = {
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "device": "cuda" if on_gpu else "cpu",
+        "gpu": torch.cuda.get_device_name() if on_gpu else None,
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+    print_table(rows)
+    path = write_report("warm_start.json", report, args.out)
+    if args.update_results:
+        update_results(report, str(path) if path else "this run")
+
+
+def print_table(rows: list[dict]) -> None:
     print()
     print(
         f"{'case':40} {'process s':>9} {'engine s':>9} {'before s':>9} {'loaded':>6} {'built':>6}  steps (s)"
@@ -170,16 +209,35 @@ def main() -> None:
             f"{r['before_engine_seconds']:9.1f} {r['steps_precompiled_loaded']:6d} "
             f"{r['steps_precompiled_built']:6d}  {steps}"
         )
-    report = {
-        "shape": args.shape,
-        "dtype": args.dtype,
-        "device": "cuda" if on_gpu else "cpu",
-        "gpu": torch.cuda.get_device_name() if on_gpu else None,
-        "torch": torch.__version__,
-        "cpu_threads": torch.get_num_threads(),
-        "rows": rows,
+
+
+def update_results(report: dict, source: str) -> None:
+    """``warm_start_s`` and the ``warm_start`` block of the results file, for its summary's engine: the
+    compile cases (cold; warm with the portable file alone) of that engine in ``report``. Refused (the file
+    left alone) when the report lacks them or was not measured on a GPU."""
+    results = json.loads(RESULTS.read_text())
+    engine = results.get("summary_engine")
+    prefix = "" if engine == "graphs-compiled" else f"{engine}: "
+    cases = {r["case"]: r for r in report["rows"] if "errors" not in r}
+    cold, warm = cases.get(f"{prefix}compile, cold"), cases.get(f"{prefix}compile, warm file")
+    if report.get("device") != "cuda" or cold is None or warm is None:
+        sys.exit(f"--update-results: {source} has no GPU compile cases of {engine} (the summary's engine)")
+    results["warm_start_s"] = warm["process_to_first_token_seconds"]
+    results["warm_start"] = {
+        "engine": engine,
+        "source": source,
+        "gpu": report.get("gpu"),
+        "torch": report.get("torch"),
+        "cold_process_s": cold["process_to_first_token_seconds"],
+        "cold_engine_s": cold["engine_to_first_token_seconds"],
+        "cold_steps_s": cold["warmup_seconds"],
+        "warm_file_process_s": warm["process_to_first_token_seconds"],
+        "warm_file_engine_s": warm["engine_to_first_token_seconds"],
+        "warm_file_steps_s": warm["warmup_seconds"],
+        "warm_file_before_engine": warm.get("before_engine_parts"),
     }
-    write_report("warm_start.json", report, args.out)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"{RESULTS}: warm_start_s {results['warm_start_s']:.1f} ({engine}, the portable file alone)")
 
 
 if __name__ == "__main__":

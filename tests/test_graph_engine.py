@@ -117,12 +117,16 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
         draft_only._draft_fn is graph_engine.DRAFT_STEP and draft_only._target_fn is graph_engine.target_step
     )
     assert engine._target_fn is graph_engine.TARGET_STEP and engine._draft_fn is graph_engine.DRAFT_STEP
-    # graphs-fused: every step compiled, the target's matmuls as reductions, its own cache file
-    fused = make_engine("graphs-fused", target, drafter, capacity=24)
+    # graphs-layers: the target and the drafter compiled one decoder layer at a time, its own cache file
+    layers = make_engine("graphs-layers", target, drafter, capacity=24)
+    assert layers._target_fn is graph_engine.target_step and layers._layer_step is graph_engine.LAYER_STEP
+    assert layers._reduce_matmuls and not engine._reduce_matmuls
+    assert engine._layer_step is None and engine._draft_layer_step is None
     assert (
-        fused._target_fn is graph_engine.TARGET_STEP and fused._reduce_matmuls and not engine._reduce_matmuls
+        layers._draft_fn is graph_engine.draft_step
+        and layers._draft_layer_step is graph_engine.DRAFT_LAYER_STEP
     )
-    assert fused.compile_cache not in (None, path, draft_only.compile_cache)
+    assert layers.compile_cache not in (None, path, draft_only.compile_cache)
     # the reductions go to the one-token step only: a many-token step is faster with the matmuls
     calls: list[tuple[int, bool]] = []
 
@@ -130,21 +134,12 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
         calls.append((args[2].shape[1], args[12]))  # type: ignore[attr-defined]  # (t, reduce_matmuls)
         graph_engine.target_step(*args)  # type: ignore[arg-type]
 
-    fused._target_fn = recorded
-    fused.prefill(torch.tensor([prompts(5)[0]]))
-    fused._target_step(1)
-    fused._target_step(B)
+    layers._target_fn = recorded
+    layers.prefill(torch.tensor([prompts(5)[0]]))
+    layers._target_step(1)
+    layers._target_step(B)
     assert {c for c in calls if c[0] in (1, B)} == {(1, True), (B, False)}
-    # graphs-layers: as graphs-fused, the target compiled one decoder layer at a time, its own cache file
-    layers = make_engine("graphs-layers", target, drafter, capacity=24)
-    assert layers._target_fn is graph_engine.target_step and layers._layer_step is graph_engine.LAYER_STEP
-    assert layers._reduce_matmuls and fused._layer_step is None and fused._draft_layer_step is None
-    assert (
-        layers._draft_fn is graph_engine.draft_step
-        and layers._draft_layer_step is graph_engine.DRAFT_LAYER_STEP
-    )
-    assert layers.compile_cache not in (None, path, draft_only.compile_cache, fused.compile_cache)
-    with pytest.raises(DflashkitError, match="choose False, True, 'draft', 'fused' or 'layers'"):
+    with pytest.raises(DflashkitError, match="choose False, True, 'draft' or 'layers'"):
         GraphEngine(target, drafter, capacity=24, compile="target")  # type: ignore[arg-type]
 
 
@@ -164,7 +159,7 @@ def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, "draft", True, "fused", "layers"])
+@pytest.mark.parametrize("compiled", [False, "draft", True, "layers"])
 def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
     """On CUDA (fp32, so the attention is the masked reference over the whole capacity): each step shape
     is captured once at warm-up (compiled first: the graphs-draft-compiled and graphs-compiled engines) and
@@ -187,7 +182,7 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, True, "layers"])
 def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
     """On CUDA in fp32: warm-up captures the tree step [1, N+1] (compiled first with ``compile``, as the
     graphs-compiled engine does) and the keep step beside the chain's steps; the replayed tree step gives the
@@ -243,7 +238,7 @@ def test_auto_engine_is_the_fastest_lossless_one(target):
     on_gpu = SimpleNamespace(device=torch.device("cuda"), config=target.config)  # what auto reads
     assert resolve_engine("auto", on_gpu) == resolve_engine("auto", on_gpu, tree_budget=8) == "graphs"
     # commands that measure over many prompts (bench, eval) take the compiled steps on a GPU only
-    assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-fused"  # chain rounds
+    assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-layers"  # chain rounds
     assert resolve_engine("auto", on_gpu, tree_budget=8, long_run=True) == "graphs-compiled"  # tree rounds
     assert resolve_engine("auto", target, long_run=True) == "graphs"
     other = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(model_type="gpt2"))
@@ -571,7 +566,7 @@ def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [True, "draft", "fused", "layers", "precompiled"])
+@pytest.mark.parametrize("compiled", [True, "draft", "layers", "precompiled"])
 def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compiled, tmp_path):
     """On CUDA in fp32: the compiled steps (all, or the draft step alone), captured as CUDA graphs, replay
     and decode as the eager graphs engine (and the dynamic engine), with nothing captured or compiled after
@@ -615,35 +610,14 @@ def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compil
     assert len(fused.steps) == 4, "a step was captured after warm-up"
 
 
-def test_matmuls_as_reductions_give_the_matmuls_numbers(tmp_path):
-    """slot_decoder.linear_as_reduction (the "graphs-fused" engine's layers, run eagerly here): in fp32 a
-    step's logits and kept features are the matmul path's up to summation order, bias included."""
-    import torch.nn.functional as F
-
-    from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, decode, linear_as_reduction, logits
-
-    torch.manual_seed(0)
-    x, weight, bias = torch.randn(2, 3, 16), torch.randn(8, 16), torch.randn(8)
-    assert torch.allclose(linear_as_reduction(x, weight, bias), F.linear(x, weight, bias), atol=1e-5)
-    tiny = tiny_target(tmp_path / "target")
-    w = DecoderWeights.from_hf(tiny.model)
-    ids = torch.randint(5, 500, (1, B), generator=torch.Generator().manual_seed(3))
-    out = {}
-    for reduce in (False, True):
-        cache = SlotCache(w, slots=1, capacity=32)
-        zero = torch.zeros(1, dtype=torch.long)
-        x, kept = decode(w, cache, ids, zero, zero, kv_len=B, keep=(0, 2), reduce_matmuls=reduce)
-        out[reduce] = (logits(w, x), kept, cache.k[1].clone())
-    for a, b in zip(out[False], out[True], strict=True):
-        for p, q in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b], strict=True):
-            assert torch.allclose(p, q, atol=1e-4, rtol=1e-4)
-
-
 def test_layer_by_layer_decode_gives_the_whole_step_numbers(tmp_path):
     """slot_decoder.decode_by_layer (the "graphs-layers" engine's target steps, here with the layer run
     eagerly): each layer ends with the next one's input norm (the final norm after the last), so its
     hidden states are decode's normed; logits, kept features and the cache writes equal decode's in fp32,
-    with and without the reductions, for a chain and for a tree's mask and positions."""
+    with and without the reductions (``linear_as_reduction``: the matmul's numbers up to summation order,
+    bias included), for a chain and for a tree's mask and positions."""
+    import torch.nn.functional as F
+
     from dflashkit.target.slot_decoder import (
         DecoderWeights,
         SlotCache,
@@ -651,9 +625,13 @@ def test_layer_by_layer_decode_gives_the_whole_step_numbers(tmp_path):
         decode_by_layer,
         decoder_layer,
         head,
+        linear_as_reduction,
         logits,
     )
 
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(2, 3, 16), torch.randn(8, 16), torch.randn(8)
+    assert torch.allclose(linear_as_reduction(x, weight, bias), F.linear(x, weight, bias), atol=1e-5)
     tiny = tiny_target(tmp_path / "target")
     w = DecoderWeights.from_hf(tiny.model)
     ids = torch.randint(5, 500, (1, B), generator=torch.Generator().manual_seed(3))
@@ -670,9 +648,18 @@ def test_layer_by_layer_decode_gives_the_whole_step_numbers(tmp_path):
     for reduce in (False, True):
         for positions, mask, kv in ((None, None, B), (tree_positions, tree_mask, 16)):
             caches = [SlotCache(w, slots=1, capacity=32) for _ in range(2)]
-            common = dict(kv_len=kv, keep=(0, 2), positions=positions, mask=mask, reduce_matmuls=reduce)
+            common = dict(kv_len=kv, keep=(0, 2), positions=positions, mask=mask)
             x, kept = decode(w, caches[0], ids, zero, zero, **common)  # type: ignore[arg-type]
-            h, kept_by_layer = decode_by_layer(w, caches[1], ids, zero, zero, decoder_layer, **common)  # type: ignore[arg-type]
+            h, kept_by_layer = decode_by_layer(
+                w,
+                caches[1],
+                ids,
+                zero,
+                zero,
+                decoder_layer,
+                reduce_matmuls=reduce,
+                **common,  # type: ignore[arg-type]
+            )
             torch.testing.assert_close(head(w, h), logits(w, x), atol=1e-4, rtol=1e-4)
             for a, b in zip(kept, kept_by_layer, strict=True):
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -722,15 +709,4 @@ def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
     depth = len(engine.w.layers)
     assert 1 <= graph_engine.LAYER_STEP.graphs() - before <= 2 < depth * 2, "a graph per shape, not per layer"
     assert graph_engine.DRAFT_LAYER_STEP.graphs() - drafts_before == 1, "one graph for every drafter layer"
-    decodes_as_dynamic(tiny, d, engine, layers)
-
-
-@pytest.mark.cpu_compile
-def test_fused_engine_decodes_as_the_dynamic_engine(tmp_path):
-    """compile="fused" (the "graphs-fused" engine) on the CPU: the target layers' matmuls as reductions,
-    compiled; greedy tokens and acceptance lengths equal the dynamic engine's, token for token in fp32
-    (~1 minute: `make compile-test`; on a GPU the captured steps are held to the same by the tests above)."""
-    tiny, d, layers = tiny_pair(tmp_path)
-    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="fused")
-    assert list(engine.warm_up()) == CHAIN_STEPS
     decodes_as_dynamic(tiny, d, engine, layers)

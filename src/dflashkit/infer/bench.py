@@ -625,7 +625,7 @@ def write_outputs(
 def lossless_engine(engine: str) -> str:
     """The engine of the fp32 lossless check for a run on ``engine``: its eager steps when it compiles them
     (the same rounds and steps, captured as CUDA graphs but not compiled), else the same engine."""
-    return "graphs" if engine in ("graphs-compiled", "graphs-draft-compiled", "graphs-fused") else engine
+    return "graphs" if engine in ("graphs-compiled", "graphs-draft-compiled", "graphs-layers") else engine
 
 
 def lossless_result(bset: BenchSet, responses: list[Response], dtype: str, engine: str) -> dict[str, Any]:

@@ -45,15 +45,16 @@ Engines:
 - ``"graphs-draft-compiled"``: the graphs engine with only its draft step compiled (the step compiling
   speeds up 2.2x; the target steps' time moved 1% compiled, benchmarks/RESULTS.md), so the compile takes
   the draft step's ~10 s cold.
-- ``"graphs-fused"``: as ``"graphs-compiled"``, with the one-token target step's matmuls written as
-  reductions (``slot_decoder.linear_as_reduction``) so that Inductor fuses the activation and the residual
-  adds into them: the one-token step 1.05 instead of 1.43 ms on the H200 in bf16 (a many-token step keeps its
-  matmuls: as reductions it took 1.97 instead of 1.51 ms; benchmarks/RESULTS.md, fourteenth session).
-- ``"graphs-layers"``: as ``"graphs-fused"``, with the target compiled one decoder layer at a time
-  (``slot_decoder.decode_by_layer``): every layer is the same function of tensors of the same shapes (it ends
-  with the next layer's input norm), so one compile of one layer serves all of them, where a whole step
-  unrolls every layer into one graph (~25-30 s a target step shape cold on the H200); the step around the
-  layers runs as it is, and the CUDA graph holds it all.
+- ``"graphs-layers"``: the target and the drafter compiled one decoder layer at a time
+  (``slot_decoder.decode_by_layer``, ``DFlashDrafter.draft_by_layer``): every layer is the same function of
+  tensors of the same shapes (a target layer ends with the next layer's input norm), so one compile of one
+  layer serves all of them, where a whole step unrolls every layer into one graph (~25-30 s a target step
+  shape cold on the H200); the one-token step's matmuls are written as reductions
+  (``slot_decoder.linear_as_reduction``) that Inductor fuses with the activation and the residual adds. The
+  step around the layers runs as it is, and the CUDA graph holds it all. On the H200 in bf16, side by side
+  with the same steps compiled whole (the retired "graphs-fused"): a token 1.05 ms (1.03), the eight-token
+  step 1.38 ms (1.44), the engine to its first token 16 s cold instead of 60 (benchmarks/RESULTS.md,
+  seventeenth session; graphs-compiled's token: 1.43 ms).
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on all engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
@@ -91,15 +92,13 @@ ENGINES: tuple[str, ...] = (
     "graphs",
     "graphs-compiled",
     "graphs-draft-compiled",
-    "graphs-fused",
     "graphs-layers",
 )
 # the graphs engines by name: which of their steps Inductor compiles before they are captured
-GRAPH_ENGINES: dict[str, bool | Literal["draft", "fused", "layers"]] = {
+GRAPH_ENGINES: dict[str, bool | Literal["draft", "layers"]] = {
     "graphs": False,
     "graphs-compiled": True,
     "graphs-draft-compiled": "draft",
-    "graphs-fused": "fused",
     "graphs-layers": "layers",
 }
 ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINES)  # what --engine takes
@@ -529,10 +528,10 @@ def resolve_engine(
     target cost 2.72 autoregressive tokens against the dynamic engine's 3.11, benchmarks/RESULTS.md); else
     "dynamic" (the reference, any target). On a GPU, a ``long_run`` (a command that measures speed over
     many prompts: bench, eval) takes a compiled engine, whose compile (~63 s cold, ~11 s from the compile
-    cache, H200) is paid once, outside the measured decoding: "graphs-fused" for chain rounds (its GPU tests
-    pass; its autoregressive baseline decoded 852-900 against graphs-compiled's 657-688 tokens/s and its
-    rounds ~4% more tokens/s per target pass, benchmarks/RESULTS.md, sixteenth session), "graphs-compiled"
-    for tree rounds (the tree step is measured there only). A short one (generate) takes "graphs", which
+    cache, H200) is paid once, outside the measured decoding: "graphs-layers" for chain rounds (its GPU tests
+    pass; its steps as fast as the whole steps compiled, its autoregressive baseline 1.3x graphs-compiled's,
+    its cold start 16 s instead of 60: benchmarks/RESULTS.md, seventeenth session), "graphs-compiled" for
+    tree rounds (its tree step is the one tested captured on a GPU). A short one (generate) takes "graphs", which
     starts in under a second."""
     if name != "auto":
         return name
@@ -542,7 +541,7 @@ def resolve_engine(
         return "dynamic"
     if not long_run or target.device.type != "cuda":
         return "graphs"
-    return "graphs-compiled" if tree_budget else "graphs-fused"
+    return "graphs-compiled" if tree_budget else "graphs-layers"
 
 
 def compile_cache_path(
@@ -550,10 +549,10 @@ def compile_cache_path(
     drafter: Any,
     capacity: int,
     layer_ids: Sequence[int] | None = None,
-    steps: bool | Literal["draft", "fused", "layers"] = True,
+    steps: bool | Literal["draft", "layers"] = True,
 ) -> Path:
     """The portable compile cache of a compiling graphs engine: one file per target, dtype, drafter shape,
-    capacity (the compiled steps' shapes) and compiled steps (``steps``: all, "draft" or "fused"), under
+    capacity (the compiled steps' shapes) and compiled steps (``steps``: all, "draft" or "layers"), under
     ``$DFLASHKIT_CACHE/compile``; the file itself checks the environment (``dflashkit.runtime.compile_cache``)."""
     shape = {
         "target": target.name,

@@ -123,20 +123,13 @@ def target_step(
 ) -> None:
     """ids [1, t] written at position ``start`` of the cache; their float32 logits into ``out_logits`` [t, V]
     and the outputs of the layers ``keep`` (concatenated) into ``out_rows`` [1, t, n*H]. A tree's nodes give
-    their own rotary ``positions`` and attention ``mask``; ``reduce_matmuls``: the layers' matmuls as
-    reductions Inductor fuses with their neighbours (the "graphs-fused" engine; ``slot_decoder.decode``);
-    ``layer_step``: the layers one at a time through it (the "graphs-layers" engine's compiled layer;
-    ``slot_decoder.decode_by_layer``)."""
-    common = dict(
-        kv_len=kv_len,
-        attention=attention,
-        keep=keep,
-        positions=positions,
-        mask=mask,
-        reduce_matmuls=reduce_matmuls,
-    )
+    their own rotary ``positions`` and attention ``mask``; ``layer_step``: the layers one at a time through
+    it (the "graphs-layers" engine's compiled layer; ``slot_decoder.decode_by_layer``), ``reduce_matmuls``:
+    their matmuls as reductions Inductor fuses with their neighbours (``slot_decoder.decoder_layer``)."""
+    common = dict(kv_len=kv_len, attention=attention, keep=keep, positions=positions, mask=mask)
     if layer_step is not None:
-        h, kept = decode_by_layer(w, cache, ids, slot, start, layer_step, **common)  # type: ignore[arg-type]
+        layers = dict(reduce_matmuls=reduce_matmuls, **common)
+        h, kept = decode_by_layer(w, cache, ids, slot, start, layer_step, **layers)  # type: ignore[arg-type]
         out_logits.copy_(head(w, h[0]))
     else:
         x, kept = decode(w, cache, ids, slot, start, **common)  # type: ignore[arg-type]
@@ -222,11 +215,11 @@ class GraphEngine:
     ``fixed_shapes`` (default: with graphs or compile) makes attention read the whole capacity, as a graph
     and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default
     False; True: the "graphs-compiled" engine) compiles the target and draft steps before they are captured,
-    ``"draft"`` (the "graphs-draft-compiled" engine) the draft step only, ``"fused"`` (the "graphs-fused"
-    engine) both, with the target layers' matmuls written as reductions that Inductor fuses with the work
-    around them (``slot_decoder.linear_as_reduction``), ``"layers"`` (the "graphs-layers" engine) as
-    "fused" with the target compiled one decoder layer at a time (``slot_decoder.decode_by_layer``: one
-    compile of one layer serves all of them, where a whole step unrolls every layer into its graph);
+    ``"draft"`` (the "graphs-draft-compiled" engine) the draft step only, ``"layers"`` (the "graphs-layers"
+    engine) the target and the drafter one decoder layer at a time (``slot_decoder.decode_by_layer``,
+    ``DFlashDrafter.draft_by_layer``: one compile of one layer serves all of them, where a whole step unrolls
+    every layer into its graph), the one-token step's matmuls written as reductions that Inductor fuses
+    with the work around them (``slot_decoder.linear_as_reduction``);
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
@@ -245,7 +238,7 @@ class GraphEngine:
         layer_ids: Sequence[int] | None = None,
         graphs: bool | None = None,
         fixed_shapes: bool | None = None,
-        compile: bool | Literal["draft", "fused", "layers"] | None = None,
+        compile: bool | Literal["draft", "layers"] | None = None,
         compile_cache: str | os.PathLike[str] | None = None,
         tree_budget: int | None = None,
         precompile: bool = True,
@@ -255,10 +248,8 @@ class GraphEngine:
         if graphs and dev.type != "cuda":
             raise DflashkitError("the graphs engine captures CUDA graphs: it needs the target on a GPU")
         compile = False if compile is None else compile  # compiled steps: the "graphs-compiled" engine
-        if compile not in (False, True, "draft", "fused", "layers"):
-            raise DflashkitError(
-                f"GraphEngine(compile={compile!r}): choose False, True, 'draft', 'fused' or 'layers'"
-            )
+        if compile not in (False, True, "draft", "layers"):
+            raise DflashkitError(f"GraphEngine(compile={compile!r}): choose False, True, 'draft' or 'layers'")
         fixed_shapes = graphs or compile if fixed_shapes is None else fixed_shapes
         if compile and not fixed_shapes:
             raise DflashkitError(
@@ -283,8 +274,8 @@ class GraphEngine:
         self.precompile = precompile and compile_cache is not None
         self._precompiled: dict[tuple[Any, ...], Callable[..., None]] = {}
         self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
-        self._target_fn: Callable[..., None] = TARGET_STEP if compile in (True, "fused") else target_step
-        self._reduce_matmuls = compile in ("fused", "layers")
+        self._target_fn: Callable[..., None] = TARGET_STEP if compile is True else target_step
+        self._reduce_matmuls = compile == "layers"
         # "layers": the target steps run as they are, one decoder layer at a time through its compiled region
         self._layer_step: LayerStep | None = LAYER_STEP if compile == "layers" else None
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile and compile != "layers" else draft_step

@@ -395,7 +395,6 @@ def decode(
     positions: Tensor | None = None,
     mask: Tensor | None = None,
     packing: Packing | None = None,
-    reduce_matmuls: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
     """The decoder layers over rows of new tokens (as ``forward``), writing their keys and values into the
     cache. Returns the last layer's hidden states [R, C, hidden] (before the final norm) and the outputs
@@ -407,11 +406,7 @@ def decode(
     are still written at starts[r] + c.
 
     Packed prompts (``forward_packed``): one row of tokens, ``packing`` says each token's slot and
-    position (``slots`` and ``starts``, then [1, T], are those per token).
-
-    ``reduce_matmuls``: the layers' matmuls as ``linear_as_reduction`` (the "graphs-fused" engine's compiled
-    steps), gate and up as two reductions so that SwiGLU fuses into them, the residual adds out of place
-    (fused into the reduction that feeds them)."""
+    position (``slots`` and ``starts``, then [1, T], are those per token)."""
     rows, chunk = tokens.shape
     compiling = torch.compiler.is_compiling()  # real (cos, sin) pairs when compiling
     x, rotary, attend, rows_at = _step_plan(
@@ -432,10 +427,7 @@ def decode(
     kept = []
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
-        if reduce_matmuls:
-            qkv = linear_as_reduction(h, layer.qkv, layer.qkv_bias)
-        else:
-            qkv = linear(h, layer.qkv, layer.qkv_bias, layer.packed.get("qkv"))
+        qkv = linear(h, layer.qkv, layer.qkv_bias, layer.packed.get("qkv"))
         qkv = qkv.view(rows, chunk, nq + 2 * nk, d)
         qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk :]
         if layer.q_norm is not None:  # Qwen3: each head normalised before the rotation
@@ -447,18 +439,6 @@ def decode(
         cache.k[i].view(-1, nk, d).index_copy_(0, rows_at, qk[:, :, nq:].reshape(-1, nk, d))
         cache.v[i].view(-1, nk, d).index_copy_(0, rows_at, v.reshape(-1, nk, d))
         out = attend(qk[:, :, :nq], cache.k[i], cache.v[i])  # [R, C, nq * d]
-        if reduce_matmuls:
-            x = x + linear_as_reduction(out, layer.o)
-            h = rms_norm(x, layer.post_norm, w.eps)
-            half = layer.gate_up.shape[0] // 2
-            gate, up = (
-                linear_as_reduction(h, layer.gate_up[:half]),
-                linear_as_reduction(h, layer.gate_up[half:]),
-            )
-            x = x + linear_as_reduction(F.silu(gate) * up, layer.down)
-            if i in keep:
-                kept.append(x)  # a new tensor each layer: nothing changes it later
-            continue
         _add_linear_(x, out, layer.o, layer.packed.get("o"))
         h = rms_norm(x, layer.post_norm, w.eps)
         gate, up = linear(h, layer.gate_up, packed=layer.packed.get("gate_up")).chunk(2, dim=-1)
@@ -485,7 +465,10 @@ def decoder_layer(
     in, the layer's keys and values written at ``rows_at``, and out the new x and ``rms_norm(x, next_norm)``:
     the next layer's input norm (the final norm after the last layer), so that every layer, the last
     included, is the same function of tensors of the same shapes: one compile serves them all. The rotary
-    angles are (cos, sin) pairs; ``reduce_matmuls`` as in ``decode``."""
+    angles are (cos, sin) pairs. ``reduce_matmuls``: the layer's matmuls as ``linear_as_reduction``, gate and
+    up as two reductions so that SwiGLU fuses into them, the residual adds out of place: what a compiled
+    one-token step wants (Inductor fuses the work around each reduction into it: 1.05 instead of 1.43 ms a
+    token on the H200; a many-token step keeps its matmuls, which cuBLAS does faster: benchmarks/NOTES.md)."""
     rows, chunk = x.shape[:2]
     nk, d = k_cache.shape[-2], k_cache.shape[-1]
     nq = layer.qkv.shape[0] // d - 2 * nk
