@@ -117,15 +117,11 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
         draft_only._draft_fn is graph_engine.DRAFT_STEP and draft_only._target_fn is graph_engine.target_step
     )
     assert engine._target_fn is graph_engine.TARGET_STEP and engine._draft_fn is graph_engine.DRAFT_STEP
-    # graphs-layers: the target and the drafter compiled one decoder layer at a time, its own cache file
+    # graphs-layers: the target compiled one decoder layer at a time, the draft step whole, its own cache file
     layers = make_engine("graphs-layers", target, drafter, capacity=24)
     assert layers._target_fn is graph_engine.target_step and layers._layer_step is graph_engine.LAYER_STEP
-    assert layers._reduce_matmuls and not engine._reduce_matmuls
-    assert engine._layer_step is None and engine._draft_layer_step is None
-    assert (
-        layers._draft_fn is graph_engine.draft_step
-        and layers._draft_layer_step is graph_engine.DRAFT_LAYER_STEP
-    )
+    assert layers._reduce_matmuls and not engine._reduce_matmuls and engine._layer_step is None
+    assert layers._draft_fn is graph_engine.DRAFT_STEP
     assert layers.compile_cache not in (None, path, draft_only.compile_cache)
     # the reductions go to the one-token step only: a many-token step is faster with the matmuls
     calls: list[tuple[int, bool]] = []
@@ -668,45 +664,18 @@ def test_layer_by_layer_decode_gives_the_whole_step_numbers(tmp_path):
                 torch.testing.assert_close(caches[0].v[layer], caches[1].v[layer], atol=1e-5, rtol=1e-5)
 
 
-def test_drafting_layer_by_layer_gives_the_draft_steps_numbers(target, drafter):
-    """DFlashDrafter.draft_by_layer (the "graphs-layers" engine's draft step, the layer run eagerly here):
-    the context written and the block drafted one layer at a time give the logits and the cache rows of
-    write_context then draft_block."""
-    from dflashkit.model.drafter import static_layer_step
-
-    engines = [GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=True) for _ in range(2)]
-    calls: list[int] = []
-
-    def counted(*args: object) -> torch.Tensor:
-        calls.append(1)
-        return static_layer_step(*args)  # type: ignore[arg-type]
-
-    engines[1]._draft_layer_step = counted
-    drafts = []
-    for engine in engines:
-        context = engine.prefill(torch.tensor([prompts(11)[0]]))[1]
-        drafts.append(engine.draft(context, 17))
-    torch.testing.assert_close(drafts[0], drafts[1], atol=1e-5, rtol=1e-5)
-    caches = [e._dcache for e in engines]
-    assert caches[0] is not None and caches[1] is not None
-    for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert caches[0].keys[0].abs().sum() > 0, "the context was written"
-    assert len(calls) == len(drafter.layers), "the draft went through the layer step, once a layer"
-
-
 @pytest.mark.cpu_compile
 def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
     """compile="layers" (the "graphs-layers" engine) on the CPU: one decoder layer compiled, which serves
-    every layer of a step shape (its graphs: one per target step shape, whatever the depth); greedy tokens and
-    acceptance lengths equal the dynamic engine's, token for token in fp32."""
+    every layer of a step shape (its graphs: one per target step shape, whatever the depth), the draft step
+    compiled whole; greedy tokens and acceptance lengths equal the dynamic engine's, token for token in fp32."""
     from dflashkit.infer import graph_engine
 
     tiny, d, layers = tiny_pair(tmp_path, drafter_layers=2)
-    before, drafts_before = graph_engine.LAYER_STEP.graphs(), graph_engine.DRAFT_LAYER_STEP.graphs()
+    before, drafts_before = graph_engine.LAYER_STEP.graphs(), graph_engine.DRAFT_STEP.graphs()
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="layers")
     assert list(engine.warm_up()) == CHAIN_STEPS
     depth = len(engine.w.layers)
     assert 1 <= graph_engine.LAYER_STEP.graphs() - before <= 2 < depth * 2, "a graph per shape, not per layer"
-    assert graph_engine.DRAFT_LAYER_STEP.graphs() - drafts_before == 1, "one graph for every drafter layer"
+    assert graph_engine.DRAFT_STEP.graphs() - drafts_before == 1, "the draft step, one graph"
     decodes_as_dynamic(tiny, d, engine, layers)

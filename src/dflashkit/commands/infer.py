@@ -442,7 +442,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "once per step shape), graphs (preallocated caches, the fused target forward, one CUDA graph per "
         "step shape; starts in a second), graphs-compiled (the same steps compiled first: faster steps, a "
         "start of ~25-65 s), graphs-draft-compiled (only the draft step compiled: ~10 s) or "
-        "graphs-layers (one decoder layer compiled for every layer: a start of ~16 s, the one-token step's "
+        "graphs-layers (one target decoder layer compiled for every layer: a start of ~16 s, the one-token step's "
         "matmuls as reductions fused with their neighbours)",
     )
     add_tree_budget(p)

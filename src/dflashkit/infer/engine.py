@@ -45,16 +45,16 @@ Engines:
 - ``"graphs-draft-compiled"``: the graphs engine with only its draft step compiled (the step compiling
   speeds up 2.2x; the target steps' time moved 1% compiled, benchmarks/RESULTS.md), so the compile takes
   the draft step's ~10 s cold.
-- ``"graphs-layers"``: the target and the drafter compiled one decoder layer at a time
-  (``slot_decoder.decode_by_layer``, ``DFlashDrafter.draft_by_layer``): every layer is the same function of
-  tensors of the same shapes (a target layer ends with the next layer's input norm), so one compile of one
-  layer serves all of them, where a whole step unrolls every layer into one graph (~25-30 s a target step
-  shape cold on the H200); the one-token step's matmuls are written as reductions
+- ``"graphs-layers"``: the target compiled one decoder layer at a time (``slot_decoder.decode_by_layer``):
+  every layer is the same function of tensors of the same shapes (it ends with the next layer's input norm),
+  so one compile of one layer serves all of them, where a whole step unrolls every layer into one graph
+  (~25-30 s a target step shape cold on the H200); the one-token step's matmuls are written as reductions
   (``slot_decoder.linear_as_reduction``) that Inductor fuses with the activation and the residual adds. The
-  step around the layers runs as it is, and the CUDA graph holds it all. On the H200 in bf16, side by side
-  with the same steps compiled whole (the retired "graphs-fused"): a token 1.05 ms (1.03), the eight-token
-  step 1.38 ms (1.44), the engine to its first token 16 s cold instead of 60 (benchmarks/RESULTS.md,
-  seventeenth session; graphs-compiled's token: 1.43 ms).
+  step around the layers runs as it is, and the CUDA graph holds it all; the draft step (a few layers) is
+  compiled whole. On the H200 in bf16, side by side with the same target steps compiled whole (the retired
+  "graphs-fused"): a token 1.05 ms (1.03), the eight-token step 1.38 ms (1.44), the engine to its first
+  token 16 s cold instead of 60 (benchmarks/RESULTS.md, seventeenth session; graphs-compiled's token: 1.43
+  ms).
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on all engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a

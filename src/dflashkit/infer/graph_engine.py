@@ -78,7 +78,7 @@ from dflashkit.infer.tree import (
     read_walk,
     walk_outputs,
 )
-from dflashkit.model.drafter import DFlashDrafter, StaticDraftCache, static_layer_step
+from dflashkit.model.drafter import DFlashDrafter, StaticDraftCache
 from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
 from dflashkit.runtime.compile_cache import CacheUse, portable_cache
 from dflashkit.runtime.compiled_region import CompiledRegion
@@ -151,19 +151,12 @@ def draft_step(
     offsets: Tensor,
     out_logits: Tensor,
     lm_head_packed: Tensor | None = None,
-    layer_step: Callable[..., Tensor] | None = None,
 ) -> None:
     """Write the context rows (features [1, B, n*H] from position ``row_start``) into the drafter's cache,
     draft the block [1, B] anchored at ``block_start``, and put the drafted slots' float32 logits (the
-    target's head, through its packed copy where there is one) into ``out_logits`` [B-1, V]; ``layer_step``:
-    the drafter's layers one at a time through it (the "graphs-layers" engine's compiled drafter layer)."""
-    if layer_step is not None:
-        hidden = drafter.draft_by_layer(
-            rows, row_start + offsets, embed[block], block_start + offsets, cache, layer_step
-        )
-    else:
-        drafter.write_context(rows, row_start + offsets, cache)
-        hidden = drafter.draft_block(embed[block], block_start + offsets, cache, "sdpa")
+    target's head, through its packed copy where there is one) into ``out_logits`` [B-1, V]."""
+    drafter.write_context(rows, row_start + offsets, cache)
+    hidden = drafter.draft_block(embed[block], block_start + offsets, cache, "sdpa")
     out_logits.copy_(linear(hidden[0, 1:].to(lm_head.dtype), lm_head, packed=lm_head_packed))
 
 
@@ -180,9 +173,6 @@ DRAFT_STEP = CompiledRegion(
 # shape), the rest of the step as it is; the CUDA graph of the step holds it all
 LAYER_STEP = CompiledRegion(
     decoder_layer, "the graphs engine's decoder layer", warm_with="GraphEngine.warm_up()", off_switch=_OFF
-)
-DRAFT_LAYER_STEP = CompiledRegion(
-    static_layer_step, "the graphs engine's drafter layer", warm_with="GraphEngine.warm_up()", off_switch=_OFF
 )
 
 
@@ -216,10 +206,10 @@ class GraphEngine:
     and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default
     False; True: the "graphs-compiled" engine) compiles the target and draft steps before they are captured,
     ``"draft"`` (the "graphs-draft-compiled" engine) the draft step only, ``"layers"`` (the "graphs-layers"
-    engine) the target and the drafter one decoder layer at a time (``slot_decoder.decode_by_layer``,
-    ``DFlashDrafter.draft_by_layer``: one compile of one layer serves all of them, where a whole step unrolls
-    every layer into its graph), the one-token step's matmuls written as reductions that Inductor fuses
-    with the work around them (``slot_decoder.linear_as_reduction``);
+    engine) the target one decoder layer at a time (``slot_decoder.decode_by_layer``: one compile of one
+    layer serves all of them, where a whole step unrolls every layer into its graph), the one-token step's
+    matmuls written as reductions that Inductor fuses with the work around them
+    (``slot_decoder.linear_as_reduction``), and the draft step whole;
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
@@ -278,8 +268,10 @@ class GraphEngine:
         self._reduce_matmuls = compile == "layers"
         # "layers": the target steps run as they are, one decoder layer at a time through its compiled region
         self._layer_step: LayerStep | None = LAYER_STEP if compile == "layers" else None
-        self._draft_fn: Callable[..., None] = DRAFT_STEP if compile and compile != "layers" else draft_step
-        self._draft_layer_step = DRAFT_LAYER_STEP if compile == "layers" else None
+        # the draft step compiled whole by every compiling engine: a drafter has a few layers, and one layer at
+        # a time (its prologue and head eager around them) took 0.263 ms against 0.207 (H200, bf16, RESULTS:
+        # seventeenth session)
+        self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
         self._tree_open = False  # the last verify was a tree's
@@ -422,7 +414,6 @@ class GraphEngine:
             self._offsets,
             self._draft_logits,
             self.w.lm_head_packed,
-            self._draft_layer_step,
         )
 
     def _round_step(self) -> None:

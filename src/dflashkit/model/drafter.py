@@ -23,7 +23,7 @@ One module serves both uses:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -213,28 +213,6 @@ def layer_step(
 # ``layer_step`` as one compiled region, shared by every layer and drafter of the process (one graph per
 # shape, not per layer: the layer's weights are inputs of the graph). Creating it compiles nothing.
 LAYER_REGION = CompiledRegion(layer_step, "the drafter's compiled decoder layer")
-
-
-def static_layer_step(
-    layer: DecoderLayer,
-    h: Tensor,
-    ctx: Tensor,
-    ctx_cos: Tensor,
-    ctx_sin: Tensor,
-    positions: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    mask: AttentionMask,
-) -> Tensor:
-    """One layer of a fixed-shape draft step (``DFlashDrafter.draft_by_layer``): the context rows' keys and
-    values written at ``positions`` [s] into this layer's static buffers, then the layer over the block rows,
-    which read them (as ``write_context`` then ``draft_block`` do, one layer at a time)."""
-    k, v = layer.self_attn.key_value(ctx, ctx_cos, ctx_sin)
-    keys.index_copy_(2, positions, k.to(keys.dtype))
-    values.index_copy_(2, positions, v.to(values.dtype))
-    return layer(h, keys, values, cos, sin, mask, "sdpa")
 
 
 # --- the inference cache -------------------------------------------------------------------------
@@ -448,40 +426,6 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             mask = masks[layer.layer_type]
             h = layer(h, cache.keys[i], cache.values[i], cos, sin, mask, backend)
-        return self.norm(h)
-
-    def draft_by_layer(
-        self,
-        features: Tensor,
-        positions: Tensor,
-        block_embeds: Tensor,
-        block_positions: Tensor,
-        cache: StaticDraftCache,
-        layer_step: Callable[..., Tensor] = static_layer_step,
-    ) -> Tensor:
-        """``write_context`` then ``draft_block`` (sdpa), one layer at a time through ``layer_step``
-        (``static_layer_step``, or a compiled region of it: one graph serves every layer, the "graphs-layers"
-        engine's draft step). Returns hidden [1, B, H] after the final norm."""
-        dtype = self.fc.weight.dtype
-        ctx = self.context(features)
-        ctx_cos, ctx_sin = self.rotary(positions, dtype)
-        cos, sin = self.rotary(block_positions, dtype)
-        masks = self._static_masks(block_positions, cache, "sdpa")
-        h = block_embeds.to(dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer_step(
-                layer,
-                h,
-                ctx,
-                ctx_cos,
-                ctx_sin,
-                positions[0],
-                cache.keys[i],
-                cache.values[i],
-                cos,
-                sin,
-                masks[layer.layer_type],
-            )
         return self.norm(h)
 
     def _static_masks(
