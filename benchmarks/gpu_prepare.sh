@@ -20,6 +20,23 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Eighteenth session's plan (~28 device minutes; the seventeenth measured graphs-layers (steps as the whole steps',
+# the cold start 60 -> 16 s; `auto` takes it), then compiled its draft step whole (one layer at a time lost 0.056
+# ms a round), kept a round's drafter (3.544) and set the round's peak lr to 5e-5 (at 2e-4 it fell first). The
+# machine went back after the first command twice in three sessions: the first command needs no GGUF, and the
+# pieces go down just before the command that joins them. Back to back, never a pause:
+#   ENGINES=graphs-compiled,graphs-layers DECODE_ARGS=--no-warm-start BUDGET=560 WARM_ARGS="--engines \
+#     graphs-layers --cases compile" bash benchmarks/gpu_prepare.sh part decode warm   # carry .whl: the round
+#                       # with the draft step whole (NOTES: prediction), side by side; its start
+#   bash benchmarks/gpu_prepare.sh part      # carry .bench/p1 (then p2, p3: `part` each)
+#   ROUND_SEED=5 BUDGET=590 bash benchmarks/gpu_prepare.sh part join round      # carry .bench/p4 (then .whl if
+#                       # the machine went back: `part` installs the gguf wheel)
+#   BUDGET=580 BENCH_CAP=380 DRAFTER=/root/work/run-round/best BENCH_DATA=/root/work/round BENCH_PROMPTS=80 \
+#     BENCH_ARGS="--sets heldout,gsm8k,humaneval,mtbench --temperatures 0" bash benchmarks/gpu_prepare.sh ftests bench
+#                       # graphs-layers' tree step captured (then `auto` may take it for trees), the table
+# then here: `cat drafter.tar.part.* | tar -x`, and commit best/ over benchmarks/drafters/embedded-gpu-more if
+# its held-out served tau is higher.
+# Seventeenth session, as run: RESULTS (the machine went back after the first command; p1 carried again).
 # Seventeenth session's plan (~27 device minutes; the sixteenth ran graphs-fused's GPU tests (passed: `auto` takes
 # it), measured the warm start on the GPU (15.4 s engine with the portable file; torch 2.11 cannot precompile),
 # lost its real-prompt run with the machine (the third in a row), and built the `round` stage (prepare a slice,
