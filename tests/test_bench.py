@@ -241,6 +241,7 @@ def test_the_fp32_check_runs_on_float32_copies_and_names_a_difference(tiny, monk
     assert (
         bench.lossless_engine("graphs-compiled") == bench.lossless_engine("graphs-draft-compiled") == "graphs"
     )
+    assert bench.lossless_engine("graphs-layers") == "graphs"
     assert [bench.lossless_engine(e) for e in ("dynamic", "static", "graphs")] == [
         "dynamic",
         "static",

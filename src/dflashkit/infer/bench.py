@@ -625,7 +625,9 @@ def write_outputs(
 def lossless_engine(engine: str) -> str:
     """The engine of the fp32 lossless check for a run on ``engine``: its eager steps when it compiles them
     (the same rounds and steps, captured as CUDA graphs but not compiled), else the same engine."""
-    return "graphs" if engine in ("graphs-compiled", "graphs-draft-compiled", "graphs-layers") else engine
+    from dflashkit.infer.engine import GRAPH_ENGINES  # which graphs engines compile their steps
+
+    return "graphs" if GRAPH_ENGINES.get(engine) else engine
 
 
 def lossless_result(bset: BenchSet, responses: list[Response], dtype: str, engine: str) -> dict[str, Any]:
