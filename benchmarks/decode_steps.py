@@ -61,7 +61,7 @@ TAUS = (1.5, 2.0, 3.0, 4.0)
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 # summary keys other measurements fill (cpu_round.py, tree_vs_chain.py; warm_start.py --update-results writes
 # warm_start_s and its block, for the summary's engine)
-CARRIED = ("tree_tau_gain", "cpu_round_cost_ar_tokens", "cpu_round")
+CARRIED = ("tree_tau_gain", "tree", "cpu_round_cost_ar_tokens", "cpu_round")
 
 
 def graph_engines() -> dict:

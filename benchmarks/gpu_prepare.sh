@@ -291,8 +291,8 @@ for s in "$@"; do
     tree)
       # tree vs chain at node budgets 8-64 on MT-Bench and the held-out set (graphs engine, bf16)
       stage tree
-      timeout $(cap 420) python3 benchmarks/tree_vs_chain.py --drafter ${DRAFTER:-$W/run-recipe/best} --data $W/recipe \
-        --engine graphs --dtype bfloat16 --sets mtbench,heldout --budgets ${BUDGETS:-8,16,32,64} \
+      timeout $(cap 420) python3 benchmarks/tree_vs_chain.py --drafter ${DRAFTER:-$W/run-recipe/best} --data ${TREE_DATA:-$W/recipe} \
+        --engine ${TREE_ENGINE:-graphs} --dtype bfloat16 --sets mtbench,heldout --budgets ${BUDGETS:-8,16,32,64} \
         --max-prompts ${TREE_PROMPTS:-16} --max-new-tokens 256 --out "$OUT" 2>&1 | grep -v "Loading weights" | tail -20 ;;
     placements)
       # the fan-out against capture + separate trainings; data parallel (one GPU: the one-rank cases)

@@ -33,9 +33,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from dflashkit.infer.engine import ENGINE_CHOICES  # noqa: E402
 from report import write_report  # noqa: E402
 
 CHAIN = "chain"
+RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 
 
 def config_name(budget: int) -> str:
@@ -111,9 +113,8 @@ def main() -> None:
     ap.add_argument(
         "--engine",
         default="auto",
-        choices=["auto", "dynamic", "static", "graphs", "graphs-compiled"],
-        help="decode engine of every configuration: auto (graphs, or dynamic for targets it does not cover), "
-        "dynamic, static, graphs or graphs-compiled",
+        choices=ENGINE_CHOICES,
+        help="decode engine of every configuration (auto: the fastest lossless one for trees on this device)",
     )
     ap.add_argument("--sets", default="mtbench,heldout")
     ap.add_argument("--budgets", default="8,16,32,64", help="node budgets of the trees")
@@ -121,8 +122,25 @@ def main() -> None:
     ap.add_argument("--max-turns", type=int, default=None, help="user turns per conversation (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="2 prompts, 1 turn, 16 tokens, budgets 8,16")
-    ap.add_argument("--out", required=True, help="folder for tree_vs_chain.json and tree_vs_chain.md")
+    ap.add_argument("--out", help="folder for tree_vs_chain.json and tree_vs_chain.md")
+    ap.add_argument(
+        "--from", dest="from_file", help="a tree_vs_chain.json of an earlier run: report it, measure nothing"
+    )
+    ap.add_argument(
+        "--update-results",
+        type=int,
+        metavar="BUDGET",
+        help=f"write tree_tau_gain (MT-Bench, trees of BUDGET nodes) and a tree block into {RESULTS}",
+    )
     args = ap.parse_args()
+    if args.from_file:
+        report = json.loads(Path(args.from_file).read_text())
+        print(markdown(report))
+        if args.update_results:
+            update_results(report, args.from_file, args.update_results)
+        return
+    if not args.out:
+        ap.error("--out is required (unless --from)")
     if args.smoke:
         args.max_prompts, args.max_turns, args.max_new_tokens, args.budgets = 2, 1, 16, "8,16"
 
@@ -131,7 +149,7 @@ def main() -> None:
 
     from dflashkit.data.regenerate import eos_token_ids
     from dflashkit.infer import bench
-    from dflashkit.infer.engine import ready_engine
+    from dflashkit.infer.engine import ready_engine, resolve_engine
     from dflashkit.infer.evaluate import first_difference
     from dflashkit.infer.speculative import Sampling, Stopper, autoregressive_generate, speculative_generate
     from dflashkit.model.checkpoint import load_drafter
@@ -169,11 +187,12 @@ def main() -> None:
     )
     capacity = max(dec.capacity(s) for s in sets)
     capacity = -(-capacity // bench.CAPACITY_STEP) * bench.CAPACITY_STEP
+    # auto, resolved as bench resolves it (a long run: a compiled engine on a GPU)
+    engine_name = resolve_engine(args.engine, target, max(budgets), long_run=True)
     engines = {  # one engine per configuration: a static or graphs engine readies the tree step of its budget
-        b: ready_engine(args.engine, target, drafter, capacity=capacity, tree_budget=b or None)[0]
+        b: ready_engine(engine_name, target, drafter, capacity=capacity, tree_budget=b or None)[0]
         for b in [0, *budgets]
     }
-    engine_name = engines[0] if isinstance(engines[0], str) else engines[0].name  # auto, resolved
     stopper = Stopper(eos)
     greedy = Sampling()
     layer_ids = drafter.config.target_layer_ids
@@ -246,6 +265,36 @@ def main() -> None:
     write_report("tree_vs_chain.json", result)
     print(table)
     print(f"wrote {out / 'tree_vs_chain.json'} and {out / 'tree_vs_chain.md'}")
+    if args.update_results:
+        update_results(result, str(out / "tree_vs_chain.json"), args.update_results)
+
+
+def update_results(report: dict[str, Any], source: str, budget: int) -> None:
+    """``tree_tau_gain`` (the issue's key: MT-Bench, trees of ``budget`` nodes against the chain, as a
+    fraction) and a ``tree`` block (every set's tau gain and round cost at that budget) in the results file.
+    Refused, the file left alone, when the report has no MT-Bench trees of that budget."""
+    name = f"tree-{budget}"
+    rows = {k: v["configs"][name] for k, v in report["sets"].items() if name in v["configs"]}
+    if "mtbench" not in rows:
+        sys.exit(f"--update-results: {source} has no MT-Bench trees of {budget} nodes")
+    results = json.loads(RESULTS.read_text())
+    results["tree_tau_gain"] = rows["mtbench"]["tau_gain_vs_chain"]
+    results["tree"] = {
+        "source": source,
+        "budget": budget,
+        "engine": report["settings"]["engine"],
+        "device": report["settings"]["device"],
+        "dtype": report["settings"]["dtype"],
+        "sets": {
+            k: {
+                key: r[key]
+                for key in ("tau", "tau_gain_vs_chain", "round_cost_ar_tokens", "round_cost_vs_chain")
+            }
+            for k, r in rows.items()
+        },
+    }
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"{RESULTS}: tree_tau_gain {results['tree_tau_gain']:.3f} (MT-Bench, {name})")
 
 
 if __name__ == "__main__":

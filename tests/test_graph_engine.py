@@ -235,7 +235,7 @@ def test_auto_engine_is_the_fastest_lossless_one(target):
     assert resolve_engine("auto", on_gpu) == resolve_engine("auto", on_gpu, tree_budget=8) == "graphs"
     # commands that measure over many prompts (bench, eval) take the compiled steps on a GPU only
     assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-layers"  # chain rounds
-    assert resolve_engine("auto", on_gpu, tree_budget=8, long_run=True) == "graphs-compiled"  # tree rounds
+    assert resolve_engine("auto", on_gpu, tree_budget=8, long_run=True) == "graphs-layers"  # tree rounds
     assert resolve_engine("auto", target, long_run=True) == "graphs"
     other = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(model_type="gpt2"))
     assert resolve_engine("auto", other) == "dynamic"

@@ -527,12 +527,12 @@ def resolve_engine(
     built for that budget), on a GPU (its steps captured) and on the CPU (eager: a round of the embedded
     target cost 2.72 autoregressive tokens against the dynamic engine's 3.11, benchmarks/RESULTS.md); else
     "dynamic" (the reference, any target). On a GPU, a ``long_run`` (a command that measures speed over
-    many prompts: bench, eval) takes a compiled engine, whose compile (~63 s cold, ~11 s from the compile
-    cache, H200) is paid once, outside the measured decoding: "graphs-layers" for chain rounds (its GPU tests
-    pass; its steps as fast as the whole steps compiled, its autoregressive baseline 1.3x graphs-compiled's,
-    its cold start 16 s instead of 60: benchmarks/RESULTS.md, seventeenth session), "graphs-compiled" for
-    tree rounds (its tree step is the one tested captured on a GPU). A short one (generate) takes "graphs", which
-    starts in under a second."""
+    many prompts: bench, eval) takes a compiled engine, whose compile (~14 s cold, ~6 s from the compile
+    cache, H200) is paid once, outside the measured decoding: "graphs-layers", chain and tree rounds alike (its
+    GPU tests pass, the captured tree step's included; its steps as fast as the whole steps compiled, its
+    autoregressive baseline 1.3x graphs-compiled's, its cold start 16 s instead of 60: benchmarks/RESULTS.md,
+    seventeenth and eighteenth sessions). A short one (generate) takes "graphs", which starts in under a
+    second."""
     if name != "auto":
         return name
     try:
@@ -541,7 +541,7 @@ def resolve_engine(
         return "dynamic"
     if not long_run or target.device.type != "cuda":
         return "graphs"
-    return "graphs-compiled" if tree_budget else "graphs-layers"
+    return "graphs-layers"
 
 
 def compile_cache_path(
