@@ -283,6 +283,57 @@ def test_graphs_engine_tree_rounds_decode_as_autoregressive(
     assert any(p != list(range(len(p))) for p in script.paths), "no accepted branch needed its rows moved"
 
 
+def script_fused_drafts(engine: GraphEngine, continuation: list[int]) -> None:
+    """``ScriptedTree``'s drafts inside the engine's own draft step, on the device (no host read, as a
+    captured step must): after the real draft, the drafted slots' logits become the scripted ones for the
+    block at ``_block_start``, so a fused tree round (one step) accepts the same branches, rows moved."""
+    real, B = engine._draft_step, engine.block_size
+    padded = torch.tensor(continuation + [0] * 2 * B)
+    rounds = torch.zeros(1, dtype=torch.long)
+    slots = torch.arange(B - 1)
+
+    def scripted() -> None:
+        real()
+        k = rounds % B
+        rounds.add_(1)
+        at = engine._block_start + 1 + slots
+        right = padded.index_select(0, at)
+        wrong = torch.where(right != 7, 7, 8)
+        logits = torch.full_like(engine._draft_logits, -30.0)
+        logits.scatter_(1, wrong[:, None], 0.0)
+        shown = (slots < k) & (at < len(continuation))
+        logits.scatter_(1, right[:, None], torch.where(shown, -0.2, -30.0)[:, None])
+        engine._draft_logits.copy_(logits)
+
+    engine._draft_step = scripted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("fixed_shapes", [False, True])
+@pytest.mark.parametrize("budget", [3, 10])
+def test_greedy_tree_rounds_as_one_step_keep_branches_as_the_dynamic_engine(
+    target, drafter, dynamic_tree_rounds, budget, fixed_shapes, monkeypatch
+):
+    """The graphs engine's greedy tree round as one step (draft, build, verify, walk, keep and the next
+    round's state on the device) decodes as autoregressive decoding with the dynamic engine's acceptance
+    lengths, for scripted drafts whose accepted branches are not the tree's first nodes (rows moved) and
+    for the real drafter; it ran as the one step, never the separate calls."""
+    prompt, ar, reference = dynamic_tree_rounds
+    engine = GraphEngine(
+        target, drafter, capacity=48, graphs=False, fixed_shapes=fixed_shapes, tree_budget=budget
+    )
+    assert engine.fuses_rounds(budget) and not engine.fuses_rounds(budget + 1)
+    keys: list[str] = []
+    run = engine.steps.run
+    monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
+    real = speculative_generate(target, drafter, prompt, N_TREE, engine=engine, tree_budget=budget)
+    script_fused_drafts(engine, prompt + ar)
+    scripted = speculative_generate(target, drafter, prompt, N_TREE, engine=engine, tree_budget=budget)
+    assert scripted.tokens == real.tokens == ar
+    assert (scripted.accept_lengths, real.accept_lengths) == reference[budget]
+    assert max(scripted.accept_lengths) == (2 if budget == 3 else 3)  # branches off the first nodes
+    assert set(keys) == {"tree round"}, set(keys)
+
+
 @pytest.mark.parametrize("fixed_shapes", [False, True])
 def test_greedy_rounds_as_one_step_equal_the_separate_calls(target, drafter, fixed_shapes, monkeypatch):
     """The graphs engine's greedy round as one step (draft, verify, accept and the next round's state on
@@ -335,7 +386,7 @@ def test_graphs_engine_steps_never_read_the_device_on_the_host(target, drafter, 
     script = ScriptedTree(engine, prompt + ar.tokens)  # accepted branches whose rows keep must move
     branched = speculative_generate(target, drafter, prompt, 12, engine=script, tree_budget=10)
     assert chain.tokens == tree.tokens == branched.tokens == ar.tokens
-    assert ran == {"target", "tree", "build", "walk", "keep", "draft", "round"}, ran
+    assert ran == {"target", "tree", "build", "walk", "keep", "draft", "round", "tree round"}, ran
 
 
 @pytest.mark.parametrize(("fixed_shapes", "walked"), [(False, False), (True, False), (True, True)])

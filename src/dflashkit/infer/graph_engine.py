@@ -437,6 +437,35 @@ class GraphEngine:
         self._block_start.add_(n + 1)
         self._block[0, :1].copy_(bonus)
 
+    def _tree_round_step(self) -> None:
+        """A greedy tree round on the device (the chain's ``_round_step`` for trees): draft the block anchored
+        at ``_block_start``, build the tree of the engine's budget from the drafted slots' probabilities,
+        verify it there, walk it along the target's argmax, keep the accepted path as a chain would have
+        left the caches, and leave the next round's state (its context rows: the path's features, from the
+        root; its block after the path, anchored at the target's token at the path's end). Writes [accepted
+        n, the path's B-1 tokens after the root (the first n valid), the target's token] to ``_round_out``."""
+        B, n = self.block_size, self._tree_inputs.shape[1]
+        self._draft_step()
+        self._tree_probs.copy_(torch.softmax(self._draft_logits, dim=-1))
+        self._anchor.copy_(self._block[0, :1])
+        self._build_step()
+        self._start.copy_(self._block_start)
+        self._tree_step()
+        self._choices.copy_(self._tree_logits.argmax(-1))
+        self._walk_step()
+        self._keep_step()
+        accepted = self._walked_out[:n].sum().view(1) - 1  # the path's nodes after the root
+        # the path's j-th node for j < its length, else node j (rows and tokens past the path's end: masked by
+        # the drafter, never committed); B <= n, so the moves cover the block
+        nodes = self._moves[0, :B] - self._start
+        assert self._tree_rows is not None
+        self._rows.copy_(self._tree_rows.index_select(1, nodes))
+        bonus = self._walked_out[2 * n :]
+        self._round_out.copy_(torch.cat([accepted, self._tree_inputs[0].index_select(0, nodes[1:]), bonus]))
+        self._row_start.copy_(self._start)
+        self._block_start.add_(accepted + 1)
+        self._block[0, :1].copy_(bonus)
+
     def _run(self, key: tuple[Any, ...], step: Callable[[], None]) -> None:
         """One step: replayed (graphs: a warmed step is a replay, which cannot compile) or called; compiled
         steps called after warm-up run with compiles frozen, so that one that would compile is an error."""
@@ -525,21 +554,40 @@ class GraphEngine:
         self._length += t
         return self._open
 
+    def fuses_rounds(self, tree_budget: int | None = None) -> bool:
+        """Whether ``greedy_round`` runs this round as one step: the chain's (no ``tree_budget``), or a tree
+        of the engine's own budget that holds at least a block of nodes (its path fills the next round's
+        context rows)."""
+        if not self.fused_rounds or self.drafter is None:
+            return False
+        if not tree_budget:
+            return True
+        return tree_budget == self.tree_budget and tree_budget + 1 >= self.block_size
+
     @torch.no_grad()
-    def greedy_round(self, anchor: int | None = None) -> list[int]:
-        """One greedy round of the chain as one step (`_round_step`: one replay, one copy to the host),
-        instead of the draft, verify and keep calls with the host's glue between them. ``anchor``: given on
-        the first round after ``prefill`` (the target's token after the prompt); later rounds continue
-        from the state the last one left on the device. Returns the committed tokens: the accepted drafts,
-        then the target's own token."""
+    def greedy_round(self, anchor: int | None = None, tree: bool = False) -> list[int]:
+        """One greedy round as one step (`_round_step`, or `_tree_round_step` with ``tree``: a tree of the
+        engine's budget; one replay, one copy to the host), instead of the draft, verify (or build, verify
+        and walk) and keep calls with the host's glue between them. ``anchor``: given on the first round
+        after ``prefill`` (the target's token after the prompt); later rounds continue from the state the
+        last one left on the device. Returns the committed tokens: the accepted drafts (a tree: the accepted
+        path's tokens), then the target's own token."""
         self._need_drafter()
+        if not self.fuses_rounds(self.tree_budget if tree else None):
+            raise DflashkitError(
+                f"this graphs engine runs no greedy {'tree' if tree else 'chain'} round as one step "
+                f"(fused_rounds {self.fused_rounds}, tree budget {self.tree_budget}, block {self.block_size})"
+            )
         B = self.block_size
-        self._check_room(B)
+        self._check_room(self._tree_inputs.shape[1] if tree else B)
         if anchor is not None:
             self._row_start.fill_(self._length)  # the prompt's features are in the drafter's cache already
             self._block_start.fill_(self._length)
             self._block[0, 0] = anchor
-        self._run(("round",), self._round_step)
+        if tree:
+            self._run(("tree round", self._tree_inputs.shape[1]), self._tree_round_step)
+        else:
+            self._run(("round",), self._round_step)
         out = self._round_out.tolist()
         n = out[0]
         self._length += n + 1
@@ -709,6 +757,12 @@ class GraphEngine:
         seconds[f"tree walk [{n} nodes]"] = self._warm_step(("walk",), self._walk_step)
         self._moves.copy_(nodes.expand(2, n))
         seconds[f"tree keep [{n} rows]"] = self._warm_step(("keep",), self._keep_step)
+        if self.fuses_rounds(self.tree_budget):  # the greedy tree round: the steps above and the glue, as one
+            self._block_start.zero_()
+            self._row_start.zero_()
+            seconds[f"greedy tree round [{n} nodes]"] = self._warm_step(
+                ("tree round", n), self._tree_round_step
+            )
         return seconds
 
     def _warm_step(self, key: tuple[Any, ...], step: Callable[[], None]) -> float:

@@ -181,12 +181,12 @@ def speculative_generate(
     out.prefill_seconds = time.perf_counter() - t0
 
     stopped = stopper.check(new, 0)[1] if stopper else None
-    # the graphs engine runs a greedy chain round as one step (the four stages below, on the device)
-    chain = s.greedy and not tree_budget
-    greedy_round = dec.greedy_round if isinstance(dec, GraphEngine) and dec.fused_rounds and chain else None
+    # the graphs engine runs a greedy round, chain or tree, as one step (the four stages below, on the device)
+    fused = s.greedy and isinstance(dec, GraphEngine) and dec.fuses_rounds(tree_budget)
+    greedy_round = dec.greedy_round if fused else None
     while stopped is None and len(new) < max_new_tokens:
         if greedy_round is not None:
-            committed = greedy_round(new[-1] if not out.accept_lengths else None)
+            committed = greedy_round(new[-1] if not out.accept_lengths else None, bool(tree_budget))
             path: list[int] = list(range(len(committed)))
         else:
             # 1. draft: the drafter reads the new context rows and fills [anchor, MASK x (B-1)]
