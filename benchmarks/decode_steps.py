@@ -368,12 +368,23 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
                 speculative_generate(target, drafter, prompt, args.tokens, engine=engine, tree_budget=n)
                 for _ in range(args.repeats)
             ]
+            # the same rounds as separate build, verify, walk and keep calls (the fused round: one step)
+            engine.fused_rounds = False
+            separate = [
+                speculative_generate(target, drafter, prompt, args.tokens, engine=engine, tree_budget=n)
+                for _ in range(args.repeats)
+            ]
+            engine.fused_rounds = True
         ms = statistics.median((r.seconds - r.prefill_seconds) * 1e3 / len(r.accept_lengths) for r in runs)
+        separate_ms = statistics.median(
+            (r.seconds - r.prefill_seconds) * 1e3 / len(r.accept_lengths) for r in separate
+        )
         calls = tree_calls(engine, prompt, n, args, target.device)
         out[str(n)] = {
             "ms_per_round": ms,
             "round_cost_ar_tokens": ms / token_ms,
             "vs_chain": ms / chain_ms - 1,
+            "ms_per_round_separate_calls": separate_ms,
             "calls_ms": calls,
         }
         if args.profile and n == args.tree_budgets[0] and target.device.type == "cuda":
@@ -385,7 +396,8 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
                 print(f"profile of the tree step failed: {type(e).__name__}: {e}")
         print(
             f"tree of {n} nodes: {ms:.3f} ms a round, {ms / token_ms:.2f} AR tokens, {ms / chain_ms - 1:+.1%} "
-            "vs chain; calls (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in calls.items())
+            f"vs chain (separate calls {separate_ms:.3f} ms); calls (ms): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in calls.items())
         )
         del engine
     return out
@@ -428,6 +440,8 @@ def tree_calls(engine, prompt, n: int, args, device) -> dict:
         choices = verified.logits.argmax(dim=-1)
         calls["walk"] = timed(lambda: engine.walk(tree, choices), args.calls, device)
         engine.keep(verified, [0])
+        # the keep step alone (every layer's rows of the tree moved at once), as the fused round runs it
+        calls["keep"] = timed(lambda: engine.steps.run(("keep",), engine._keep_step), args.calls, device)
     return calls
 
 

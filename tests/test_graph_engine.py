@@ -730,3 +730,81 @@ def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
     assert 1 <= graph_engine.LAYER_STEP.graphs() - before <= 2 < depth * 2, "a graph per shape, not per layer"
     assert graph_engine.DRAFT_STEP.graphs() - drafts_before == 1, "the draft step, one graph"
     decodes_as_dynamic(tiny, d, engine, layers)
+
+
+@pytest.mark.cpu_compile
+def test_layers_engine_tree_rounds_decode_as_autoregressive(tmp_path):
+    """compile="layers" with a tree budget on the CPU: warm-up compiles the tree step's layer, the build and
+    the walk (one graph each) and runs the greedy tree round as one step; greedy tree rounds, the real
+    drafter's and scripted ones whose accepted branches move rows, decode as autoregressive decoding with the
+    dynamic engine's acceptance lengths; nothing compiles after warm-up (a compile would raise)."""
+    from dflashkit.infer import graph_engine
+
+    tiny, d, layers = tiny_pair(tmp_path, drafter_layers=2)
+    budget = 8
+    before = graph_engine.TREE_BUILD_STEP.graphs(), graph_engine.TREE_WALK_STEP.graphs()
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="layers", tree_budget=budget)
+    warmed = engine.warm_up()
+    assert f"greedy tree round [{budget + 1} nodes]" in warmed
+    after = graph_engine.TREE_BUILD_STEP.graphs(), graph_engine.TREE_WALK_STEP.graphs()
+    assert after[0] - before[0] == after[1] - before[1] == 1, "the build and the walk, one graph each"
+    prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()
+    ar = autoregressive_generate(tiny, prompt, 20, layer_ids=layers).tokens
+    dyn = speculative_generate(tiny, d, prompt, 20, tree_budget=budget)
+    real = speculative_generate(tiny, d, prompt, 20, engine=engine, tree_budget=budget)
+    assert real.tokens == dyn.tokens == ar and real.accept_lengths == dyn.accept_lengths
+    script = ScriptedTree(DynamicEngine(tiny, d), prompt + ar)
+    reference = speculative_generate(tiny, d, prompt, 20, engine=script, tree_budget=budget)
+    script_fused_drafts(engine, prompt + ar)
+    scripted = speculative_generate(tiny, d, prompt, 20, engine=engine, tree_budget=budget)
+    assert scripted.tokens == ar and scripted.accept_lengths == reference.accept_lengths
+    assert max(scripted.accept_lengths) >= 3 and any(p != list(range(len(p))) for p in script.paths)
+    assert (graph_engine.TREE_BUILD_STEP.graphs(), graph_engine.TREE_WALK_STEP.graphs()) == after
+
+
+def random_tree_attention(device: str, dtype: torch.dtype, start: int = 37, capacity: int = 64):
+    """Queries, a one-slot cache (and its scratch slot) and the tree mask of a random tree of 9 nodes whose
+    root sits at ``start``: what a tree step's attention reads (9 query heads over 3 key heads, as the
+    embedded target's)."""
+    from dflashkit.infer.tree import ancestors
+
+    g = torch.Generator().manual_seed(3)
+    n, nq, nk, d = 9, 9, 3, 64
+    parents = torch.tensor([0, 0, 0, 1, 1, 2, 3, 4, 7])
+    seen = ancestors(parents)
+    at = torch.arange(capacity) - start
+    allowed = ((at < 0) | (seen[:, at.clamp(0, n - 1)] & (at < n)))[None]  # [1, n, capacity]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    q, k, v = rand(1, n, nq, d), rand(2, capacity, nk, d), rand(2, capacity, nk, d)
+    return q, k, v, allowed.to(device), torch.tensor([start], device=device), (nq, nk)
+
+
+def test_the_split_tree_attention_equals_the_masked_one():
+    """The tree step's attention split in two (the cache before the root; the tree's own rows under the
+    ancestor mask) and merged by log-sum-exp equals the one masked attention over the whole capacity
+    (float32, the plain prefix that stands in for FlashAttention on the CPU)."""
+    from dflashkit.target.slot_decoder import _math_prefix, _tree_plan, _tree_split_plan
+
+    q, k, v, allowed, start, (nq, nk) = random_tree_attention("cpu", torch.float32)
+    whole = _tree_plan(allowed, nq, nk, torch.float32)(q, k, v)
+    split = _tree_split_plan(allowed, start, allowed.shape[-1], nq, nk, _math_prefix)(q, k, v)
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_the_split_tree_attention_on_flash_equals_the_masked_one_on_gpu():
+    """On CUDA in bf16: the split tree attention with FlashAttention over the cache before the root (the
+    graphs engines' tree step on a GPU) equals the one masked SDPA over the whole capacity, and the plain
+    prefix, within bf16 rounding."""
+    from dflashkit.target.slot_decoder import _flash_prefix, _math_prefix, _tree_plan, _tree_split_plan
+
+    q, k, v, allowed, start, (nq, nk) = random_tree_attention("cuda", torch.bfloat16)
+    kv_len = allowed.shape[-1]
+    whole = _tree_plan(allowed, nq, nk, torch.bfloat16)(q, k, v).float()
+    flash = _tree_split_plan(allowed, start, kv_len, nq, nk, _flash_prefix)(q, k, v).float()
+    plain = _tree_split_plan(allowed, start, kv_len, nq, nk, _math_prefix)(q, k, v).float()
+    torch.testing.assert_close(flash, whole, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(flash, plain, atol=2e-2, rtol=2e-2)

@@ -627,8 +627,8 @@ class SlotGenerator:
         upto = max(lengths) - 1  # beyond a shorter prompt's own length the copy is stale rows no query reads
         if upto > 0:
             src = torch.tensor(sources, device=dev)
-            for t in (*self.cache.k, *self.cache.v):
-                t[idx, :upto] = t[src, :upto]
+            for t in (self.cache.keys, self.cache.values):  # every layer at once
+                t[:, idx, :upto] = t[:, src, :upto]
         last = torch.tensor([r.prompt_ids[-1] for r in group], device=dev)
         live = np.ones(len(group), dtype=bool)
         self._seat(group, slots, last, [length - 1 for length in lengths], replied=0, live=live)

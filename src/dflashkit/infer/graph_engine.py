@@ -27,8 +27,13 @@ Steps (fixed shapes, as the static engine's):
   FlashAttention's varlen kernel takes no arbitrary mask. Returns the nodes' logits and features, as a
   block does;
 - tree keep [N+1 rows]: after a tree, move the accepted path's K/V rows to start .. start+len(path)-1 in
-  every layer (one gather and one index_copy per cache tensor), so the caches are a chain's. A path that is
-  the tree's first nodes (0 .. k-1) moves nothing and runs no step.
+  every layer (one gather and one index_copy for all layers' keys, the same for values: the layers are views
+  of one tensor), so the caches are a chain's. A path that is the tree's first nodes (0 .. k-1) moves nothing
+  and runs no step;
+- greedy tree round [N+1 nodes]: the draft step, the tree's build from the drafted slots' probabilities,
+  the tree step, the walk along the target's argmax, the keep step and the next round's state, as one step:
+  a greedy tree round is one replay and one copy to the host, as a chain's (`greedy_round(tree=True)`, when
+  the budget holds a block: N+1 >= B).
 
 With ``compile=True`` (the ``"graphs-compiled"`` engine, which ``--engine auto`` takes on a GPU for bench and
 eval) each target step (the tree step included) and the draft step is first compiled by torch.compile
@@ -160,6 +165,22 @@ def draft_step(
     out_logits.copy_(linear(hidden[0, 1:].to(lm_head.dtype), lm_head, packed=lm_head_packed))
 
 
+def tree_build_step(anchor: Tensor, probs: Tensor, out_nodes: Tensor) -> None:
+    """``build_tree`` of ``out_nodes``' width less the root (the engine's budget) from the drafted slots'
+    ``probs`` [B-1, V] below the root ``anchor`` [1], written into ``out_nodes`` [3, N+1]."""
+    out_nodes.copy_(build_tree(anchor, probs, out_nodes.shape[1] - 1).nodes)
+
+
+def tree_walk_step(
+    nodes: Tensor, choices: Tensor, start: Tensor, out_walk: Tensor, out_moves: Tensor
+) -> None:
+    """``walk_outputs`` of the tree ``nodes`` along the target's ``choices`` into ``out_walk``, and the keep
+    step's row moves of the path it finds (``path_moves``, from ``start``) into ``out_moves``."""
+    walked = walk_outputs(nodes, choices)
+    out_walk.copy_(walked)
+    out_moves.copy_(path_moves(walked[: choices.shape[0]].bool(), start))
+
+
 # One compiled region per step function, shared by every engine of the process (a graph per shape, guarded on
 # the buffers' shapes: an engine with the same shapes reuses it). Creating them compiles nothing.
 _OFF = "--engine dynamic or static, or GraphEngine(compile=False): the eager graphs steps"
@@ -173,6 +194,14 @@ DRAFT_STEP = CompiledRegion(
 # shape), the rest of the step as it is; the CUDA graph of the step holds it all
 LAYER_STEP = CompiledRegion(
     decoder_layer, "the graphs engine's decoder layer", warm_with="GraphEngine.warm_up()", off_switch=_OFF
+)
+# a tree round's build and walk (~90 and ~30 small kernels eager): compiled by the engines that compile their
+# target steps, so that Inductor fuses their element-wise work between the top-k and matmul calls
+TREE_BUILD_STEP = CompiledRegion(
+    tree_build_step, "the graphs engine's tree build", warm_with="GraphEngine.warm_up()", off_switch=_OFF
+)
+TREE_WALK_STEP = CompiledRegion(
+    tree_walk_step, "the graphs engine's tree walk", warm_with="GraphEngine.warm_up()", off_switch=_OFF
 )
 
 
@@ -209,11 +238,13 @@ class GraphEngine:
     engine) the target one decoder layer at a time (``slot_decoder.decode_by_layer``: one compile of one
     layer serves all of them, where a whole step unrolls every layer into its graph), the one-token step's
     matmuls written as reductions that Inductor fuses with the work around them
-    (``slot_decoder.linear_as_reduction``), and the draft step whole;
+    (``slot_decoder.linear_as_reduction``), and the draft step whole (both compiling engines also compile a
+    tree's build and walk);
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
-    of N+1 tokens (a smaller tree is padded; the build and keep steps run eagerly, captured on a GPU). Build
+    of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
+    build and walk compiled by the compiling engines). Build
     one per (target, drafter, capacity, tree budget) and reuse it across prompts.
     """
 
@@ -272,6 +303,10 @@ class GraphEngine:
         # a time (its prologue and head eager around them) took 0.263 ms against 0.207 (H200, bf16, RESULTS:
         # seventeenth session)
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
+        # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers)
+        glue = compile in (True, "layers")
+        self._build_fn: Callable[..., None] = TREE_BUILD_STEP if glue else tree_build_step
+        self._walk_fn: Callable[..., None] = TREE_WALK_STEP if glue else tree_walk_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
         self._tree_open = False  # the last verify was a tree's
@@ -369,8 +404,7 @@ class GraphEngine:
 
     def _build_step(self) -> None:
         """The tree of the engine's budget from ``_tree_probs``, written as the tree step's inputs."""
-        assert self.tree_budget is not None
-        self._tree_inputs.copy_(build_tree(self._anchor, self._tree_probs, self.tree_budget).nodes)
+        self._build_fn(self._anchor, self._tree_probs, self._tree_inputs)
 
     def _tree_mask(self) -> Tensor:
         """[1, N+1, capacity] bool: node i sees the cache before start and, at start .. start+N, itself and
@@ -384,17 +418,16 @@ class GraphEngine:
     def _walk_step(self) -> None:
         """The walk over the tree step's nodes and ``_choices`` (``walk_outputs``), and the keep step's row
         moves for the path it finds, so that keeping it needs nothing from the host."""
-        out = walk_outputs(self._tree_inputs, self._choices)
-        self._walked_out.copy_(out)
-        self._moves.copy_(path_moves(out[: self._choices.shape[0]].bool(), self._start))
+        self._walk_fn(self._tree_inputs, self._choices, self._start, self._walked_out, self._moves)
 
     def _keep_step(self) -> None:
         """Move the cache rows ``_moves[0]`` to ``_moves[1]`` in every layer's keys and values (all rows
-        are read before any is written)."""
+        are read before any is written): every layer at once, one gather and one copy per tensor (the
+        layers are views of one; a layer at a time was 120 small kernels for the embedded target)."""
         frm, to = self._moves[0], self._moves[1]
-        for t in (*self.cache.k, *self.cache.v):
-            rows = t[0]  # the engine's one slot (self._slot)
-            rows.index_copy_(0, to, rows.index_select(0, frm))
+        for t in (self.cache.keys, self.cache.values):
+            rows = t[:, 0]  # [layer, position, kv head, head dim]: the engine's one slot (self._slot)
+            rows.index_copy_(1, to, rows.index_select(1, frm))
 
     def _draft_step(self) -> None:
         self._precompiled.get(("draft",), self._draft_fn)(*self._draft_args())
