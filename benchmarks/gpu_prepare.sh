@@ -20,7 +20,21 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Eighteenth session's plan (~28 device minutes; the seventeenth measured graphs-layers (steps as the whole steps',
+# Nineteenth session's plan (~27 device minutes; the eighteenth measured the draft step whole (round 1.47 AR
+# tokens), graphs-layers' tree step captured (auto takes it for trees), trees of 32 nodes +33.6% tau at +63% round
+# cost, and two rounds at a tau plateau (3.582, 3.584); then built the greedy tree round as one step, the keep
+# step over every layer at once, the build and walk compiled, and the tree step's attention split into
+# FlashAttention over the cache + a small masked attention (NOTES: predictions). Back to back, never a pause:
+#   FTESTS_K=split ENGINES=graphs-layers BUDGETS=8,32 BUDGET=420 bash benchmarks/gpu_prepare.sh part ftests trees
+#                       # carry .whl: the split attention on FlashAttention (random tensors: no GGUF); the fused
+#                       # tree round against the chain and the separate calls (random weights), profiled
+#   bash benchmarks/gpu_prepare.sh part      # carry .bench/p1 (then p2, p3: `part` each)
+#   DRAFTER=benchmarks/drafters/embedded-gpu-more TREE_DATA=/root/work/heldout TREE_ENGINE=auto BUDGETS=8,16,32 \
+#     TREE_PROMPTS=24 BUDGET=590 bash benchmarks/gpu_prepare.sh part join heldout ftests tree   # carry .bench/p4
+#   then, if a tree budget pays over the chain: BUDGET=580 BENCH_CAP=560 DRAFTER=benchmarks/drafters/embedded-gpu-more
+#     BENCH_DATA=/root/work/heldout BENCH_PROMPTS=80 BENCH_OUT=/root/work/bench-tree BENCH_ARGS="--sets
+#     heldout,gsm8k,humaneval,mtbench --temperatures 0 --tree-budget <best>" bash benchmarks/gpu_prepare.sh bench
+# Eighteenth session, as run: RESULTS. Its plan (~28 device minutes; the seventeenth measured graphs-layers (steps as the whole steps',
 # the cold start 60 -> 16 s; `auto` takes it), then compiled its draft step whole (one layer at a time lost 0.056
 # ms a round), kept a round's drafter (3.544) and set the round's peak lr to 5e-5 (at 2e-4 it fell first). The
 # machine went back after the first command twice in three sessions: the first command needs no GGUF, and the
@@ -278,7 +292,8 @@ for s in "$@"; do
       # the graphs-layers engine's (chain and tree steps) and the precompiled steps' GPU tests (captured, held to
       # the eager engine in fp32; they load the embedded target: after `join`)
       stage ftests
-      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "layers or precompiled" 2>&1 \
+      # FTESTS_K: another selection (the split tree attention's test loads no target: no `join` needed)
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "${FTESTS_K:-layers or precompiled or split}" 2>&1 \
         | tee "$OUT/pytest-ftests.log" | tail -15 ;;
     warm)
       # the compiled engine's warm start, compiled vs precompiled steps (random target: no GGUF; ~6 minutes)
