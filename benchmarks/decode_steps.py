@@ -21,7 +21,7 @@ timing does not depend on the weights, so nothing has to be carried to the GPU) 
 
 Engines (``--engines``, side by side): ``static`` (torch.compile, CUDA-graph mode), ``graphs`` (the fused
 target forward, each step one CUDA graph of eager kernels), ``graphs-compiled`` (the same steps compiled by
-Inductor, then captured), ``graphs-draft-compiled`` (only the draft step compiled) and ``graphs-layers`` (one
+Inductor, then captured) and ``graphs-layers`` (one
 decoder layer compiled for every layer, the one-token step's matmuls as reductions Inductor fuses with their
 neighbours; the whole steps compiled that way, the retired graphs-fused, measured the same steps). Start seconds: ``start_seconds`` is building the engine to the first token in this
 process, cold (the run uses a fresh, empty Inductor cache directory, so nothing compiled by an earlier run

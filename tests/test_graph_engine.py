@@ -19,7 +19,7 @@ from dflashkit.infer.tree import DraftTree, build_tree
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
-from test_engine import LAYERS, ScriptedDrafts, ScriptedTree, on_gpu, prompts
+from test_engine import LAYERS, ScriptedDrafts, ScriptedTree, on_gpu, prompts, small_drafter
 
 # the same module-scoped fixtures (B = 4), and the dynamic engine's chain rounds of N new tokens
 target, drafter, dynamic_rounds = test_engine.target, test_engine.drafter, test_engine.dynamic_rounds
@@ -108,21 +108,15 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
     assert make_engine("graphs-compiled", target, drafter, capacity=32).compile_cache != path
     assert make_engine("graphs-compiled", target, None, capacity=24, layer_ids=[1]).compile_cache != path
     assert not make_engine("graphs", target, drafter, capacity=24).compiled
-    # graphs-draft-compiled: the draft step alone compiled, its own cache file
     from dflashkit.infer import graph_engine
 
-    draft_only = make_engine("graphs-draft-compiled", target, drafter, capacity=24)
-    assert draft_only.compiled and draft_only.compile_cache not in (None, path)
-    assert (
-        draft_only._draft_fn is graph_engine.DRAFT_STEP and draft_only._target_fn is graph_engine.target_step
-    )
     assert engine._target_fn is graph_engine.TARGET_STEP and engine._draft_fn is graph_engine.DRAFT_STEP
     # graphs-layers: the target compiled one decoder layer at a time, the draft step whole, its own cache file
     layers = make_engine("graphs-layers", target, drafter, capacity=24)
     assert layers._target_fn is graph_engine.target_step and layers._layer_step is graph_engine.LAYER_STEP
     assert layers._reduce_matmuls and not engine._reduce_matmuls and engine._layer_step is None
     assert layers._draft_fn is graph_engine.DRAFT_STEP
-    assert layers.compile_cache not in (None, path, draft_only.compile_cache)
+    assert layers.compile_cache not in (None, path)
     # the reductions go to the one-token step only: a many-token step is faster with the matmuls
     calls: list[tuple[int, bool]] = []
 
@@ -135,7 +129,7 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
     layers._target_step(1)
     layers._target_step(B)
     assert {c for c in calls if c[0] in (1, B)} == {(1, True), (B, False)}
-    with pytest.raises(DflashkitError, match="choose False, True, 'draft' or 'layers'"):
+    with pytest.raises(DflashkitError, match="choose False, True or 'layers'"):
         GraphEngine(target, drafter, capacity=24, compile="target")  # type: ignore[arg-type]
 
 
@@ -155,10 +149,10 @@ def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, "draft", True, "layers"])
+@pytest.mark.parametrize("compiled", [False, True, "layers"])
 def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
     """On CUDA (fp32, so the attention is the masked reference over the whole capacity): each step shape
-    is captured once at warm-up (compiled first: the graphs-draft-compiled and graphs-compiled engines) and
+    is captured once at warm-up (compiled first: the graphs-compiled and graphs-layers engines) and
     replayed after; the same greedy output and acceptance lengths as the dynamic engine, with scripted drafts
     (every acceptance length and crop). `dflashkit bench` checks a compiled engine's rounds on its eager
     steps in fp32; this test holds the compiled steps to the same output."""
@@ -195,9 +189,10 @@ def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
         f"target tree [1, {n}]",
         f"tree walk [{n} nodes]",
         f"tree keep [{n} rows]",
+        f"greedy tree round [{n} nodes]",
     ]
     assert list(warmed) == CHAIN_STEPS + tree_steps
-    assert len(engine.steps) == 8
+    assert len(engine.steps) == 9
     tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
     for e in (engine, eager):
         e.prefill(torch.tensor([prompts(9)[0]], device="cuda"))
@@ -218,7 +213,25 @@ def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
             assert any(p != list(range(len(p))) for p in script.paths), name
             runs[name] = (scripted.accept_lengths, real.accept_lengths)
         assert runs["graphs"] == runs["eager"]
-    assert len(engine.steps) == 8, "a step was captured after warm-up"
+    assert len(engine.steps) == 9, "a step was captured after warm-up"
+
+
+@pytest.mark.gpu
+def test_bf16_tree_rounds_capture_the_split_attention_on_gpu():
+    """On CUDA in bf16 the tree step attends through FlashAttention and the small masked attention
+    (``_tree_split_plan``): warm-up captures it (in the tree step and in the greedy tree round), and the
+    replayed steps give the very tokens and acceptance lengths of the same steps run uncaptured."""
+    gpu = TargetModel.load("embedded", dtype=torch.bfloat16, device="cuda")
+    d = small_drafter(gpu).to(torch.bfloat16)
+    budget = 10
+    engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget)
+    eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
+    assert engine.attention == "flash"
+    assert f"greedy tree round [{budget + 1} nodes]" in engine.warm_up()
+    for prompt in prompts(5, 40):
+        ours = speculative_generate(gpu, d, prompt, 32, engine=engine, tree_budget=budget)
+        theirs = speculative_generate(gpu, d, prompt, 32, engine=eager, tree_budget=budget)
+        assert (ours.tokens, ours.accept_lengths) == (theirs.tokens, theirs.accept_lengths)
 
 
 def test_auto_engine_is_the_fastest_lossless_one(target):
@@ -613,9 +626,9 @@ def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [True, "draft", "layers", "precompiled"])
+@pytest.mark.parametrize("compiled", [True, "layers", "precompiled"])
 def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compiled, tmp_path):
-    """On CUDA in fp32: the compiled steps (all, or the draft step alone), captured as CUDA graphs, replay
+    """On CUDA in fp32: the compiled steps (whole, or one layer for all), captured as CUDA graphs, replay
     and decode as the eager graphs engine (and the dynamic engine), with nothing captured or compiled after
     warm-up; "precompiled": all steps, precompiled beside a compile cache by one engine and loaded whole by
     a second, which is the one tested."""
@@ -790,7 +803,8 @@ def test_the_split_tree_attention_equals_the_masked_one():
 
     q, k, v, allowed, start, (nq, nk) = random_tree_attention("cpu", torch.float32)
     whole = _tree_plan(allowed, nq, nk, torch.float32)(q, k, v)
-    split = _tree_split_plan(allowed, start, allowed.shape[-1], nq, nk, _math_prefix)(q, k, v)
+    with NoHostRead():  # it runs inside the captured tree step: no value read on the host
+        split = _tree_split_plan(allowed, start, allowed.shape[-1], nq, nk, _math_prefix)(q, k, v)
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 

@@ -16,7 +16,6 @@ ENGINE_CHOICES = (
     "static",
     "graphs",
     "graphs-compiled",
-    "graphs-draft-compiled",
     "graphs-layers",
 )
 
@@ -441,7 +440,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "(growing caches, eager; any target), static (preallocated caches, transformers' layers compiled "
         "once per step shape), graphs (preallocated caches, the fused target forward, one CUDA graph per "
         "step shape; starts in a second), graphs-compiled (the same steps compiled first: faster steps, a "
-        "start of ~25-65 s), graphs-draft-compiled (only the draft step compiled: ~10 s) or "
+        "start of ~25-65 s) or "
         "graphs-layers (one target decoder layer compiled for every layer: a start of ~16 s, the one-token step's "
         "matmuls as reductions fused with their neighbours)",
     )

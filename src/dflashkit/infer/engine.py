@@ -42,9 +42,6 @@ Engines:
   the H200, benchmarks/RESULTS.md), through a portable compile cache under ``$DFLASHKIT_CACHE/compile`` (a
   start of ~64 s cold, ~24 s with the cache, against 0.4 s eager), its chain steps precompiled beside the
   cache and loaded whole by a later process (``dflashkit.runtime.precompiled``; not measured on a GPU yet).
-- ``"graphs-draft-compiled"``: the graphs engine with only its draft step compiled (the step compiling
-  speeds up 2.2x; the target steps' time moved 1% compiled, benchmarks/RESULTS.md), so the compile takes
-  the draft step's ~10 s cold.
 - ``"graphs-layers"``: the target compiled one decoder layer at a time (``slot_decoder.decode_by_layer``):
   every layer is the same function of tensors of the same shapes (it ends with the next layer's input norm),
   so one compile of one layer serves all of them, where a whole step unrolls every layer into one graph
@@ -91,14 +88,12 @@ ENGINES: tuple[str, ...] = (
     "static",
     "graphs",
     "graphs-compiled",
-    "graphs-draft-compiled",
     "graphs-layers",
 )
 # the graphs engines by name: which of their steps Inductor compiles before they are captured
-GRAPH_ENGINES: dict[str, bool | Literal["draft", "layers"]] = {
+GRAPH_ENGINES: dict[str, bool | Literal["layers"]] = {
     "graphs": False,
     "graphs-compiled": True,
-    "graphs-draft-compiled": "draft",
     "graphs-layers": "layers",
 }
 ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINES)  # what --engine takes
@@ -549,10 +544,10 @@ def compile_cache_path(
     drafter: Any,
     capacity: int,
     layer_ids: Sequence[int] | None = None,
-    steps: bool | Literal["draft", "layers"] = True,
+    steps: bool | Literal["layers"] = True,
 ) -> Path:
     """The portable compile cache of a compiling graphs engine: one file per target, dtype, drafter shape,
-    capacity (the compiled steps' shapes) and compiled steps (``steps``: all, "draft" or "layers"), under
+    capacity (the compiled steps' shapes) and compiled steps (``steps``: all or "layers"), under
     ``$DFLASHKIT_CACHE/compile``; the file itself checks the environment (``dflashkit.runtime.compile_cache``)."""
     shape = {
         "target": target.name,

@@ -45,11 +45,9 @@ artifacts go to the portable compile cache (``compile_cache=``), so a second pro
 a compile cache the chain's target steps and draft step are precompiled beside it (``precompile``,
 ``dflashkit.runtime.precompiled``): a later process loads each whole, without tracing it again (the embedded
 target's warm engine start 12.8 -> 4.8 s on the CPU, benchmarks/warm_start.py; a torch that cannot precompile
-compiles as before). On the CPU ``compile=True`` runs the compiled steps without graphs (the tests). With
-``compile="draft"`` (the ``"graphs-draft-compiled"`` engine) only the draft step is compiled: on the H200
-compiling the target steps saved 1% of their time (one token 1.370 -> 1.359 ms, a block 1.492 -> 1.474) for
-~60 s of cold compile, while the draft step ran 2.2x faster compiled (0.524 -> 0.236 ms; benchmarks/RESULTS.md,
-eighth session).
+compiles as before). On the CPU ``compile=True`` runs the compiled steps without graphs (the tests). (An engine
+that compiled the draft step alone, "graphs-draft-compiled", was retired in the eighteenth session:
+graphs-layers compiles its target layer and draft step in ~14 s cold.)
 
 The prefill (any prompt length) runs eagerly. Step inputs and outputs live in buffers allocated once: the
 logits an engine call returns are valid until the next call of the same kind (the decode loops read them
@@ -234,7 +232,7 @@ class GraphEngine:
     ``fixed_shapes`` (default: with graphs or compile) makes attention read the whole capacity, as a graph
     and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default
     False; True: the "graphs-compiled" engine) compiles the target and draft steps before they are captured,
-    ``"draft"`` (the "graphs-draft-compiled" engine) the draft step only, ``"layers"`` (the "graphs-layers"
+    ``"layers"`` (the "graphs-layers"
     engine) the target one decoder layer at a time (``slot_decoder.decode_by_layer``: one compile of one
     layer serves all of them, where a whole step unrolls every layer into its graph), the one-token step's
     matmuls written as reductions that Inductor fuses with the work around them
@@ -259,7 +257,7 @@ class GraphEngine:
         layer_ids: Sequence[int] | None = None,
         graphs: bool | None = None,
         fixed_shapes: bool | None = None,
-        compile: bool | Literal["draft", "layers"] | None = None,
+        compile: bool | Literal["layers"] | None = None,
         compile_cache: str | os.PathLike[str] | None = None,
         tree_budget: int | None = None,
         precompile: bool = True,
@@ -269,8 +267,8 @@ class GraphEngine:
         if graphs and dev.type != "cuda":
             raise DflashkitError("the graphs engine captures CUDA graphs: it needs the target on a GPU")
         compile = False if compile is None else compile  # compiled steps: the "graphs-compiled" engine
-        if compile not in (False, True, "draft", "layers"):
-            raise DflashkitError(f"GraphEngine(compile={compile!r}): choose False, True, 'draft' or 'layers'")
+        if compile not in (False, True, "layers"):
+            raise DflashkitError(f"GraphEngine(compile={compile!r}): choose False, True or 'layers'")
         fixed_shapes = graphs or compile if fixed_shapes is None else fixed_shapes
         if compile and not fixed_shapes:
             raise DflashkitError(

@@ -704,8 +704,10 @@ def _flash_prefix(
     seeing all of them (no causal mask), reading only the used positions (``seqused_k``)."""
     rows, nk, d = q.shape
     dev = q.device
-    cu_q = torch.tensor([0, rows], dtype=torch.int32, device=dev)
-    cu_k = torch.tensor([0, k_cache.shape[0] * k_cache.shape[1]], dtype=torch.int32, device=dev)
+    # [0, rows] and [0, every cache row] as kernels, not copies from the host (this runs inside a capture)
+    cu_q = torch.arange(0, 2 * rows, rows, dtype=torch.int32, device=dev)
+    total = k_cache.shape[0] * k_cache.shape[1]
+    cu_k = torch.arange(0, 2 * total, total, dtype=torch.int32, device=dev)
     out, lse = flash_varlen(
         q,
         k_cache.view(-1, nk, d),
@@ -751,7 +753,7 @@ def _tree_split_plan(allowed: Tensor, start: Tensor, kv_len: int, nq: int, nk: i
     # node i sees node j: the mask's columns at the tree's rows (a gather: the root's position is on the device)
     ancestors = allowed[0].gather(1, tree_rows.clamp(max=kv_len - 1)[None].expand(n, n))  # [n, n]
     bias = torch.zeros(n, n, device=allowed.device).masked_fill_(~ancestors, float("-inf"))
-    bias = bias.repeat_interleave(rep, dim=0)  # [n * rep, n]: row node * rep + g
+    bias = bias[:, None].expand(n, rep, n).reshape(n * rep, n)  # row node * rep + g
 
     def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         d = q.shape[-1]
