@@ -19,13 +19,15 @@ Steps (fixed shapes, as the static engine's):
 - greedy round [1, B]: the draft step, the target step over [anchor, drafts], the acceptance (drafts
   kept while they equal the target's argmax) and the next round's state (its context rows, block start and
   anchor), as one step: a greedy chain round is one replay and one copy to the host (`greedy_round`;
-  ``speculative_generate`` uses it at T=0 without a tree, unless ``fused_rounds`` is False);
+  ``speculative_generate`` uses it at T=0, unless ``fused_rounds`` is False; a tree's: below);
 - target tree [1, N+1] (built with ``tree_budget=N``): the root and N nodes of a ``DraftTree``, written at
   start .. start+N, each at rotary position start + depth, under a boolean mask [N+1, capacity] (the cache
   before start, and each node's ancestors and itself) that the step builds from the nodes' parents, so a
-  round sends the device one small tensor (tokens, depths, parents); SDPA over the whole mask, as
-  FlashAttention's varlen kernel takes no arbitrary mask. Returns the nodes' logits and features, as a
-  block does;
+  round sends the device one small tensor (tokens, depths, parents). With FlashAttention (a GPU, bf16) the
+  attention is split: FlashAttention over the cache before the root, which every node sees, and a small
+  masked attention over the tree's own rows, merged by their log-sum-exps (``slot_decoder._tree_split_plan``:
+  FlashAttention's varlen kernel takes no arbitrary mask); else one SDPA under the whole mask. Returns the
+  nodes' logits and features, as a block does;
 - tree keep [N+1 rows]: after a tree, move the accepted path's K/V rows to start .. start+len(path)-1 in
   every layer (one gather and one index_copy for all layers' keys, the same for values: the layers are views
   of one tensor), so the caches are a chain's. A path that is the tree's first nodes (0 .. k-1) moves nothing
@@ -35,8 +37,8 @@ Steps (fixed shapes, as the static engine's):
   a greedy tree round is one replay and one copy to the host, as a chain's (`greedy_round(tree=True)`, when
   the budget holds a block: N+1 >= B).
 
-With ``compile=True`` (the ``"graphs-compiled"`` engine, which ``--engine auto`` takes on a GPU for bench and
-eval) each target step (the tree step included) and the draft step is first compiled by torch.compile
+With ``compile=True`` (the ``"graphs-compiled"`` engine; ``--engine auto`` takes ``"graphs-layers"`` on a GPU
+for bench and eval, ``compile="layers"`` below) each target step (the tree step included) and the draft step is first compiled by torch.compile
 (Inductor, fullgraph, static shapes, no CUDA-graph mode: ``Steps`` captures the graph itself), so each layer's
 norms, rotary, SwiGLU product, casts and cache writes fuse into a few Triton kernels around the matmuls and the
 attention; the compiled step is then captured as one CUDA graph as before. Compiles follow the rules of
