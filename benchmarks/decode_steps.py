@@ -261,7 +261,7 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
 
 
 def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
-    """The one-token target step and the draft step of a graphs engine, uncaptured (the same kernels a
+    """The one-token target step, the draft step and the block step of a graphs engine, uncaptured (the same kernels a
     captured step replays; compiled ones for graphs-compiled), ``--profile`` times each under the torch
     profiler: kernels per step, their device time per step and the ten kernels that take the most of it."""
     import torch
@@ -279,7 +279,13 @@ def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
         context = engine.prefill(torch.tensor([prompt], device=target.device))[1]
         draft = profile_calls(lambda: engine.draft(context, prompt[-1]), args.profile)
         print_profile(f"{engine_name} draft step", draft)
-    return {**out, "draft_step": draft}
+        # the block step, which a chain round waits on (each keeps its first token: the cache grows by one)
+        B = engine.block_size
+        block = torch.tensor([prompt[-B:]], device=target.device)
+        engine.prefill(torch.tensor([prompt], device=target.device))
+        verify = profile_calls(lambda: engine.keep(engine.verify(block), [0]), args.profile)
+        print_profile(f"{engine_name} block step [1, {B}]", verify)
+    return {**out, "draft_step": draft, "block_step": verify}
 
 
 def uncaptured_engine(target, drafter, engine_name: str, args, tree_budget: int | None = None):

@@ -25,7 +25,7 @@
 # cost, and two rounds at a tau plateau (3.582, 3.584); then built the greedy tree round as one step, the keep
 # step over every layer at once, the build and walk compiled, and the tree step's attention split into
 # FlashAttention over the cache + a small masked attention (NOTES: predictions). Back to back, never a pause:
-#   FTESTS_K=split ENGINES=graphs-layers BUDGETS=8,32 BUDGET=420 bash benchmarks/gpu_prepare.sh part ftests trees
+#   FTESTS_K=split_tree_attention ENGINES=graphs-layers BUDGETS=8,32 BUDGET=420 bash benchmarks/gpu_prepare.sh part ftests trees
 #                       # carry .whl: the split attention on FlashAttention (random tensors: no GGUF); the fused
 #                       # tree round against the chain and the separate calls (random weights), profiled
 #   bash benchmarks/gpu_prepare.sh part      # carry .bench/p1 (then p2, p3: `part` each)
@@ -292,7 +292,8 @@ for s in "$@"; do
       # the graphs-layers engine's (chain and tree steps) and the precompiled steps' GPU tests (captured, held to
       # the eager engine in fp32; they load the embedded target: after `join`)
       stage ftests
-      # FTESTS_K: another selection (the split tree attention's test loads no target: no `join` needed)
+      # FTESTS_K: another selection (split_tree_attention: the split attention on random tensors, no target:
+      # no `join` needed)
       timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "${FTESTS_K:-layers or precompiled or split}" 2>&1 \
         | tee "$OUT/pytest-ftests.log" | tail -15 ;;
     warm)
