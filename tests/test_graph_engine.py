@@ -228,6 +228,12 @@ def test_bf16_tree_rounds_capture_the_split_attention_on_gpu():
     eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
     assert engine.attention == "flash"
     assert f"greedy tree round [{budget + 1} nodes]" in engine.warm_up()
+    tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
+    for e in (engine, eager):
+        e.prefill(torch.tensor([prompts(40)[0]], device="cuda"))
+    ours_step, theirs_step = engine.verify_tree(tree), eager.verify_tree(tree)
+    torch.testing.assert_close(ours_step.logits, theirs_step.logits, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ours_step.features, theirs_step.features, atol=2e-2, rtol=2e-2)
     for prompt in prompts(5, 40):
         ours = speculative_generate(gpu, d, prompt, 32, engine=engine, tree_budget=budget)
         theirs = speculative_generate(gpu, d, prompt, 32, engine=eager, tree_budget=budget)
