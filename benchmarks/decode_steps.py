@@ -391,8 +391,35 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
             "round_cost_ar_tokens": ms / token_ms,
             "vs_chain": ms / chain_ms - 1,
             "ms_per_round_separate_calls": separate_ms,
+            "tree_attention": engine.tree_attention,
             "calls_ms": calls,
         }
+        if engine.tree_attention == "split" and n == args.tree_budgets[0]:
+            # the same rounds with the tree step's one masked attention, side by side
+            masked = GraphEngine(
+                target,
+                drafter,
+                capacity=engine_capacity(args, drafter),
+                graphs=args.compile,
+                compile=compiled,
+                tree_budget=n,
+                tree_attention="masked",
+            )
+            masked.warm_up()
+            with torch.no_grad():
+                speculative_generate(target, drafter, prompt, 8, engine=masked, tree_budget=n)
+                runs = [
+                    speculative_generate(target, drafter, prompt, args.tokens, engine=masked, tree_budget=n)
+                    for _ in range(args.repeats)
+                ]
+            masked_ms = statistics.median(
+                (r.seconds - r.prefill_seconds) * 1e3 / len(r.accept_lengths) for r in runs
+            )
+            out[str(n)]["ms_per_round_masked_attention"] = masked_ms
+            print(
+                f"tree of {n} nodes, the masked tree attention: {masked_ms:.3f} ms a round (split: {ms:.3f})"
+            )
+            del masked
         if args.profile and n == args.tree_budgets[0] and target.device.type == "cuda":
             try:
                 out[str(n)]["tree_step_profile"] = tree_step_profile(

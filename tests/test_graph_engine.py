@@ -234,6 +234,12 @@ def test_bf16_tree_rounds_capture_the_split_attention_on_gpu():
     ours_step, theirs_step = engine.verify_tree(tree), eager.verify_tree(tree)
     torch.testing.assert_close(ours_step.logits, theirs_step.logits, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ours_step.features, theirs_step.features, atol=2e-2, rtol=2e-2)
+    # the one masked attention (tree_attention="masked"), the same tree step within bf16 rounding
+    masked = GraphEngine(
+        gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget, tree_attention="masked"
+    )
+    masked.prefill(torch.tensor([prompts(40)[0]], device="cuda"))
+    torch.testing.assert_close(masked.verify_tree(tree).logits, theirs_step.logits, atol=5e-2, rtol=5e-2)
     for prompt in prompts(5, 40):
         ours = speculative_generate(gpu, d, prompt, 32, engine=engine, tree_budget=budget)
         theirs = speculative_generate(gpu, d, prompt, 32, engine=eager, tree_budget=budget)
@@ -812,6 +818,16 @@ def test_the_split_tree_attention_equals_the_masked_one():
     with NoHostRead():  # it runs inside the captured tree step: no value read on the host
         split = _tree_split_plan(allowed, start, allowed.shape[-1], nq, nk, _math_prefix)(q, k, v)
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_the_split_tree_attention_needs_flash_attention(target, drafter):
+    """An engine's tree step takes the split attention only where FlashAttention runs: on the CPU the
+    default is the masked one, and asking for the split says what to do instead."""
+    assert GraphEngine(target, drafter, capacity=24, tree_budget=4).tree_attention == "masked"
+    with pytest.raises(DflashkitError, match="tree_attention='masked'"):
+        GraphEngine(target, drafter, capacity=24, tree_budget=4, tree_attention="split")
+    with pytest.raises(DflashkitError, match="choose 'split' or 'masked'"):
+        GraphEngine(target, drafter, capacity=24, tree_budget=4, tree_attention="dense")  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu

@@ -244,7 +244,9 @@ class GraphEngine:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
     of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
-    build and walk compiled by the compiling engines). Build
+    build and walk compiled by the compiling engines). ``tree_attention``: the tree step's attention, "split"
+    (FlashAttention over the cache plus a small masked attention over the tree's rows; the default where
+    FlashAttention runs) or "masked" (one SDPA under the whole mask; the default elsewhere). Build
     one per (target, drafter, capacity, tree budget) and reuse it across prompts.
     """
 
@@ -263,6 +265,7 @@ class GraphEngine:
         compile_cache: str | os.PathLike[str] | None = None,
         tree_budget: int | None = None,
         precompile: bool = True,
+        tree_attention: Literal["split", "masked"] | None = None,
     ):
         dev = target.device
         graphs = dev.type == "cuda" if graphs is None else graphs
@@ -286,6 +289,18 @@ class GraphEngine:
         self.packed = not compile and not graphs and self.w.pack_for_cpu()
         self.cache = SlotCache(self.w, slots=1, capacity=capacity)
         self.attention = _attention(dev, self.w.dtype)
+        # the tree step's attention: "split" (FlashAttention over the cache and a small masked attention over
+        # the tree's rows; the default where FlashAttention runs) or "masked" (one SDPA under the whole mask)
+        tree_attention = tree_attention or ("split" if self.attention == "flash" else "masked")
+        if tree_attention not in ("split", "masked"):
+            raise DflashkitError(
+                f"GraphEngine(tree_attention={tree_attention!r}): choose 'split' or 'masked'"
+            )
+        if tree_attention == "split" and self.attention != "flash":
+            raise DflashkitError(
+                "the split tree attention runs on FlashAttention (a GPU, bf16 or fp16): use tree_attention='masked'"
+            )
+        self.tree_attention = tree_attention
         self.steps = Steps(graphs)
         self.graphs = graphs
         self.fixed_shapes = fixed_shapes
@@ -394,7 +409,7 @@ class GraphEngine:
             self._tree_logits,
             self._tree_rows,
             self._kv_len(self._tree_inputs.shape[1]),
-            self.attention,
+            self.attention if self.tree_attention == "split" else "sdpa",  # sdpa: the one masked attention
             tuple(self.layer_ids) if self.drafter is not None else (),
             self._start + self._tree_inputs[1:2],  # positions: the root's + depth
             self._tree_mask(),  # mask (positional: a compiled region takes no keywords)
