@@ -358,7 +358,8 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
         return {}
     out = {}
     compiled = graph_engines()[engine_name]
-    for n in args.tree_budgets:
+
+    def tree_engine(n: int, **kwargs) -> GraphEngine:
         engine = GraphEngine(
             target,
             drafter,
@@ -366,25 +367,29 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
             graphs=args.compile,
             compile=compiled,
             tree_budget=n,
+            **kwargs,
         )
         engine.warm_up()
-        with torch.no_grad():
+        with torch.no_grad():  # first-call costs out of the figures
             speculative_generate(target, drafter, prompt, 8, engine=engine, tree_budget=n)
+        return engine
+
+    def ms_per_round(engine: GraphEngine, n: int) -> float:
+        """Median ms a round over ``--repeats`` generations of ``--tokens``."""
+        with torch.no_grad():
             runs = [
                 speculative_generate(target, drafter, prompt, args.tokens, engine=engine, tree_budget=n)
                 for _ in range(args.repeats)
             ]
-            # the same rounds as separate build, verify, walk and keep calls (the fused round: one step)
-            engine.fused_rounds = False
-            separate = [
-                speculative_generate(target, drafter, prompt, args.tokens, engine=engine, tree_budget=n)
-                for _ in range(args.repeats)
-            ]
-            engine.fused_rounds = True
-        ms = statistics.median((r.seconds - r.prefill_seconds) * 1e3 / len(r.accept_lengths) for r in runs)
-        separate_ms = statistics.median(
-            (r.seconds - r.prefill_seconds) * 1e3 / len(r.accept_lengths) for r in separate
-        )
+        return statistics.median((r.seconds - r.prefill_seconds) * 1e3 / len(r.accept_lengths) for r in runs)
+
+    for n in args.tree_budgets:
+        engine = tree_engine(n)
+        ms = ms_per_round(engine, n)
+        # the same rounds as separate build, verify, walk and keep calls (the fused round: one step)
+        engine.fused_rounds = False
+        separate_ms = ms_per_round(engine, n)
+        engine.fused_rounds = True
         calls = tree_calls(engine, prompt, n, args, target.device)
         out[str(n)] = {
             "ms_per_round": ms,
@@ -396,25 +401,8 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
         }
         if engine.tree_attention == "split" and n == args.tree_budgets[0]:
             # the same rounds with the tree step's one masked attention, side by side
-            masked = GraphEngine(
-                target,
-                drafter,
-                capacity=engine_capacity(args, drafter),
-                graphs=args.compile,
-                compile=compiled,
-                tree_budget=n,
-                tree_attention="masked",
-            )
-            masked.warm_up()
-            with torch.no_grad():
-                speculative_generate(target, drafter, prompt, 8, engine=masked, tree_budget=n)
-                runs = [
-                    speculative_generate(target, drafter, prompt, args.tokens, engine=masked, tree_budget=n)
-                    for _ in range(args.repeats)
-                ]
-            masked_ms = statistics.median(
-                (r.seconds - r.prefill_seconds) * 1e3 / len(r.accept_lengths) for r in runs
-            )
+            masked = tree_engine(n, tree_attention="masked")
+            masked_ms = ms_per_round(masked, n)
             out[str(n)]["ms_per_round_masked_attention"] = masked_ms
             print(
                 f"tree of {n} nodes, the masked tree attention: {masked_ms:.3f} ms a round (split: {ms:.3f})"

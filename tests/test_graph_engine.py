@@ -171,6 +171,20 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
     assert len(engine.steps) == 4, "a step was captured after warm-up"
 
 
+FIXED_TREE = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to an engine's budget
+
+
+def tree_step_replays(engine: GraphEngine, eager: GraphEngine, prompt: list[int], tol: float):
+    """After the prompt, ``engine``'s tree step over ``FIXED_TREE`` gives ``eager``'s logits and features
+    within ``tol``; returns eager's (valid until its next tree step)."""
+    for e in (engine, eager):
+        e.prefill(torch.tensor([prompt], device="cuda"))
+    ours, theirs = engine.verify_tree(FIXED_TREE), eager.verify_tree(FIXED_TREE)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=tol, rtol=tol)
+    torch.testing.assert_close(ours.features, theirs.features, atol=tol, rtol=tol)
+    return theirs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True, "layers"])
 def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
@@ -193,12 +207,7 @@ def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
     ]
     assert list(warmed) == CHAIN_STEPS + tree_steps
     assert len(engine.steps) == 9
-    tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
-    for e in (engine, eager):
-        e.prefill(torch.tensor([prompts(9)[0]], device="cuda"))
-    ours, theirs = engine.verify_tree(tree), eager.verify_tree(tree)
-    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(ours.features, theirs.features, atol=1e-4, rtol=1e-4)
+    tree_step_replays(engine, eager, prompts(9)[0], tol=1e-4)
     for seed in range(3):  # the replayed build: the eager build's tree
         probs = torch.softmax(torch.randn(B - 1, gpu.vocab_size, device="cuda") * (2 + seed), dim=-1)
         assert torch.equal(engine.build_tree(900, probs, budget).nodes, build_tree(900, probs, budget).nodes)
@@ -228,18 +237,15 @@ def test_bf16_tree_rounds_capture_the_split_attention_on_gpu():
     eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
     assert engine.attention == "flash"
     assert f"greedy tree round [{budget + 1} nodes]" in engine.warm_up()
-    tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to the budget
-    for e in (engine, eager):
-        e.prefill(torch.tensor([prompts(40)[0]], device="cuda"))
-    ours_step, theirs_step = engine.verify_tree(tree), eager.verify_tree(tree)
-    torch.testing.assert_close(ours_step.logits, theirs_step.logits, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(ours_step.features, theirs_step.features, atol=2e-2, rtol=2e-2)
+    theirs_step = tree_step_replays(engine, eager, prompts(40)[0], tol=2e-2)
     # the one masked attention (tree_attention="masked"), the same tree step within bf16 rounding
     masked = GraphEngine(
         gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget, tree_attention="masked"
     )
     masked.prefill(torch.tensor([prompts(40)[0]], device="cuda"))
-    torch.testing.assert_close(masked.verify_tree(tree).logits, theirs_step.logits, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(
+        masked.verify_tree(FIXED_TREE).logits, theirs_step.logits, atol=5e-2, rtol=5e-2
+    )
     for prompt in prompts(5, 40):
         ours = speculative_generate(gpu, d, prompt, 32, engine=engine, tree_budget=budget)
         theirs = speculative_generate(gpu, d, prompt, 32, engine=eager, tree_budget=budget)
@@ -787,6 +793,20 @@ def test_layers_engine_tree_rounds_decode_as_autoregressive(tmp_path):
     assert (graph_engine.TREE_BUILD_STEP.graphs(), graph_engine.TREE_WALK_STEP.graphs()) == after
 
 
+def math_prefix(q, k_cache, v_cache, start, kv_len):  # type: ignore[no-untyped-def]
+    """``slot_decoder._flash_prefix`` in plain float32 operations, any device: attention of the packed
+    queries over slot 0's positions before ``start`` and its log-sum-exp [nk, rows] (the reference the
+    split tree attention is held to)."""
+    rows, nk, d = q.shape
+    k, v = k_cache[0, :kv_len].float(), v_cache[0, :kv_len].float()  # [L, nk, d]
+    scores = torch.einsum("rhd,lhd->hrl", q.float(), k) * d**-0.5
+    seen = torch.arange(kv_len, device=q.device) < start  # [L]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = torch.einsum("hrl,lhd->rhd", (scores - lse[..., None]).exp(), v)
+    return out.to(q.dtype), lse
+
+
 def random_tree_attention(device: str, dtype: torch.dtype, start: int = 37, capacity: int = 64):
     """Queries, a one-slot cache (and its scratch slot) and the tree mask of a random tree of 9 nodes whose
     root sits at ``start``: what a tree step's attention reads (9 query heads over 3 key heads, as the
@@ -811,12 +831,12 @@ def test_the_split_tree_attention_equals_the_masked_one():
     """The tree step's attention split in two (the cache before the root; the tree's own rows under the
     ancestor mask) and merged by log-sum-exp equals the one masked attention over the whole capacity
     (float32, the plain prefix that stands in for FlashAttention on the CPU)."""
-    from dflashkit.target.slot_decoder import _math_prefix, _tree_plan, _tree_split_plan
+    from dflashkit.target.slot_decoder import _tree_plan, _tree_split_plan
 
     q, k, v, allowed, start, (nq, nk) = random_tree_attention("cpu", torch.float32)
     whole = _tree_plan(allowed, nq, nk, torch.float32)(q, k, v)
     with NoHostRead():  # it runs inside the captured tree step: no value read on the host
-        split = _tree_split_plan(allowed, start, allowed.shape[-1], nq, nk, _math_prefix)(q, k, v)
+        split = _tree_split_plan(allowed, start, allowed.shape[-1], nq, nk, math_prefix)(q, k, v)
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
@@ -835,12 +855,12 @@ def test_the_split_tree_attention_on_flash_equals_the_masked_one_on_gpu():
     """On CUDA in bf16: the split tree attention with FlashAttention over the cache before the root (the
     graphs engines' tree step on a GPU) equals the one masked SDPA over the whole capacity, and the plain
     prefix, within bf16 rounding."""
-    from dflashkit.target.slot_decoder import _flash_prefix, _math_prefix, _tree_plan, _tree_split_plan
+    from dflashkit.target.slot_decoder import _flash_prefix, _tree_plan, _tree_split_plan
 
     q, k, v, allowed, start, (nq, nk) = random_tree_attention("cuda", torch.bfloat16)
     kv_len = allowed.shape[-1]
     whole = _tree_plan(allowed, nq, nk, torch.bfloat16)(q, k, v).float()
     flash = _tree_split_plan(allowed, start, kv_len, nq, nk, _flash_prefix)(q, k, v).float()
-    plain = _tree_split_plan(allowed, start, kv_len, nq, nk, _math_prefix)(q, k, v).float()
+    plain = _tree_split_plan(allowed, start, kv_len, nq, nk, math_prefix)(q, k, v).float()
     torch.testing.assert_close(flash, whole, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(flash, plain, atol=2e-2, rtol=2e-2)

@@ -725,20 +725,6 @@ def _flash_prefix(
     return out, lse.reshape(nk, rows)
 
 
-def _math_prefix(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, start: Tensor, kv_len: int
-) -> tuple[Tensor, Tensor]:
-    """``_flash_prefix`` in plain float32 operations (any device: the reference its tests compare with)."""
-    rows, nk, d = q.shape
-    k, v = k_cache[0, :kv_len].float(), v_cache[0, :kv_len].float()  # [L, nk, d]
-    scores = torch.einsum("rhd,lhd->hrl", q.float(), k) * d**-0.5
-    seen = torch.arange(kv_len, device=q.device) < start  # [L]
-    scores = scores.masked_fill(~seen, float("-inf"))
-    lse = scores.logsumexp(-1)  # [nk, rows]
-    out = torch.einsum("hrl,lhd->rhd", (scores - lse[..., None]).exp(), v)
-    return out.to(q.dtype), lse
-
-
 def _tree_split_plan(allowed: Tensor, start: Tensor, kv_len: int, nq: int, nk: int, prefix: Prefix) -> Attend:
     """A tree step's attention in two parts merged by their log-sum-exps, for a cache of one slot: every
     node sees every position before the root (``prefix``: FlashAttention on a GPU, reading only the used
