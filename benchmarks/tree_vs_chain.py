@@ -40,19 +40,30 @@ CHAIN = "chain"
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 
 
-def config_name(budget: int) -> str:
-    return f"tree-{budget}" if budget else CHAIN
+def config_name(budget: int, attention: str = "") -> str:
+    """The chain, "tree-8", or with a tree attention named (more than one measured) "tree-8-masked"."""
+    return (f"tree-{budget}" + (f"-{attention}" if attention else "")) if budget else CHAIN
 
 
-def summarise(rows: list[dict[str, Any]], budgets: list[int]) -> dict[str, Any]:
+def configurations(budgets: list[int], attentions: list[str]) -> list[tuple[str, int, str | None]]:
+    """(name, node budget (0: the chain), tree attention (None: the engine's default)) of each measured
+    configuration: the chain, then per budget one tree per attention."""
+    named = len(attentions) > 1
+    out: list[tuple[str, int, str | None]] = [(CHAIN, 0, None)]
+    for b in budgets:
+        for a in attentions or [""]:
+            out.append((config_name(b, a if named else ""), b, a or None))
+    return out
+
+
+def summarise(rows: list[dict[str, Any]], configs: list[tuple[str, int, str | None]]) -> dict[str, Any]:
     """The figures of one set from its per-reply rows: AR tokens/s, and per configuration tau, tokens/s,
     speedup, round cost and (trees) the ratios to the chain."""
     ar_tokens = sum(r["ar_tokens"] for r in rows)
     ar_seconds = sum(r["ar_seconds"] for r in rows)
     ar_tps = ar_tokens / ar_seconds if ar_seconds > 0 else math.nan
     out: dict[str, Any] = {"replies": len(rows), "ar_tokens_per_second": ar_tps, "configs": {}}
-    for budget in [0, *budgets]:
-        name = config_name(budget)
+    for name, budget, attention in configs:
         rounds = [t for r in rows for t in r[name]["accept_lengths"]]
         tokens = sum(r[name]["tokens"] for r in rows)
         seconds = sum(r[name]["seconds"] for r in rows)
@@ -60,6 +71,7 @@ def summarise(rows: list[dict[str, Any]], budgets: list[int]) -> dict[str, Any]:
         spec_tps = tokens / seconds if seconds > 0 else math.nan
         fig = {
             "tree_budget": budget or None,
+            **({"tree_attention": attention} if attention else {}),
             "rounds": len(rounds),
             "new_tokens": tokens,
             "tau": tau,
@@ -118,6 +130,12 @@ def main() -> None:
     )
     ap.add_argument("--sets", default="mtbench,heldout")
     ap.add_argument("--budgets", default="8,16,32,64", help="node budgets of the trees")
+    ap.add_argument(
+        "--tree-attention",
+        default="",
+        help="a graphs engine's tree attention, or several side by side (comma-separated: split,masked); "
+        "default: the engine's own",
+    )
     ap.add_argument("--max-prompts", type=int, default=16, help="conversations per set")
     ap.add_argument("--max-turns", type=int, default=None, help="user turns per conversation (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -128,9 +146,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--update-results",
-        type=int,
-        metavar="BUDGET",
-        help=f"write tree_tau_gain (MT-Bench, trees of BUDGET nodes) and a tree block into {RESULTS}",
+        metavar="CONFIG",
+        help="write tree_tau_gain (MT-Bench, trees of a node budget: 32, or with its attention named when a run "
+        f"measured several: 32-masked) and a tree block into {RESULTS}",
     )
     args = ap.parse_args()
     if args.from_file:
@@ -168,6 +186,10 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
     if any(b < 1 for b in budgets):
         sys.exit(f"node budgets are whole numbers >= 1, got {args.budgets!r}")
+    attentions = [a.strip() for a in args.tree_attention.split(",") if a.strip()]
+    if any(a not in ("split", "masked") for a in attentions):
+        sys.exit(f"--tree-attention takes split and masked, got {args.tree_attention!r}")
+    configs = configurations(budgets, attentions)
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
@@ -190,16 +212,21 @@ def main() -> None:
     # auto, resolved as bench resolves it (a long run: a compiled engine on a GPU)
     engine_name = resolve_engine(args.engine, target, max(budgets), long_run=True)
     engines = {  # one engine per configuration: a static or graphs engine readies the tree step of its budget
-        b: ready_engine(engine_name, target, drafter, capacity=capacity, tree_budget=b or None)[0]
-        for b in [0, *budgets]
+        name: ready_engine(
+            engine_name, target, drafter, capacity=capacity, tree_budget=b or None, tree_attention=a
+        )[0]
+        for name, b, a in configs
     }
+    budget_of = {name: b for name, b, _ in configs}
     stopper = Stopper(eos)
     greedy = Sampling()
     layer_ids = drafter.config.target_layer_ids
     warm = dec.prompt_ids(sets[0].conversations[0], 0, [])
-    for b, engine in engines.items():  # first-call costs out of the figures
-        speculative_generate(target, drafter, warm, 4, greedy, engine=engine, tree_budget=b or None)
-    autoregressive_generate(target, warm, 4, greedy, layer_ids=layer_ids, engine=engines[0])
+    for name, engine in engines.items():  # first-call costs out of the figures
+        speculative_generate(
+            target, drafter, warm, 4, greedy, engine=engine, tree_budget=budget_of[name] or None
+        )
+    autoregressive_generate(target, warm, 4, greedy, layer_ids=layer_ids, engine=engines[CHAIN])
 
     result: dict[str, Any] = {
         "kind": "dflashkit-tree-vs-chain",
@@ -215,6 +242,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "max_new_tokens": args.max_new_tokens,
             "budgets": budgets,
+            "tree_attentions": attentions or None,
         },
         "sets": {},
     }
@@ -225,13 +253,13 @@ def main() -> None:
             for turn in range(conv.n_turns):
                 ids = dec.prompt_ids(conv, turn, replies)
                 ar = autoregressive_generate(
-                    target, ids, args.max_new_tokens, greedy, stopper, layer_ids, engine=engines[0]
+                    target, ids, args.max_new_tokens, greedy, stopper, layer_ids, engine=engines[CHAIN]
                 )
                 row: dict[str, Any] = {
                     "ar_tokens": len(ar.tokens),
                     "ar_seconds": ar.seconds - ar.prefill_seconds,
                 }
-                for b, engine in engines.items():
+                for name, engine in engines.items():
                     g = speculative_generate(
                         target,
                         drafter,
@@ -240,9 +268,9 @@ def main() -> None:
                         greedy,
                         stopper,
                         engine=engine,
-                        tree_budget=b or None,
+                        tree_budget=budget_of[name] or None,
                     )
-                    row[config_name(b)] = {
+                    row[name] = {
                         "tokens": len(g.tokens),
                         "seconds": g.seconds - g.prefill_seconds,
                         "accept_lengths": g.accept_lengths,
@@ -250,13 +278,13 @@ def main() -> None:
                     }
                 rows.append(row)
                 taus = " ".join(
-                    f"{config_name(b)} {sum(row[config_name(b)]['accept_lengths']) / len(row[config_name(b)]['accept_lengths']):.2f}"
-                    for b in engines
+                    f"{name} {sum(row[name]['accept_lengths']) / len(row[name]['accept_lengths']):.2f}"
+                    for name in engines
                 )
                 print(f"{bset.name} {len(rows)}: tau {taus}", flush=True)
                 if not conv.prefixes:
                     replies.append(dec.reply_text(ar.tokens))
-        result["sets"][bset.name] = summarise(rows, budgets) | {"source": bset.source}
+        result["sets"][bset.name] = summarise(rows, configs) | {"source": bset.source}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tree_vs_chain.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -269,19 +297,21 @@ def main() -> None:
         update_results(result, str(out / "tree_vs_chain.json"), args.update_results)
 
 
-def update_results(report: dict[str, Any], source: str, budget: int) -> None:
-    """``tree_tau_gain`` (the issue's key: MT-Bench, trees of ``budget`` nodes against the chain, as a
+def update_results(report: dict[str, Any], source: str, config: str) -> None:
+    """``tree_tau_gain`` (the issue's key: MT-Bench, trees of ``config``'s node budget against the chain, as a
     fraction) and a ``tree`` block (every set's tau gain and round cost at that budget) in the results file.
-    Refused, the file left alone, when the report has no MT-Bench trees of that budget."""
-    name = f"tree-{budget}"
+    Refused, the file left alone, when the report has no MT-Bench trees of that configuration."""
+    name = f"tree-{config}"
     rows = {k: v["configs"][name] for k, v in report["sets"].items() if name in v["configs"]}
     if "mtbench" not in rows:
-        sys.exit(f"--update-results: {source} has no MT-Bench trees of {budget} nodes")
+        sys.exit(f"--update-results: {source} has no MT-Bench configuration {name}")
+    budget = rows["mtbench"]["tree_budget"]
     results = json.loads(RESULTS.read_text())
     results["tree_tau_gain"] = rows["mtbench"]["tau_gain_vs_chain"]
     results["tree"] = {
         "source": source,
         "budget": budget,
+        **({"tree_attention": a} if (a := rows["mtbench"].get("tree_attention")) else {}),
         "engine": report["settings"]["engine"],
         "device": report["settings"]["device"],
         "dtype": report["settings"]["dtype"],
