@@ -20,6 +20,14 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Nineteenth session, second half (the first found the split tree attention slower than the masked one, 2.62 vs
+# 1.98 ms a tree-8 round, at decode_steps' short context): back to back,
+#   bash benchmarks/gpu_prepare.sh part      # carry .bench/p1 (with math.jsonl, mbpp.jsonl) .whl; then p2, p3
+#   DRAFTER=benchmarks/drafters/embedded-gpu-more TREE_DATA=/root/work/heldout TREE_ENGINE=auto BUDGETS=8,16,32 \
+#     TREE_PROMPTS=16 TREE_ARGS="--tree-attention split,masked" bash benchmarks/gpu_prepare.sh part join heldout tree
+#                       # carry .bench/p4: both tree attentions side by side on real prompts
+#   ROUND_CONFIG=configs/embedded-gpu-round-greedy.yaml BUDGET=590 bash benchmarks/gpu_prepare.sh round
+#                       # a round of greedy replies (the served path), trained and kept in one command
 # Nineteenth session's plan (~27 device minutes; the eighteenth measured the draft step whole (round 1.47 AR
 # tokens), graphs-layers' tree step captured (auto takes it for trees), trees of 32 nodes +33.6% tau at +63% round
 # cost, and two rounds at a tau plateau (3.582, 3.584); then built the greedy tree round as one step, the keep
@@ -309,7 +317,7 @@ for s in "$@"; do
       stage tree
       timeout $(cap 420) python3 benchmarks/tree_vs_chain.py --drafter ${DRAFTER:-$W/run-recipe/best} --data ${TREE_DATA:-$W/recipe} \
         --engine ${TREE_ENGINE:-graphs} --dtype bfloat16 --sets mtbench,heldout --budgets ${BUDGETS:-8,16,32,64} \
-        --max-prompts ${TREE_PROMPTS:-16} --max-new-tokens 256 --out "$OUT" 2>&1 | grep -v "Loading weights" | tail -20 ;;
+        --max-prompts ${TREE_PROMPTS:-16} --max-new-tokens 256 --out "$OUT" ${TREE_ARGS:-} 2>&1 | grep -v "Loading weights" | tail -24 ;;
     placements)
       # the fan-out against capture + separate trainings; data parallel (one GPU: the one-rank cases)
       stage placements
@@ -369,13 +377,15 @@ for s in "$@"; do
     # mixture sampled afresh (ROUND_SEED: data.sample_seed, new each session), the drafter in git trained on it
     # to the end of its schedule, and the best drafter brought back (`keep`) before the command's limit, so that
     # a machine lost before the next command loses nothing (three sessions lost a run between two commands)
+    # ROUND_CONFIG: another round's config (configs/embedded-gpu-round-greedy.yaml: greedy replies; no seed)
     round)
-      PREPARE_CAP=${PREPARE_CAP:-260} PREPARE_OVERRIDES="data.sample_seed=${ROUND_SEED:-3}" \
-        prepare round configs/embedded-gpu-round.yaml
+      RC=${ROUND_CONFIG:-configs/embedded-gpu-round.yaml}
+      PREPARE_CAP=${PREPARE_CAP:-260} PREPARE_OVERRIDES="$([ -n "${ROUND_SEED:-}" ] && echo data.sample_seed=$ROUND_SEED)" \
+        prepare round $RC
       # the trainer stops (SIGTERM: checkpointed, best kept) ROUND_KEEP_S before the limit, for `keep`
       BUDGET=$(( ${BUDGET:-570} - ${ROUND_KEEP_S:-20} )) TRAIN_CAP=${TRAIN_CAP:-590} \
         TRAIN_OVERRIDES="--move-aside ${TRAIN_OVERRIDES:-}" \
-        train round configs/embedded-gpu-round.yaml
+        train round $RC
       stage keep
       tar -C $W/run-round -cf - best | split -b 15M - "$OUT/drafter.tar.part." && ls -la "$OUT" ;;
     bench)
