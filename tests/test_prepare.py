@@ -491,3 +491,35 @@ def test_later_rounds_batched_or_not_give_the_same_records(
         got[workers] = read_cache(cache)[0]
     assert got[1] == got[2] and len(got[1]) == len(prompts)
     assert [len(got[1][p.id]["reply_ids"]) for p in prompts] == [len(p.turns) for p in prompts]
+
+
+def test_skip_takes_the_prompts_after_an_earlier_rounds(tmp_path: Path) -> None:
+    """`skip`: the training prompts start after the first `skip` of the seeded order past the held-out ones,
+    so a later round (greedy replies repeat on a prompt) takes prompts the earlier one did not, and the
+    held-out prompts stay the same; refused where it cannot keep that promise."""
+    from dflashkit.config import SourceSpec
+    from dflashkit.data.dataset import plan_records
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"Tell me about the number {i}."}]}) + "\n"
+            for i in range(12)
+        )
+    )
+    first = {"source": str(chat), "count": 5, "val_count": 2}
+    (one,) = plan_records(PrepareSettings(out=tmp_path / "a", sources=[first]))
+    (two,) = plan_records(PrepareSettings(out=tmp_path / "b", sources=[{**first, "count": 6, "skip": 3}]))
+    (whole,) = plan_records(PrepareSettings(out=tmp_path / "c", sources=[{**first, "count": 12}]))
+    ids = [j.prompt.id for j in whole.train]  # the seeded order past the held-out prompts
+    assert [j.record_id for j in two.validation] == [j.record_id for j in one.validation]
+    assert [j.prompt.id for j in one.train] == ids[:3]
+    assert [j.prompt.id for j in two.train] == ids[3:7]  # count 6: 2 held out + 4 after the 3 passed over
+    assert (two.counts["selected"], two.counts["passed_over"], two.counts["train_prompts"]) == (6, 3, 4)
+    # past the end: what is left
+    (end,) = plan_records(PrepareSettings(out=tmp_path / "d", sources=[{**first, "skip": 8}]))
+    assert [j.prompt.id for j in end.train] == ids[8:]
+    with pytest.raises(ValueError, match="val_count"):
+        SourceSpec(source=str(chat), skip=3)
+    with pytest.raises(ValueError, match="sample_seed"):
+        SourceSpec(source="self", count=4, skip=3)

@@ -316,6 +316,8 @@ def test_ready_configs_validate(tmp_path, monkeypatch):
         assert reference == held_out("configs/embedded-gpu-more.yaml")
         assert reference == held_out("configs/embedded-gpu-real.yaml")
         assert reference == held_out("configs/embedded-gpu-round.yaml")
+        assert reference == held_out("configs/embedded-gpu-round-greedy.yaml")
+        assert reference == held_out("configs/embedded-gpu-round-greedy2.yaml")  # past its `skip`
     paper = load_config("configs/qwen3-8b-paper.yaml")
     assert (paper.drafter.layers, paper.drafter.block_size, paper.train.num_anchors, paper.train.max_len) == (
         5,

@@ -52,6 +52,9 @@ class SourceSpec(Section):
     # A fixed number of held-out prompts instead: the first of the seeded order, so that a larger count
     # (or another dataset with the same seed) holds out the same prompts and never trains on them.
     val_count: int | None = Field(None, ge=0)
+    # Training prompts start after the first `skip` of the seeded order past the held-out ones: a later round
+    # takes prompts an earlier one did not (greedy replies repeat on the same prompt), the held-out set stays.
+    skip: int = Field(0, ge=0)
     # source "self": the target writes the user turns itself (`dflashkit.data.self_prompts`): each turn
     # starts with one of `seeds` (in turn; none: the target starts it), the target writes on until its end
     # token (at most `prompt_max_tokens`, sampled with `prompt_temperature` and `prompt_top_p`), and
@@ -83,6 +86,16 @@ class SourceSpec(Section):
         if self.val_count is not None and self.count is not None and self.val_count > self.count:
             raise ValueError(
                 f"source {self.source!r}: val_count {self.val_count} is above count {self.count}"
+            )
+        if self.skip and self.source == "self":
+            raise ValueError(
+                "source 'self': skip passes over prompts of a file or dataset; the target writes new prompts "
+                "with another data.sample_seed"
+            )
+        if self.skip and self.val_count is None:
+            raise ValueError(
+                f"source {self.source!r}: skip needs a fixed held-out set (val_count, e.g. 0), so that the "
+                "held-out prompts stay the same"
             )
         if self.samples_per_prompt > 1 and self.temperature == 0:
             raise ValueError(

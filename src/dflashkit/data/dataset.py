@@ -242,13 +242,18 @@ def plan_records(settings: PrepareSettings, written: dict[str, PromptSet] | None
             )
         unique = [p for p in read.prompts if p.id not in seen]
         seen.update(p.id for p in unique)
-        selected = select_prompts(unique, spec.count, settings.seed)
-        check_benchmark_overlap(spec.label, selected, questions)
+        # `count` prompts after passing over `skip` (held out first: the skipped ones follow them)
+        selected = select_prompts(
+            unique, None if spec.count is None else spec.count + spec.skip, settings.seed
+        )
         if spec.val_count is not None:  # a fixed held-out set: the first prompts of the seeded order
-            validation, train = selected[: spec.val_count], selected[spec.val_count :]
+            validation = selected[: spec.val_count]
+            selected = validation + selected[spec.val_count + spec.skip :]
+            train = selected[spec.val_count :]
         else:
             val_fraction = settings.val_fraction if spec.val_fraction is None else spec.val_fraction
             train, validation = split_prompts(selected, val_fraction)
+        check_benchmark_overlap(spec.label, selected, questions)
         name = spec.label
         plans.append(
             SourcePlan(
@@ -258,6 +263,7 @@ def plan_records(settings: PrepareSettings, written: dict[str, PromptSet] | None
                     "format": read.format,  # type: ignore[dict-item]
                     "in_earlier_sources": len(read.prompts) - len(unique),
                     "selected": len(selected),
+                    **({"passed_over": spec.skip} if spec.skip else {}),
                     "train_prompts": len(train),
                     "validation_prompts": len(validation),
                 },
