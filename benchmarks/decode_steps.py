@@ -359,7 +359,7 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
     out = {}
     compiled = graph_engines()[engine_name]
 
-    def tree_engine(n: int, **kwargs) -> GraphEngine:
+    def tree_engine(n: int) -> GraphEngine:
         engine = GraphEngine(
             target,
             drafter,
@@ -367,7 +367,6 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
             graphs=args.compile,
             compile=compiled,
             tree_budget=n,
-            **kwargs,
         )
         engine.warm_up()
         with torch.no_grad():  # first-call costs out of the figures
@@ -396,18 +395,8 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
             "round_cost_ar_tokens": ms / token_ms,
             "vs_chain": ms / chain_ms - 1,
             "ms_per_round_separate_calls": separate_ms,
-            "tree_attention": engine.tree_attention,
             "calls_ms": calls,
         }
-        if engine.tree_attention == "split" and n == args.tree_budgets[0]:
-            # the same rounds with the tree step's one masked attention, side by side
-            masked = tree_engine(n, tree_attention="masked")
-            masked_ms = ms_per_round(masked, n)
-            out[str(n)]["ms_per_round_masked_attention"] = masked_ms
-            print(
-                f"tree of {n} nodes, the masked tree attention: {masked_ms:.3f} ms a round (split: {ms:.3f})"
-            )
-            del masked
         if args.profile and n == args.tree_budgets[0] and target.device.type == "cuda":
             try:
                 out[str(n)]["tree_step_profile"] = tree_step_profile(

@@ -300,9 +300,8 @@ for s in "$@"; do
       # the graphs-layers engine's (chain and tree steps) and the precompiled steps' GPU tests (captured, held to
       # the eager engine in fp32; they load the embedded target: after `join`)
       stage ftests
-      # FTESTS_K: another selection (split_tree_attention: the split attention on random tensors, no target:
-      # no `join` needed)
-      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "${FTESTS_K:-layers or precompiled or split}" 2>&1 \
+      # FTESTS_K: another selection
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py -k "${FTESTS_K:-layers or precompiled}" 2>&1 \
         | tee "$OUT/pytest-ftests.log" | tail -15 ;;
     warm)
       # the compiled engine's warm start, compiled vs precompiled steps (random target: no GGUF; ~6 minutes)

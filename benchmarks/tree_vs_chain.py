@@ -40,30 +40,21 @@ CHAIN = "chain"
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 
 
-def config_name(budget: int, attention: str = "") -> str:
-    """The chain, "tree-8", or with a tree attention named (more than one measured) "tree-8-masked"."""
-    return (f"tree-{budget}" + (f"-{attention}" if attention else "")) if budget else CHAIN
+def configurations(budgets: list[int]) -> list[tuple[str, int]]:
+    """(name, node budget (0: the chain)) of each measured configuration: the chain, then a tree per budget
+    ("tree-8", ...). Reports of the nineteenth session also name a tree attention ("tree-8-masked"):
+    ``--from`` and ``--update-results 8-masked`` still read them."""
+    return [(CHAIN, 0)] + [(f"tree-{b}", b) for b in budgets]
 
 
-def configurations(budgets: list[int], attentions: list[str]) -> list[tuple[str, int, str | None]]:
-    """(name, node budget (0: the chain), tree attention (None: the engine's default)) of each measured
-    configuration: the chain, then per budget one tree per attention."""
-    named = len(attentions) > 1
-    out: list[tuple[str, int, str | None]] = [(CHAIN, 0, None)]
-    for b in budgets:
-        for a in attentions or [""]:
-            out.append((config_name(b, a if named else ""), b, a or None))
-    return out
-
-
-def summarise(rows: list[dict[str, Any]], configs: list[tuple[str, int, str | None]]) -> dict[str, Any]:
+def summarise(rows: list[dict[str, Any]], configs: list[tuple[str, int]]) -> dict[str, Any]:
     """The figures of one set from its per-reply rows: AR tokens/s, and per configuration tau, tokens/s,
     speedup, round cost and (trees) the ratios to the chain."""
     ar_tokens = sum(r["ar_tokens"] for r in rows)
     ar_seconds = sum(r["ar_seconds"] for r in rows)
     ar_tps = ar_tokens / ar_seconds if ar_seconds > 0 else math.nan
     out: dict[str, Any] = {"replies": len(rows), "ar_tokens_per_second": ar_tps, "configs": {}}
-    for name, budget, attention in configs:
+    for name, budget in configs:
         rounds = [t for r in rows for t in r[name]["accept_lengths"]]
         tokens = sum(r[name]["tokens"] for r in rows)
         seconds = sum(r[name]["seconds"] for r in rows)
@@ -71,7 +62,6 @@ def summarise(rows: list[dict[str, Any]], configs: list[tuple[str, int, str | No
         spec_tps = tokens / seconds if seconds > 0 else math.nan
         fig = {
             "tree_budget": budget or None,
-            **({"tree_attention": attention} if attention else {}),
             "rounds": len(rounds),
             "new_tokens": tokens,
             "tau": tau,
@@ -130,12 +120,6 @@ def main() -> None:
     )
     ap.add_argument("--sets", default="mtbench,heldout")
     ap.add_argument("--budgets", default="8,16,32,64", help="node budgets of the trees")
-    ap.add_argument(
-        "--tree-attention",
-        default="",
-        help="a graphs engine's tree attention, or several side by side (comma-separated: split,masked); "
-        "default: the engine's own",
-    )
     ap.add_argument("--max-prompts", type=int, default=16, help="conversations per set")
     ap.add_argument("--max-turns", type=int, default=None, help="user turns per conversation (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -147,8 +131,8 @@ def main() -> None:
     ap.add_argument(
         "--update-results",
         metavar="CONFIG",
-        help="write tree_tau_gain (MT-Bench, trees of a node budget: 32, or with its attention named when a run "
-        f"measured several: 32-masked) and a tree block into {RESULTS}",
+        help="write tree_tau_gain (MT-Bench, trees of a node budget: 32; an older report's tree attention "
+        f"named: 32-masked) and a tree block into {RESULTS}",
     )
     args = ap.parse_args()
     if args.from_file:
@@ -186,10 +170,7 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
     if any(b < 1 for b in budgets):
         sys.exit(f"node budgets are whole numbers >= 1, got {args.budgets!r}")
-    attentions = [a.strip() for a in args.tree_attention.split(",") if a.strip()]
-    if any(a not in ("split", "masked") for a in attentions):
-        sys.exit(f"--tree-attention takes split and masked, got {args.tree_attention!r}")
-    configs = configurations(budgets, attentions)
+    configs = configurations(budgets)
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
@@ -212,12 +193,10 @@ def main() -> None:
     # auto, resolved as bench resolves it (a long run: a compiled engine on a GPU)
     engine_name = resolve_engine(args.engine, target, max(budgets), long_run=True)
     engines = {  # one engine per configuration: a static or graphs engine readies the tree step of its budget
-        name: ready_engine(
-            engine_name, target, drafter, capacity=capacity, tree_budget=b or None, tree_attention=a
-        )[0]
-        for name, b, a in configs
+        name: ready_engine(engine_name, target, drafter, capacity=capacity, tree_budget=b or None)[0]
+        for name, b in configs
     }
-    budget_of = {name: b for name, b, _ in configs}
+    budget_of = dict(configs)
     stopper = Stopper(eos)
     greedy = Sampling()
     layer_ids = drafter.config.target_layer_ids
@@ -242,7 +221,6 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "max_new_tokens": args.max_new_tokens,
             "budgets": budgets,
-            "tree_attentions": attentions or None,
         },
         "sets": {},
     }
@@ -311,6 +289,7 @@ def update_results(report: dict[str, Any], source: str, config: str) -> None:
     results["tree"] = {
         "source": source,
         "budget": budget,
+        # an older report's tree attention, when it measured several ("tree-32-masked")
         **({"tree_attention": a} if (a := rows["mtbench"].get("tree_attention")) else {}),
         "engine": report["settings"]["engine"],
         "device": report["settings"]["device"],

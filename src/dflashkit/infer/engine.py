@@ -472,7 +472,6 @@ def make_engine(
     compile: bool = False,
     backend: str = "sdpa",
     tree_budget: int | None = None,
-    tree_attention: Literal["split", "masked"] | None = None,
 ) -> Engine:
     """An engine by name (one of ``ENGINES``; all but "dynamic" need
     ``capacity``), or ``name`` itself when it already is an engine (checked to serve this target and
@@ -511,7 +510,6 @@ def make_engine(
             if steps_compiled
             else None,
             tree_budget=tree_budget,
-            tree_attention=tree_attention,
         )
     raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
 
@@ -571,7 +569,6 @@ def ready_engine(
     capacity: int,
     compile: bool | None = None,
     tree_budget: int | None = None,
-    tree_attention: Literal["split", "masked"] | None = None,
 ) -> tuple[str | Engine, dict[str, float]]:
     """What the commands and benchmarks decode with: "dynamic" (an engine per call), or one static or
     graphs engine of this capacity, compiled and warmed up (compiles then frozen; graphs: captured) when
@@ -580,21 +577,13 @@ def ready_engine(
     name = resolve_engine(name, target, tree_budget)
     if name not in ENGINES:
         raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
-    if tree_attention is not None and name not in GRAPH_ENGINES:
-        raise DflashkitError(f"the tree attention is a graphs engine's choice, not the {name} engine's")
     if name == "dynamic":
         return name, {}
     if compile is None:
         compile = target.device.type == "cuda"
     if name in GRAPH_ENGINES:
         graph_engine = make_engine(
-            name,
-            target,
-            drafter,
-            capacity=capacity,
-            compile=compile,
-            tree_budget=tree_budget,
-            tree_attention=tree_attention,
+            name, target, drafter, capacity=capacity, compile=compile, tree_budget=tree_budget
         )
         return graph_engine, graph_engine.warm_up()
     engine = StaticEngine(target, drafter, capacity=capacity, compile=compile, tree_budget=tree_budget)

@@ -23,10 +23,10 @@ Steps (fixed shapes, as the static engine's):
 - target tree [1, N+1] (built with ``tree_budget=N``): the root and N nodes of a ``DraftTree``, written at
   start .. start+N, each at rotary position start + depth, under a boolean mask [N+1, capacity] (the cache
   before start, and each node's ancestors and itself) that the step builds from the nodes' parents, so a
-  round sends the device one small tensor (tokens, depths, parents). With FlashAttention (a GPU, bf16) the
-  attention is split: FlashAttention over the cache before the root, which every node sees, and a small
-  masked attention over the tree's own rows, merged by their log-sum-exps (``slot_decoder._tree_split_plan``:
-  FlashAttention's varlen kernel takes no arbitrary mask); else one SDPA under the whole mask. Returns the
+  round sends the device one small tensor (tokens, depths, parents); one SDPA under the whole mask
+  (``slot_decoder._tree_plan``), as FlashAttention's varlen kernel takes no arbitrary mask (a split attention,
+  FlashAttention over the cache before the root plus a small masked attention over the tree's rows merged by
+  log-sum-exp, measured slower on an H200: a tree-8 round 2.62 ms against 1.98, and was retired). Returns the
   nodes' logits and features, as a block does;
 - tree keep [N+1 rows]: after a tree, move the accepted path's K/V rows to start .. start+len(path)-1 in
   every layer (one gather and one index_copy for all layers' keys, the same for values: the layers are views
@@ -244,10 +244,8 @@ class GraphEngine:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
     of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
-    build and walk compiled by the compiling engines). ``tree_attention``: the tree step's attention, "split"
-    (FlashAttention over the cache plus a small masked attention over the tree's rows; the default where
-    FlashAttention runs) or "masked" (one SDPA under the whole mask; the default elsewhere). Build
-    one per (target, drafter, capacity, tree budget) and reuse it across prompts.
+    build and walk compiled by the compiling engines; the tree step attends through one SDPA under its
+    whole mask). Build one per (target, drafter, capacity, tree budget) and reuse it across prompts.
     """
 
     name = "graphs"
@@ -265,7 +263,6 @@ class GraphEngine:
         compile_cache: str | os.PathLike[str] | None = None,
         tree_budget: int | None = None,
         precompile: bool = True,
-        tree_attention: Literal["split", "masked"] | None = None,
     ):
         dev = target.device
         graphs = dev.type == "cuda" if graphs is None else graphs
@@ -289,18 +286,6 @@ class GraphEngine:
         self.packed = not compile and not graphs and self.w.pack_for_cpu()
         self.cache = SlotCache(self.w, slots=1, capacity=capacity)
         self.attention = _attention(dev, self.w.dtype)
-        # the tree step's attention: "split" (FlashAttention over the cache and a small masked attention over
-        # the tree's rows; the default where FlashAttention runs) or "masked" (one SDPA under the whole mask)
-        tree_attention = tree_attention or ("split" if self.attention == "flash" else "masked")
-        if tree_attention not in ("split", "masked"):
-            raise DflashkitError(
-                f"GraphEngine(tree_attention={tree_attention!r}): choose 'split' or 'masked'"
-            )
-        if tree_attention == "split" and self.attention != "flash":
-            raise DflashkitError(
-                "the split tree attention runs on FlashAttention (a GPU, bf16 or fp16): use tree_attention='masked'"
-            )
-        self.tree_attention = tree_attention
         self.steps = Steps(graphs)
         self.graphs = graphs
         self.fixed_shapes = fixed_shapes
@@ -409,7 +394,7 @@ class GraphEngine:
             self._tree_logits,
             self._tree_rows,
             self._kv_len(self._tree_inputs.shape[1]),
-            self.attention if self.tree_attention == "split" else "sdpa",  # sdpa: the one masked attention
+            "sdpa",  # a tree step attends through one SDPA under its mask (slot_decoder._tree_plan)
             tuple(self.layer_ids) if self.drafter is not None else (),
             self._start + self._tree_inputs[1:2],  # positions: the root's + depth
             self._tree_mask(),  # mask (positional: a compiled region takes no keywords)

@@ -584,9 +584,7 @@ def _step_plan(
     x = w.embed[tokens]  # [R, C, hidden]
     nq, nk = w.heads, w.kv_heads
     if mask is not None:
-        if rows == cache.slots == 1 and attention == "flash":  # a decode engine's tree step on a GPU
-            attend = _tree_split_plan(mask[:, :, :kv_len], starts, kv_len, nq, nk, _flash_prefix)
-        elif rows == cache.slots == 1:  # a decode engine's tree step: its one slot, read as a view
+        if rows == cache.slots == 1:  # a decode engine's tree step: its one slot, read as a view
             attend = _tree_plan(mask[:, :, :kv_len], nq, nk, w.dtype)
         else:
             attend = _masked_plan(slots, mask[:, :, :kv_len], nq, nk)  # once for all layers
@@ -688,74 +686,6 @@ def _tree_plan(allowed: Tensor, nq: int, nk: int, dtype: torch.dtype) -> Attend:
         qg = q.view(1, chunk, nk, rep, d).permute(0, 2, 3, 1, 4).reshape(1, nk, rep * chunk, d)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=d**-0.5)
         return out.view(1, nk, rep, chunk, d).permute(0, 3, 1, 2, 4).reshape(1, chunk, nq * d)
-
-    return attend
-
-
-# (queries [n * rep, nk, d] (node-major), k cache [slots, L, nk, d], v cache, the root's position [1], kv_len)
-# -> (out [n * rep, nk, d], log-sum-exp [nk, n * rep] float32) of attention over the cache before the root
-Prefix = Callable[[Tensor, Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor]]
-
-
-def _flash_prefix(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, start: Tensor, kv_len: int
-) -> tuple[Tensor, Tensor]:
-    """FlashAttention's variable-length kernel over slot 0's positions before ``start``, every query row
-    seeing all of them (no causal mask), reading only the used positions (``seqused_k``)."""
-    rows, nk, d = q.shape
-    dev = q.device
-    # [0, rows] and [0, every cache row] as kernels, not copies from the host (this runs inside a capture)
-    cu_q = torch.arange(0, 2 * rows, rows, dtype=torch.int32, device=dev)
-    total = k_cache.shape[0] * k_cache.shape[1]
-    cu_k = torch.arange(0, 2 * total, total, dtype=torch.int32, device=dev)
-    out, lse = flash_varlen(
-        q,
-        k_cache.view(-1, nk, d),
-        v_cache.view(-1, nk, d),
-        cu_q,
-        cu_k,
-        rows,
-        kv_len,
-        0.0,
-        False,
-        False,
-        scale=d**-0.5,
-        seqused_k=start.to(torch.int32),
-    )[:2]
-    return out, lse.reshape(nk, rows)
-
-
-def _tree_split_plan(allowed: Tensor, start: Tensor, kv_len: int, nq: int, nk: int, prefix: Prefix) -> Attend:
-    """A tree step's attention in two parts merged by their log-sum-exps, for a cache of one slot: every
-    node sees every position before the root (``prefix``: FlashAttention on a GPU, reading only the used
-    rows, as the block step does), and among the tree's own rows (start .. start+n-1) its ancestors and
-    itself (a small masked attention in float32). ``_tree_plan`` is the same attention as one SDPA under a
-    mask over the whole capacity (on the H200 ~14 us a layer more than FlashAttention). Exact: the same
-    softmax over the same positions, split."""
-    _, n, _ = allowed.shape
-    rep = nq // nk
-    along = torch.arange(n, device=allowed.device)
-    tree_rows = start + along  # [n]: where the nodes' keys and values are in the cache
-    # node i sees node j: the mask's columns at the tree's rows (a gather: the root's position is on the device)
-    ancestors = allowed[0].gather(1, tree_rows.clamp(max=kv_len - 1)[None].expand(n, n))  # [n, n]
-    bias = torch.zeros(n, n, device=allowed.device).masked_fill_(~ancestors, float("-inf"))
-    bias = bias[:, None].expand(n, rep, n).reshape(n * rep, n)  # row node * rep + g
-
-    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        d = q.shape[-1]
-        # [1, n, nq, d] -> [n * rep, nk, d]: the query heads that share a key head as that head's rows
-        qp = q.view(n, nk, rep, d).transpose(1, 2).reshape(n * rep, nk, d)
-        out_a, lse_a = prefix(qp, k_cache, v_cache, start, kv_len)
-        k = k_cache[0].index_select(0, tree_rows).float()  # [n, nk, d]
-        v = v_cache[0].index_select(0, tree_rows).float()
-        scores = torch.einsum("rhd,jhd->hrj", qp.float(), k) * d**-0.5 + bias  # [nk, n * rep, n]
-        lse_b = scores.logsumexp(-1)
-        out_b = torch.einsum("hrj,jhd->rhd", (scores - lse_b[..., None]).exp(), v)
-        lse = torch.logaddexp(lse_a, lse_b)
-        wa = (lse_a - lse).exp().t()[..., None]  # [n * rep, nk, 1]
-        wb = (lse_b - lse).exp().t()[..., None]
-        out = out_a.float() * wa + out_b * wb  # [n * rep, nk, d]
-        return out.to(q.dtype).view(n, rep, nk, d).transpose(1, 2).reshape(1, n, nq * d)
 
     return attend
 
