@@ -86,6 +86,17 @@ def test_the_tree_at_a_real_drafters_shape(budget):
     assert branches(tree) == best_first(probs, budget) and len(tree) == budget + 1
 
 
+@pytest.mark.parametrize("budget", [8, 32])
+@pytest.mark.parametrize("scale", [0.3, 8.0])
+def test_the_tree_from_flat_and_from_peaked_slots(budget, scale):
+    """The build scores a fixed set of rank branches (``_candidates``: those that can be among the budget's
+    best whatever the distributions): flat slots (the best branches reach deep ranks) and peaked ones (a
+    long chain of first choices) give the heap's branches all the same."""
+    gen = torch.Generator().manual_seed(budget)
+    probs = torch.softmax(torch.randn(7, 50, generator=gen) * scale, dim=-1)
+    assert branches(build_tree(5, probs, budget)) == best_first(probs, budget)
+
+
 def test_a_tree_holds_no_more_nodes_than_the_slots_have_branches():
     probs = torch.softmax(torch.randn(1, 4), dim=-1)  # one slot of 4 tokens: 4 branches at most
     tree = build_tree(0, probs, 10)

@@ -81,6 +81,7 @@ from dflashkit.infer.tree import (
     build_tree,
     path_moves,
     read_walk,
+    tree_candidates,
     walk_outputs,
 )
 from dflashkit.model.drafter import DFlashDrafter, StaticDraftCache
@@ -165,10 +166,11 @@ def draft_step(
     out_logits.copy_(linear(hidden[0, 1:].to(lm_head.dtype), lm_head, packed=lm_head_packed))
 
 
-def tree_build_step(anchor: Tensor, probs: Tensor, out_nodes: Tensor) -> None:
+def tree_build_step(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
     """``build_tree`` of ``out_nodes``' width less the root (the engine's budget) from the drafted slots'
-    ``probs`` [B-1, V] below the root ``anchor`` [1], written into ``out_nodes`` [3, N+1]."""
-    out_nodes.copy_(build_tree(anchor, probs, out_nodes.shape[1] - 1).nodes)
+    ``probs`` [B-1, V] below the root ``anchor`` [1] (``candidates``: the engine's ``tree_candidates``),
+    written into ``out_nodes`` [3, N+1]."""
+    out_nodes.copy_(build_tree(anchor, probs, out_nodes.shape[1] - 1, candidates).nodes)
 
 
 def tree_walk_step(
@@ -195,7 +197,7 @@ DRAFT_STEP = CompiledRegion(
 LAYER_STEP = CompiledRegion(
     decoder_layer, "the graphs engine's decoder layer", warm_with="GraphEngine.warm_up()", off_switch=_OFF
 )
-# a tree round's build and walk (~90 and ~30 small kernels eager): compiled by the engines that compile their
+# a tree round's build and walk (~25 and ~30 small kernels eager): compiled by the engines that compile their
 # target steps, so that Inductor fuses their element-wise work between the top-k and matmul calls
 TREE_BUILD_STEP = CompiledRegion(
     tree_build_step, "the graphs engine's tree build", warm_with="GraphEngine.warm_up()", off_switch=_OFF
@@ -351,6 +353,8 @@ class GraphEngine:
         ):  # the build step's inputs: the root's token, the drafted slots' probabilities
             self._anchor = torch.zeros(1, dtype=long, device=dev)
             self._tree_probs = torch.zeros(self.block_size - 1, self.w.vocab_size, device=dev)
+            # the rank branches the build scores: made here, once (a copy from the host cannot be captured)
+            self._tree_candidates = tree_candidates(self.block_size - 1, self.w.vocab_size, n - 1, dev)
 
     # --- the steps (fixed shapes; one CUDA graph each with graphs) ----------------------------------
 
@@ -404,7 +408,7 @@ class GraphEngine:
 
     def _build_step(self) -> None:
         """The tree of the engine's budget from ``_tree_probs``, written as the tree step's inputs."""
-        self._build_fn(self._anchor, self._tree_probs, self._tree_inputs)
+        self._build_fn(self._anchor, self._tree_probs, self._tree_candidates, self._tree_inputs)
 
     def _tree_mask(self) -> Tensor:
         """[1, N+1, capacity] bool: node i sees the cache before start and, at start .. start+N, itself and
@@ -629,7 +633,7 @@ class GraphEngine:
 
     @torch.no_grad()
     def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:
-        """``dflashkit.infer.tree.build_tree`` as one step (captured on a GPU: ~90 small kernels in one
+        """``dflashkit.infer.tree.build_tree`` as one step (captured on a GPU: ~25 small kernels in one
         replay): the tree of the engine's budget from the drafted slots' probabilities ``probs`` [B-1, V],
         written straight into the tree step's inputs (the returned tree is a view of them, valid until the
         next build). Another budget is built eagerly."""

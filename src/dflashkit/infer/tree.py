@@ -8,8 +8,9 @@ agrees with. The method, as DDTree (block diffusion draft trees) describes it:
 1. **Build** (``build_tree``): the root is the anchor (the last committed token). A node at depth d holds
    one of the top-k tokens of slot d; its score is the product of the drafter's probabilities along its
    branch. The tree is the **node budget**'s best-scoring branches: every prefix of a branch scores at
-   least as high as the branch, so they form a tree. Found depth by depth on the device, with no copy to
-   the host: the best N nodes of depth d are children of the best N of depth d-1.
+   least as high as the branch, so they form a tree. Found on the device in a fixed number of kernels, with
+   no copy to the host: only a fixed set of rank branches (each slot's top tokens) can be among the N best
+   whatever the probabilities (``_candidates``), so they are all scored at once and the N best kept.
 2. **Verify** (an engine's ``verify_tree``): the target reads all nodes in one pass, after its cache. A node
    sees the cache and its own ancestors (``ancestor_mask``); its rotary position is the root's position
    plus its depth, as if its branch alone had been written. Row i of the logits is the target's
@@ -34,6 +35,7 @@ accepted.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,48 +126,89 @@ def chain(tokens: Sequence[int]) -> DraftTree:
     return DraftTree.of(list(tokens), list(range(-1, len(tokens) - 1)))
 
 
-def build_tree(anchor: int | Tensor, probs: Tensor, budget: int) -> DraftTree:
+@functools.cache
+def _candidates(depth: int, ranks: int, budget: int) -> Tensor:
+    """Every branch that can be among the ``budget`` best of any distributions over ``depth`` slots with
+    ``ranks`` candidate tokens each, as [depth + 3, C] long (columns: candidates, depth by depth): rows
+    0..depth-1 each slot's rank (``ranks`` past the branch's depth), then the depth less one, the parent's
+    column (itself at depth 1), and 1 for padding columns (there are always at least ``budget`` columns).
+
+    A branch of ranks (r_1..r_d) scores no higher than each branch (r'_1..r'_j), j <= d, with r'_k <= r_k:
+    there are sum_j prod_{k<=j} (r_k + 1) of them, itself included, whatever the distributions. When that
+    count is above the budget, the branch is never among the best, so only branches within it are candidates
+    (53 for a budget of 8 over 7 slots, 1,379 for 32, 6,005 for 64). Every prefix of a candidate is one."""
+    columns: list[tuple[int, ...]] = []
+    parent_of: list[int] = []
+
+    def grow(branch: tuple[int, ...], parent: int, product: int, count: int) -> None:
+        for r in range(ranks):
+            p = product * (r + 1)
+            if count + p > budget:
+                break
+            columns.append((*branch, r))
+            parent_of.append(parent)
+            if len(branch) + 1 < depth:
+                grow((*branch, r), len(columns) - 1, p, count + p)
+
+    grow((), -1, 1, 0)
+    order = sorted(range(len(columns)), key=lambda c: len(columns[c]))  # depth by depth (stable)
+    at = {c: i for i, c in enumerate(order)}
+    table = torch.full((depth + 3, max(len(order), budget)), ranks, dtype=torch.long)
+    table[depth:] = 0
+    table[depth + 2, len(order) :] = 1  # padding columns
+    for i, c in enumerate(order):
+        branch = columns[c]
+        table[: len(branch), i] = torch.tensor(branch)
+        table[depth, i] = len(branch) - 1
+        table[depth + 1, i] = at[parent_of[c]] if parent_of[c] >= 0 else i
+    return table
+
+
+def tree_candidates(depth: int, vocab: int, budget: int, device: torch.device | str = "cpu") -> Tensor:
+    """The candidate table ``build_tree`` reads for drafted slots of this shape (``_candidates``), on
+    ``device``: an engine makes it once, outside its captured steps (a copy from the host cannot be
+    captured), and passes it to every build."""
+    return _candidates(depth, min(budget, vocab), budget).to(device)
+
+
+def build_tree(
+    anchor: int | Tensor, probs: Tensor, budget: int, candidates: Tensor | None = None
+) -> DraftTree:
     """The best-scoring tree of ``budget`` drafted nodes below the root ``anchor``, from the drafter's
     distributions ``probs`` [D, V] of the drafted slots 1..D (a node's score: the product of the
     probabilities along its branch), on probs' device with no copy to the host.
 
-    Depth by depth: the best k = min(budget, V) nodes of depth d are among the children of the best k of
-    depth d-1 (a parent scores at least as high as its child), each child among its slot's top k tokens; so
-    keeping the best k per depth and then the best ``budget`` of all depths is exact. Ties go to the
-    shallower node, so a parent always ranks before its child. Nodes are numbered depth by depth. Always
-    budget + 1 nodes: where the slots hold fewer branches (a tiny vocabulary), the rest is padding."""
+    Every node is a branch of token ranks (each slot's top tokens by probability); only a fixed set of rank
+    branches can ever be among the best (``_candidates``: ``candidates`` from ``tree_candidates``, else
+    made here), so the build scores them all at once and keeps the budget's best: a fixed number of kernels,
+    whatever the depth. A parent scores at least as high as its child, so the best form a tree. Ties go to
+    the shallower node, so a parent always ranks before its child. Nodes are numbered depth by depth, best
+    first within a depth. Always budget + 1 nodes: where the slots hold fewer branches (a tiny vocabulary),
+    the rest is padding."""
     if budget < 1:
         raise ValueError(f"a tree needs a node budget of at least 1, got {budget}")
     depth, dev, n = probs.shape[0], probs.device, budget
     t = min(n, probs.shape[-1])  # candidate tokens per slot
+    if candidates is None:
+        candidates = tree_candidates(depth, probs.shape[-1], n, dev)
+    ranks, d_of, parent_of, pad = candidates[:depth], candidates[depth], candidates[depth + 1], candidates[-1]
     top_p, top_ids = probs.float().topk(t, dim=-1)  # [D, t]
-    logp = top_p.log()  # -inf for a token of probability 0
-    pad = torch.full((n - t,), -math.inf, device=dev)  # depth 1 holds t nodes; n per depth are kept
-    scores = [torch.cat([logp[0], pad])]
-    parents = [torch.zeros(n, dtype=torch.long, device=dev)]
-    ranks = [torch.cat([torch.arange(t, device=dev), torch.zeros(n - t, dtype=torch.long, device=dev)])]
-    for d in range(1, depth):
-        both = (scores[-1][:, None] + logp[d][None, :]).flatten()  # kept node i, token rank j: i * t + j
-        best, at = both.topk(n)
-        scores.append(best)
-        parents.append(at // t)
-        ranks.append(at % t)
-    score = torch.stack(scores).flatten()  # [D * n], depth-major: node i of depth d+1 at d * n + i
-    ties = 1e-4 * (torch.arange(depth * n, device=dev) // n)  # ties go to the shallower node
-    chosen = (score - ties).topk(n).indices.sort().values  # depth by depth, so parents first
+    # each slot's log-probabilities by rank, and a 0 past the branch's depth (rank t)
+    logp = torch.cat([top_p.log(), torch.zeros(depth, 1, device=dev)], dim=1)  # -inf: probability 0
+    score = logp.gather(1, ranks).sum(0).masked_fill(pad.bool(), -math.inf)  # [C]
+    best = (score - 1e-4 * d_of).topk(n).indices  # ties go to the shallower node
+    chosen = best[d_of[best].sort(stable=True).indices]  # depth by depth, best first within a depth
     valid = score[chosen] > -math.inf
-    d_of = chosen // n  # depth - 1
-    token = top_ids[d_of, torch.stack(ranks).flatten()[chosen]]
-    # a chosen node's parent: the root at depth 1, else kept node (d-1, parents[d][i]) -> its number here
-    number = torch.zeros(depth * n, dtype=torch.long, device=dev)
+    d = d_of[chosen]
+    token = top_ids[d, ranks[d, chosen].clamp(max=t - 1)]  # its last rank (padding: any, dropped)
+    number = torch.zeros(candidates.shape[1], dtype=torch.long, device=dev)
     number[chosen] = torch.arange(1, n + 1, device=dev)
-    parent_at = ((d_of - 1) * n + torch.stack(parents).flatten()[chosen]).clamp(min=0)
-    parent = torch.where(d_of == 0, 0, number[parent_at])
+    parent = torch.where(d == 0, 0, number[parent_of[chosen]])
     own = torch.arange(n + 1, device=dev)
     nodes = torch.stack(
         [
             torch.cat([_root(anchor, dev), torch.where(valid, token, 0)]),
-            torch.cat([own[:1], torch.where(valid, d_of + 1, 0)]),
+            torch.cat([own[:1], torch.where(valid, d + 1, 0)]),
             torch.cat([own[:1], torch.where(valid, parent, own[1:])]),  # padding: its own parent
         ]
     )
