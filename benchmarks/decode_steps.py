@@ -603,8 +603,11 @@ def fmt(value: float | None, width: int, digits: int) -> str:
     return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
 
-def load_models(folder: Path, dtype_name: str, args, device):
-    """The random target saved in ``folder`` and a random drafter of the configured shape."""
+def load_models(folder: Path, dtype_name: str, args, device, seconds: dict[str, float] | None = None):
+    """The random target saved in ``folder`` and a random drafter of the configured shape (``seconds``:
+    filled with the wall time of each: "target" and "drafter")."""
+    import time
+
     import torch
 
     from dflashkit.model.config import config_for_target, default_target_layer_ids
@@ -612,7 +615,9 @@ def load_models(folder: Path, dtype_name: str, args, device):
     from dflashkit.target.hf import TargetModel
 
     dtype = getattr(torch, dtype_name)
+    t0 = time.perf_counter()
     target = TargetModel.load(folder, dtype=dtype, device=device)
+    t1 = time.perf_counter()
     cfg = config_for_target(
         target.config,
         num_layers=args.layers,
@@ -621,7 +626,10 @@ def load_models(folder: Path, dtype_name: str, args, device):
         target_layer_ids=default_target_layer_ids(target.num_layers, args.target_layers),
     )
     torch.manual_seed(0)
-    return target, DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+    drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+    if seconds is not None:
+        seconds.update(target=t1 - t0, drafter=time.perf_counter() - t1)
+    return target, drafter
 
 
 def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache: Path, args) -> dict:
