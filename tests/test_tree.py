@@ -16,6 +16,7 @@ from dflashkit.infer.tree import (
     chain,
     path_moves,
     read_walk,
+    tree_candidates,
     walk_outputs,
 )
 
@@ -109,6 +110,8 @@ def test_a_tree_holds_no_more_nodes_than_the_slots_have_branches():
     assert accepted_path(tree, choices) == ([0, 2], [tree.tokens[2], 7])
     with pytest.raises(ValueError, match="node budget of at least 1"):
         build_tree(0, probs, 0)
+    with pytest.raises(ValueError, match="not one for 1 drafted slots"):  # a table made for other slots
+        build_tree(0, probs, 10, tree_candidates(3, 4, 10))
 
 
 def test_ancestor_mask_and_positions():

@@ -191,6 +191,11 @@ def build_tree(
     t = min(n, probs.shape[-1])  # candidate tokens per slot
     if candidates is None:
         candidates = tree_candidates(depth, probs.shape[-1], n, dev)
+    elif candidates.shape[0] != depth + 3 or candidates.shape[1] < n:
+        raise ValueError(
+            f"a candidate table of shape {tuple(candidates.shape)} is not one for {depth} drafted slots and "
+            f"{n} nodes: make it with tree_candidates({depth}, vocab, {n})"
+        )
     ranks, d_of, parent_of, pad = candidates[:depth], candidates[depth], candidates[depth + 1], candidates[-1]
     top_p, top_ids = probs.float().topk(t, dim=-1)  # [D, t]
     # each slot's log-probabilities by rank, and a 0 past the branch's depth (rank t)
