@@ -41,7 +41,7 @@
 #     TREE_PROMPTS=16 bash benchmarks/gpu_prepare.sh tree
 # then here: `cat drafter.tar.part.* | tar -x`, and commit best/ over benchmarks/drafters/embedded-gpu-more if its
 # held-out served tau is higher than 3.738.
-# Nineteenth session, as run: RESULTS (commands 1-7; the machine went back once, between 1 and 2).
+# Nineteenth session, as run: RESULTS (commands 1-7; the machine went back once, between 3 and 4).
 # Nineteenth session's plan (~27 device minutes; the eighteenth measured the draft step whole (round 1.47 AR
 # tokens), graphs-layers' tree step captured (auto takes it for trees), trees of 32 nodes +33.6% tau at +63% round
 # cost, and two rounds at a tau plateau (3.582, 3.584); then built the greedy tree round as one step, the keep
