@@ -24,9 +24,11 @@
 # split one at every budget (the split is retired), trees of 32 nodes +36% tau at +30% round cost (the chain's
 # speedup within 4%), and a round of greedy replies lifting held-out served tau 3.582 -> 3.738 (the table 2.27 /
 # 2.36 / 2.37 / 2.51x); then built the tree build from a fixed table of candidate rank branches (101 -> 47
-# eager ops, no loop over depth; NOTES: prediction) and `skip` for the second greedy round). Back to back:
+# eager ops, no loop over depth), the cache writes as index_put_ on the cache (no copies of it, if torch 2.11
+# made them), and `skip` for the second greedy round). Back to back:
 #   ENGINES=graphs-layers BUDGETS=8,32 BUDGET=300 bash benchmarks/gpu_prepare.sh part trees
-#                       # carry .whl: the tree round with the new build (random weights: no GGUF), profiled
+#                       # carry .whl: the tree round with the new build and the steps with the cache written
+#                       # in place (random weights: no GGUF), profiled (NOTES: both predictions)
 #   bash benchmarks/gpu_prepare.sh part      # carry .bench/p1 (then p2, p3: `part` each)
 #   ROUND_CONFIG=configs/embedded-gpu-round-greedy2.yaml BUDGET=590 bash benchmarks/gpu_prepare.sh part join round
 #                       # carry .bench/p4: the second greedy round on prompts the first did not use, kept

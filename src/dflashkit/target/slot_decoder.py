@@ -248,6 +248,17 @@ class SlotCache:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
 
+def write_rows(cache: Tensor, rows_at: Tensor, rows: Tensor) -> None:
+    """New keys or values ``rows`` [n, kv heads, head dim] into one layer's ``cache`` [slot, position, kv head,
+    head dim] at the flat rows ``rows_at`` (slot * capacity + position), in place. An ``index_put_`` on the
+    cache itself, not an ``index_copy_`` on a flat view of it: compiled, a mutation through a view made
+    inside the graph can be functionalised into a copy of the whole cache, written, and copied back (torch
+    2.13 does so for a small function on the CPU; on the GPU's torch 2.11 a compiled layer step runs two copy
+    kernels per layer beside its two writes: benchmarks/NOTES.md, nineteenth session)."""
+    capacity = cache.shape[1]
+    cache.index_put_((rows_at // capacity, rows_at % capacity), rows)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -443,8 +454,8 @@ def decode(
                 dim=2,
             )
         qk = rotate(qk, rotary)  # queries and keys turned in one pass
-        cache.k[i].view(-1, nk, d).index_copy_(0, rows_at, qk[:, :, nq:].reshape(-1, nk, d))
-        cache.v[i].view(-1, nk, d).index_copy_(0, rows_at, v.reshape(-1, nk, d))
+        write_rows(cache.k[i], rows_at, qk[:, :, nq:].reshape(-1, nk, d))
+        write_rows(cache.v[i], rows_at, v.reshape(-1, nk, d))
         out = attend(qk[:, :, :nq], cache.k[i], cache.v[i])  # [R, C, nq * d]
         _add_linear_(x, out, layer.o, layer.packed.get("o"))
         h = rms_norm(x, layer.post_norm, w.eps)
@@ -487,8 +498,8 @@ def decoder_layer(
             [rms_norm(qk[:, :, :nq], layer.q_norm, eps), rms_norm(qk[:, :, nq:], layer.k_norm, eps)], dim=2
         )
     qk = apply_rotary_pairs(qk, rotary)
-    k_cache.view(-1, nk, d).index_copy_(0, rows_at, qk[:, :, nq:].reshape(-1, nk, d))
-    v_cache.view(-1, nk, d).index_copy_(0, rows_at, v.reshape(-1, nk, d))
+    write_rows(k_cache, rows_at, qk[:, :, nq:].reshape(-1, nk, d))
+    write_rows(v_cache, rows_at, v.reshape(-1, nk, d))
     x = x + matmul(attend(qk[:, :, :nq], k_cache, v_cache), layer.o)
     h = rms_norm(x, layer.post_norm, eps)
     if reduce_matmuls:  # gate and up as two reductions, SwiGLU fused into them
