@@ -247,9 +247,8 @@ def plan_records(settings: PrepareSettings, written: dict[str, PromptSet] | None
             unique, None if spec.count is None else spec.count + spec.skip, settings.seed
         )
         if spec.val_count is not None:  # a fixed held-out set: the first prompts of the seeded order
-            validation = selected[: spec.val_count]
-            selected = validation + selected[spec.val_count + spec.skip :]
-            train = selected[spec.val_count :]
+            validation, train = selected[: spec.val_count], selected[spec.val_count + spec.skip :]
+            selected = validation + train  # what this dataset answers (the passed-over prompts are not)
         else:
             val_fraction = settings.val_fraction if spec.val_fraction is None else spec.val_fraction
             train, validation = split_prompts(selected, val_fraction)

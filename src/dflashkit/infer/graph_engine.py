@@ -197,7 +197,7 @@ DRAFT_STEP = CompiledRegion(
 LAYER_STEP = CompiledRegion(
     decoder_layer, "the graphs engine's decoder layer", warm_with="GraphEngine.warm_up()", off_switch=_OFF
 )
-# a tree round's build and walk (~25 and ~30 small kernels eager): compiled by the engines that compile their
+# a tree round's build and walk (47 and ~30 operations eager): compiled by the engines that compile their
 # target steps, so that Inductor fuses their element-wise work between the top-k and matmul calls
 TREE_BUILD_STEP = CompiledRegion(
     tree_build_step, "the graphs engine's tree build", warm_with="GraphEngine.warm_up()", off_switch=_OFF
@@ -306,9 +306,8 @@ class GraphEngine:
         # seventeenth session)
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
         # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers)
-        glue = compile in (True, "layers")
-        self._build_fn: Callable[..., None] = TREE_BUILD_STEP if glue else tree_build_step
-        self._walk_fn: Callable[..., None] = TREE_WALK_STEP if glue else tree_walk_step
+        self._build_fn: Callable[..., None] = TREE_BUILD_STEP if compile else tree_build_step
+        self._walk_fn: Callable[..., None] = TREE_WALK_STEP if compile else tree_walk_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
         self._tree_open = False  # the last verify was a tree's
@@ -633,7 +632,7 @@ class GraphEngine:
 
     @torch.no_grad()
     def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:
-        """``dflashkit.infer.tree.build_tree`` as one step (captured on a GPU: ~25 small kernels in one
+        """``dflashkit.infer.tree.build_tree`` as one step (captured on a GPU: 47 operations eager, in one
         replay): the tree of the engine's budget from the drafted slots' probabilities ``probs`` [B-1, V],
         written straight into the tree step's inputs (the returned tree is a view of them, valid until the
         next build). Another budget is built eagerly."""
