@@ -215,12 +215,6 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
                 (s.seconds - s.prefill_seconds) * 1e3 / len(s.accept_lengths) for s in runs
             )
 
-        # the loops as they ran before each kept one step in flight (twentieth session): every round and every
-        # token read on the host before the next is launched, side by side with the loops above
-        one_at_a_time = {}
-        if getattr(engine, "fused_rounds", False) and hasattr(engine, "launch_round"):
-            one_at_a_time = waiting_loops(engine, target, prompt, args, device)
-
         # the engine calls alone, from the end of the prompt: each verify keeps one token (a rejected round;
         # a one-token verify is an autoregressive step, which keeps its token without keep(): the graphs
         # engine computes no features for it), so the cache grows by one per call (a static step's cost does
@@ -256,8 +250,6 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
         "ms_per_ar_token": token_ms,
         "ms_per_spec_round": round_ms,  # the engine's default round (graphs engines: one step)
         **({"ms_per_spec_round_separate_calls": separate_ms} if separate_ms is not None else {}),
-        # the same loops with nothing in flight while the host reads (before the twentieth session)
-        **({"one_at_a_time_ms": one_at_a_time} if one_at_a_time else {}),
         "random_drafter_tau": sum(taus) / len(taus),
         "calls_ms": calls,
         "host_and_glue_ms": round_ms - calls[f"target [1, {B}]"] - calls[f"draft [1, {B}]"],
@@ -266,39 +258,6 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
         **({"tree_rounds": trees} if trees else {}),
         **({"one_token_profile": profile} if profile else {}),
     }
-
-
-def waiting_loops(engine, target, prompt, args, device) -> dict:
-    """Milliseconds per AR token and per greedy round (median of ``--repeats`` runs of ``--tokens`` steps) of
-    the two loops with each step read on the host before the next one is launched: what the decode loops
-    did before they kept one step in flight."""
-    import torch
-
-    from dflashkit.infer.speculative import _sync
-
-    prompt_t = torch.tensor([prompt], device=device)
-    token_runs, round_runs = [], []
-    for _ in range(args.repeats):
-        logits, _ = engine.prefill(prompt_t)
-        token = logits.argmax(-1)
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.tokens - 1):
-            token = engine.verify(token.view(1, 1)).logits[-1].argmax(-1)
-            int(token)
-        _sync(device)
-        token_runs.append((time.perf_counter() - t0) * 1e3 / (args.tokens - 1))
-        logits, _ = engine.prefill(prompt_t)
-        anchor: int | None = int(logits.argmax(-1))
-        _sync(device)
-        t0 = time.perf_counter()
-        rounds = made = 0
-        while made < args.tokens - engine.block_size:
-            made += len(engine.greedy_round(anchor))
-            anchor, rounds = None, rounds + 1
-        _sync(device)
-        round_runs.append((time.perf_counter() - t0) * 1e3 / rounds)
-    return {"ar_token": statistics.median(token_runs), "spec_round": statistics.median(round_runs)}
 
 
 def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
@@ -620,15 +579,6 @@ def main() -> None:
             + " ".join(f"{v:5.2f}x" for v in r["speedup_at_tau"].values())
             + (f" {r['memory_floor_ms']:8.3f}" if r["memory_floor_ms"] else f" {'-':>8}")
         )
-    for r in rows:
-        if "one_at_a_time_ms" in r:
-            w = r["one_at_a_time_ms"]
-            print(
-                f"{r['engine']}, each step read before the next is launched: AR {w['ar_token']:.3f} ms/token, "
-                f"round {w['spec_round']:.3f} ms ({w['spec_round'] / w['ar_token']:.2f} AR tokens); one step in "
-                f"flight: AR {r['ms_per_ar_token']:.3f}, round {r['ms_per_spec_round']:.3f} "
-                f"({r['break_even_tau']:.2f} AR tokens)"
-            )
     if not all(r["start_is_cold"] for r in rows):
         print(
             "start s '-': compiled after another engine in this process (Inductor started, steps shared); run it alone"

@@ -325,16 +325,6 @@ class GraphEngine:
             self._block_start = torch.zeros(1, **long)  # type: ignore[arg-type]
             self._draft_logits = torch.zeros(B - 1, V, dtype=torch.float32, device=dev)
             self._round_out = torch.zeros(B + 1, **long)  # type: ignore[arg-type]  # greedy_round's
-            # where each launched round's output is copied (pinned on a GPU, so the copy runs beside the next
-            # round); two slots: one round read while the next is in flight
-            self._round_host = torch.zeros(2, B + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
-        # the decode loops keep one step in flight (launched before the last one is read) where the device
-        # runs it beside the host: on a GPU. On the CPU the steps run as they are called, so a step launched
-        # ahead of a reply's end would only be work thrown away (the tests set it to run the logic there)
-        self.run_ahead = dev.type == "cuda"
-        # launched greedy rounds not yet read, oldest first: (host slot, its copy's event on a GPU)
-        self._in_flight: list[tuple[int, Any]] = []
-        self._launched = 0  # rounds launched since the last anchor (picks the host slot)
         # greedy chain rounds as one step (`greedy_round`); False: draft, verify and keep as separate calls
         self.fused_rounds = True
         self._offsets = torch.arange(B, device=dev)[None]
@@ -560,8 +550,6 @@ class GraphEngine:
             self.w, self.cache, prompt, self._slot, start, kv_len=P, attention=self.attention, keep=keep
         )
         self._length = P
-        self._in_flight.clear()
-        self._launched = 0
         if self.drafter is not None:
             assert self._dcache is not None
             positions = torch.arange(P, device=prompt.device)[None]
@@ -619,86 +607,28 @@ class GraphEngine:
         and walk) and keep calls with the host's glue between them. ``anchor``: given on the first round
         after ``prefill`` (the target's token after the prompt); later rounds continue from the state the
         last one left on the device. Returns the committed tokens: the accepted drafts (a tree: the accepted
-        path's tokens), then the target's own token. ``launch_round`` and ``read_round`` are its two halves,
-        for a loop that keeps the next round running while it reads this one."""
-        self.launch_round(anchor, tree)
-        return self.read_round()
-
-    def rounds_in_flight(self) -> int:
-        """Greedy rounds launched and not yet read."""
-        return len(self._in_flight)
-
-    def room_ahead(self, tree: bool = False) -> bool:
-        """Whether one more round can be launched now: it fits the caches whatever the rounds in flight accept
-        (each commits at most a block), and, with a round in flight, the engine runs ahead (``run_ahead``) and
-        its steps read the whole capacity (``fixed_shapes``: an engine that reads the cache up to the host's
-        length cannot run ahead of it)."""
-        if self._in_flight and not (self.fixed_shapes and self.run_ahead):
-            return False
-        width = self._tree_inputs.shape[1] if tree else self.block_size
-        return self._length + self.block_size * len(self._in_flight) + width <= self.capacity
-
-    @torch.no_grad()
-    def launch_round(self, anchor: int | None = None, tree: bool = False) -> None:
-        """Start a greedy round on the device (``greedy_round``'s first half) and the copy of its output to
-        the host, without waiting for either. Its state on the device is the last round's, so a round can be
-        launched before the one before it is read: the device runs it while the host reads and checks that
-        one (the host's glue, ~0.1 ms a round on an H200, then overlaps the device's work). ``anchor``:
-        given on the first round after ``prefill``. A round launched and never read (the loop stopped) is
-        dropped by the next ``prefill``; continuing without an anchor after one is refused."""
+        path's tokens), then the target's own token."""
         self._need_drafter()
         if not self.fuses_rounds(self.tree_budget if tree else None):
             raise DflashkitError(
                 f"this graphs engine runs no greedy {'tree' if tree else 'chain'} round as one step "
                 f"(fused_rounds {self.fused_rounds}, tree budget {self.tree_budget}, block {self.block_size})"
             )
-        if not self.room_ahead(tree):
-            raise DflashkitError(
-                f"the graphs engine cannot launch another round now (cache of {self.capacity} positions, "
-                f"{len(self._in_flight)} in flight, fixed shapes {self.fixed_shapes}): read one first, or reserve()"
-            )
+        B = self.block_size
+        self._check_room(self._tree_inputs.shape[1] if tree else B)
         if anchor is not None:
-            if self._in_flight:
-                raise DflashkitError("a round is in flight: read it before starting from a new anchor")
             self._row_start.fill_(self._length)  # the prompt's features are in the drafter's cache already
             self._block_start.fill_(self._length)
             self._block[0, 0] = anchor
-            self._launched = 0
-        elif self._launched < 0:
-            raise DflashkitError("the last rounds were dropped: start again from prefill() and an anchor")
         if tree:
             self._run(("tree round", self._tree_inputs.shape[1]), self._tree_round_step)
         else:
             self._run(("round",), self._round_step)
-        slot = self._launched % 2
-        self._round_host[slot].copy_(self._round_out, non_blocking=True)
-        event = None
-        if self._round_out.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._in_flight.append((slot, event))
-        self._launched += 1
-        self._open = None
-
-    @torch.no_grad()
-    def read_round(self) -> list[int]:
-        """The committed tokens of the oldest round in flight (``greedy_round``'s second half): waits for it."""
-        if not self._in_flight:
-            raise DflashkitError("no greedy round in flight: launch_round() first")
-        slot, event = self._in_flight.pop(0)
-        if event is not None:
-            event.synchronize()
-        out = self._round_host[slot].tolist()
-        n, B = out[0], self.block_size
+        out = self._round_out.tolist()
+        n = out[0]
         self._length += n + 1
+        self._open = None
         return out[1 : 1 + n] + [out[B]]
-
-    def drop_rounds(self) -> None:
-        """Forget the rounds in flight (a loop that stopped early): their writes lie past the committed length,
-        and the next generation starts from ``prefill``."""
-        if self._in_flight:
-            self._in_flight.clear()
-            self._launched = -1
 
     @torch.no_grad()
     def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:

@@ -183,17 +183,10 @@ def speculative_generate(
     stopped = stopper.check(new, 0)[1] if stopper else None
     # the graphs engine runs a greedy round, chain or tree, as one step (the four stages below, on the device)
     fused = s.greedy and isinstance(dec, GraphEngine) and dec.fuses_rounds(tree_budget)
+    greedy_round = dec.greedy_round if fused else None
     while stopped is None and len(new) < max_new_tokens:
-        if fused:
-            assert isinstance(dec, GraphEngine)
-            tree = bool(tree_budget)
-            if not dec.rounds_in_flight():
-                dec.launch_round(new[-1] if not out.accept_lengths else None, tree)
-            # the next round runs on the device while this one is read and checked here, unless this one
-            # can end the reply by length (a round commits at most a block)
-            if max_new_tokens - len(new) > B and dec.room_ahead(tree):
-                dec.launch_round(None, tree)
-            committed = dec.read_round()
+        if greedy_round is not None:
+            committed = greedy_round(new[-1] if not out.accept_lengths else None, bool(tree_budget))
             path: list[int] = list(range(len(committed)))
         else:
             # 1. draft: the drafter reads the new context rows and fills [anchor, MASK x (B-1)]
@@ -210,12 +203,9 @@ def speculative_generate(
         if stopper is not None:
             trimmed, stopped = stopper.check(new, before)
             del new[len(trimmed) :]
-        if not fused:
+        if greedy_round is None:
             # 4. keep: the caches hold the accepted path; its features are the drafter's next context
             context = dec.keep(verified, path)
-    if fused:
-        assert isinstance(dec, GraphEngine)
-        dec.drop_rounds()  # a round launched ahead of a reply that ended (its end token): never read
     _sync(dev)
     out.seconds = time.perf_counter() - t0
     out.stopped = stopped or "length"
@@ -309,16 +299,9 @@ def autoregressive_generate(
     out = Generation(tokens=new)
     out.prefill_seconds = time.perf_counter() - t0
     stopped = stopper.check(new, 0)[1] if stopper else None
-    ahead: Tensor | None = None  # the next token, its step launched and not yet read
-    # on a GPU the next step runs while the host reads this token (the graphs engine says where: run_ahead)
-    run_ahead = getattr(dec, "run_ahead", dev.type == "cuda")
     while stopped is None and len(new) < max_new_tokens:
-        # nothing to keep: every token is committed, so a step only needs the last token on the device
-        if ahead is None:
-            ahead = choose(dec.verify(token.view(1, 1)).logits[-1], s, gen)
-        token, ahead = ahead, None
-        if run_ahead and len(new) + 1 < max_new_tokens:  # the step after runs while this token is read
-            ahead = choose(dec.verify(token.view(1, 1)).logits[-1], s, gen)
+        logits = dec.verify(token.view(1, 1)).logits  # nothing to keep: every token is committed
+        token = choose(logits[-1], s, gen)
         new.append(int(token))
         out.accept_lengths.append(1)
         if stopper is not None:
