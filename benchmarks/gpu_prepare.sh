@@ -20,6 +20,21 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-first session's plan (~28 device minutes; the twentieth measured the cache written in place (AR 894 ->
+# 1,120 tok/s, bench's baseline +36-41%), a second greedy round at +0.015 only (training tau 4.65 = validation
+# 4.68: not overfitting), and one step in flight gaining nothing (the round's 0.14 ms of glue is device work).
+# The machine went back twice when more than 30 s passed here between commands: issue each at once. Back to back:
+#   ENGINES=graphs-layers DECODE_ARGS="--no-warm-start --profile 50" BUDGET=200 bash benchmarks/gpu_prepare.sh part decode
+#                       # carry .whl: the greedy round step profiled beside the draft and block steps (its glue)
+#   bash benchmarks/gpu_prepare.sh part      # carry .bench/p1 (then p2, p3: `part` each)
+#   BUDGET=590 bash benchmarks/gpu_prepare.sh part join gsweep   # carry .bench/p4: a third set of greedy replies
+#                       # and the drafter as it is, at 3x the rate, with 4 and 5 layers, side by side (fan-out)
+#   BUDGET=590 bash benchmarks/gpu_prepare.sh gsweep             # the same variants, resumed
+#   if a variant passes 3.753 clearly: BUDGET=560 BENCH_CAP=330 DRAFTER=<its folder>/best BENCH_DATA=/root/work/gsweep \
+#     BENCH_PROMPTS=80 BENCH_ARGS="--sets heldout,gsm8k,humaneval,mtbench --temperatures 0" ... bench
+# then here: `cat gsweep-drafter.tar.part.* | tar -x`; commit it over benchmarks/drafters/embedded-gpu-more if
+# it is the 3-layer shape and better, or beside it (a new shape) with the config that trains it.
+# Twentieth session, as run: RESULTS (the machine went back twice; the drafter carried from here after that).
 # Twentieth session's plan (~25 device minutes; the nineteenth found the masked tree attention faster than the
 # split one at every budget (the split is retired), trees of 32 nodes +36% tau at +30% round cost (the chain's
 # speedup within 4%), and a round of greedy replies lifting held-out served tau 3.582 -> 3.738 (the table 2.27 /
@@ -360,6 +375,21 @@ for s in "$@"; do
         --out $W/sweep $R --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} ${SWEEP_OVERRIDES:-} \
         2>&1 | grep -v "Loading weights" | tail -30
       for f in sweep.json sweep.md sweep.png; do cp "$W/sweep/$f" "$OUT/" 2>/dev/null; done ;;
+    gsweep)
+      # what limits the drafter now (configs/embedded-gpu-sweep-greedy.yaml): a third set of greedy replies,
+      # prepared once, and four variants of the drafter in git through the fan-out (as it is; three times the
+      # rate; 4 and 5 layers); a later command resumes them. Then the best variant's best drafter comes back
+      # in pieces, as `round`'s does
+      prepare gsweep configs/embedded-gpu-sweep-greedy.yaml
+      stage gsweep
+      R=""; [ -d $W/gsweep-runs ] && R=--resume
+      timeout $(cap 590) python3 benchmarks/drafter_sweep.py -c configs/embedded-gpu-sweep-greedy.yaml \
+        --data $W/gsweep --out $W/gsweep-runs $R --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} \
+        2>&1 | grep -v "Loading weights" | tail -30
+      for f in sweep.json sweep.md sweep.png; do cp "$W/gsweep-runs/$f" "$OUT/gsweep-$f" 2>/dev/null; done
+      B=$(python3 -c "import json,sys; v=[r for r in json.load(open(sys.argv[1]))['variants'] if r.get('best_served_tau')]; \
+print(max(v, key=lambda r: r['best_served_tau'])['folder'] if v else '')" "$W/gsweep-runs/sweep.json" 2>/dev/null)
+      [ -n "$B" ] && echo "best: $B" && tar -C "$B" -cf - best | split -b 15M - "$OUT/gsweep-drafter.tar.part." ;;
     grow)
       # the recipe's drafter (carried, see `drafter`) trained on as it is, with 3 and with 4 layers (grown:
       # the new layers start as identities), through the fan-out on the recipe's data; a later command resumes

