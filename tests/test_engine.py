@@ -116,7 +116,7 @@ def test_static_target_cache_never_reads_rows_beyond_the_valid_length(target):
     torch.testing.assert_close(feats, ref_feats[:, 15:], atol=5e-3, rtol=1e-4)
 
 
-def test_static_draft_cache_reads_only_rows_before_the_anchor(target, drafter):
+def test_static_draft_cache_reads_the_rows_before_the_anchor_and_the_blocks_own(target, drafter):
     feats, _ = target.features(torch.tensor([prompts(16)[0]]), layer_ids=LAYERS, labels="none")
     embeds = target.embed(torch.tensor([[5] + [MASK_TOKEN_ID] * (B - 1)]))
     block_positions = torch.arange(11, 11 + B)[None]

@@ -154,6 +154,31 @@ class Attention(nn.Module):
         out = attention(q, k, v, mask, backend=backend, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
+    def over_cache(
+        self,
+        x: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        positions: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask,
+        backend: str,
+    ) -> Tensor:
+        """``forward`` for a block at ``positions`` [Q] over a ``StaticDraftCache`` layer (keys/values [1,
+        kv_heads, capacity, head_dim]): the block's keys and values are written into the rows of its own
+        positions (rows at or past its anchor hold no context yet) and the queries attend over the cache under
+        ``mask`` (``StaticDraftCache.block_mask``): the same keys as [context; block], without copying the
+        whole cache into a concatenation every layer of every step."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
+        q = rotate(q, cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        keys.index_copy_(2, positions, k.to(keys.dtype))
+        values.index_copy_(2, positions, v.to(values.dtype))
+        out = attention(q, keys, values, mask, backend=backend, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
@@ -191,6 +216,24 @@ class DecoderLayer(nn.Module):
         backend: str,
     ) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, mask, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def over_cache(
+        self,
+        h: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        positions: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask,
+        backend: str,
+    ) -> Tensor:
+        """``forward`` with the block's attention over a static cache layer (``Attention.over_cache``)."""
+        attn = self.self_attn.over_cache(
+            self.input_layernorm(h), keys, values, positions, cos, sin, mask, backend
+        )
+        h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -261,10 +304,11 @@ class StaticDraftCache:
     static engine's DraftCache. Context rows are the committed positions 0, 1, 2, ... in order, so
     row r holds position r, and a write needs no length: rows go where their positions say.
 
-    A block anchored at position a reads rows 0..a-1 only (``context_mask``). Rows at a or beyond
-    (features of rejected drafts, or never written) are never read; committing those positions later
-    writes them again. Nothing is cropped, and no buffer moves (compiled steps and CUDA graphs keep
-    their addresses).
+    A block anchored at position a writes its own keys and values into rows a..a+B-1 and reads rows
+    0..a+B-1 (``block_mask``): the context before its anchor and itself. Rows at a or beyond hold no context
+    (features of rejected drafts, the last block's own keys, or nothing yet) until committing those
+    positions writes them again; rows past the block are never read. Nothing is cropped, and no buffer
+    moves (compiled steps and CUDA graphs keep their addresses).
     """
 
     def __init__(self, config: DrafterConfig, capacity: int, dtype: torch.dtype, device: torch.device | str):
@@ -283,15 +327,19 @@ class StaticDraftCache:
         self.keys[layer].index_copy_(2, positions, k.to(self.keys[layer].dtype))
         self.values[layer].index_copy_(2, positions, v.to(self.values[layer].dtype))
 
-    def context_mask(self, block_positions: Tensor, window: int | None, backend: str) -> AttentionMask:
-        """Keys [capacity context rows | B block slots]: a slot sees the rows before the block's anchor
-        (within ``window`` of its own position for a sliding layer) and the whole block."""
+    def block_mask(self, block_positions: Tensor, window: int | None, backend: str) -> AttentionMask:
+        """The cache's rows a block at ``block_positions`` [1, B] (its keys written into the rows of its own
+        positions: ``Attention.over_cache``) sees: the rows before its anchor, within ``window`` of a slot's
+        own position for a sliding layer, and the block's own rows, all of them. One row of the cache per
+        key, so no key is there twice and nothing past the block is read."""
         anchor = block_positions[:, :1, None]  # [1, 1, 1]
-        sees_ctx = (self.rows[None, None, :] < anchor).expand(-1, block_positions.shape[1], -1)
-        if window is not None:
-            sees_ctx = sees_ctx & ((block_positions[:, :, None] - self.rows[None, None, :]) < window)
-        sees_block = torch.ones_like(sees_ctx[..., :1]).expand(-1, -1, block_positions.shape[1])
-        dense = torch.cat([sees_ctx, sees_block], dim=-1)[:, None]
+        end = block_positions[:, -1:, None]
+        sees = self.rows[None, None, :] <= end  # context and the block
+        if window is not None:  # a sliding layer: the context within the window (the block is all seen)
+            sees = sees & (
+                ((block_positions[:, :, None] - self.rows[None, None, :]) < window) | (self.rows >= anchor)
+            )
+        dense = sees.expand(-1, block_positions.shape[1], -1)[:, None]
         return AttentionMask(backend, dense=dense, rows_visible=torch.ones_like(dense[..., :1]))
 
 
@@ -425,17 +473,17 @@ class DFlashDrafter(nn.Module):
         h = block_embeds.to(self.fc.weight.dtype)
         for i, layer in enumerate(self.layers):
             mask = masks[layer.layer_type]
-            h = layer(h, cache.keys[i], cache.values[i], cos, sin, mask, backend)
+            h = layer.over_cache(
+                h, cache.keys[i], cache.values[i], block_positions[0], cos, sin, mask, backend
+            )
         return self.norm(h)
 
     def _static_masks(
         self, block_positions: Tensor, cache: StaticDraftCache, backend: str
     ) -> dict[str, AttentionMask]:
-        """A block's mask over [the cache's rows | the block] for each layer type the drafter has."""
+        """A block's mask over the cache's rows (the block's among them) for each layer type the drafter has."""
         return {
-            kind: cache.context_mask(
-                block_positions, self.config.sliding_window if sliding else None, backend
-            )
+            kind: cache.block_mask(block_positions, self.config.sliding_window if sliding else None, backend)
             for kind, sliding in (("full_attention", False), ("sliding_attention", True))
             if any(layer.layer_type == kind for layer in self.layers)
         }
