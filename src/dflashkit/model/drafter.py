@@ -143,40 +143,26 @@ class Attention(nn.Module):
         sin: Tensor,
         mask: AttentionMask | None,
         backend: str,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        """x: normed block rows [batch, Q, H]; ctx_k/ctx_v: this layer's context keys/values."""
+        """x: normed block rows [batch, Q, H]; ctx_k/ctx_v: this layer's context keys/values, which the
+        block's own follow. With ``rows`` [Q] (the block's positions), ctx_k/ctx_v are a ``StaticDraftCache``
+        layer [1, kv_heads, capacity, head_dim]: the block's keys and values are written into those rows
+        (rows at or past its anchor hold no context yet) and the queries read the cache in place under
+        ``mask`` (``StaticDraftCache.block_mask``): the same keys, without copying the whole cache into a
+        concatenation in every layer of every step."""
         b, q_len, _ = x.shape
         q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
         q = rotate(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
-        v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+        if rows is None:
+            k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+            v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+        else:
+            ctx_k.index_copy_(2, rows, k.to(ctx_k.dtype))
+            ctx_v.index_copy_(2, rows, v.to(ctx_v.dtype))
+            k, v = ctx_k, ctx_v
         out = attention(q, k, v, mask, backend=backend, scale=self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
-
-    def over_cache(
-        self,
-        x: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        positions: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: AttentionMask,
-        backend: str,
-    ) -> Tensor:
-        """``forward`` for a block at ``positions`` [Q] over a ``StaticDraftCache`` layer (keys/values [1,
-        kv_heads, capacity, head_dim]): the block's keys and values are written into the rows of its own
-        positions (rows at or past its anchor hold no context yet) and the queries attend over the cache under
-        ``mask`` (``StaticDraftCache.block_mask``): the same keys as [context; block], without copying the
-        whole cache into a concatenation every layer of every step."""
-        b, q_len, _ = x.shape
-        q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
-        q = rotate(q, cos, sin)
-        k, v = self.key_value(x, cos, sin)
-        keys.index_copy_(2, positions, k.to(keys.dtype))
-        values.index_copy_(2, positions, v.to(values.dtype))
-        out = attention(q, keys, values, mask, backend=backend, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
 
@@ -214,26 +200,10 @@ class DecoderLayer(nn.Module):
         sin: Tensor,
         mask: AttentionMask | None,
         backend: str,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, mask, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def over_cache(
-        self,
-        h: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        positions: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: AttentionMask,
-        backend: str,
-    ) -> Tensor:
-        """``forward`` with the block's attention over a static cache layer (``Attention.over_cache``)."""
-        attn = self.self_attn.over_cache(
-            self.input_layernorm(h), keys, values, positions, cos, sin, mask, backend
-        )
-        h = h + attn
+        """``rows``: the block's positions, ctx_k/ctx_v a static cache layer (``Attention.forward``)."""
+        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, mask, backend, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -329,7 +299,7 @@ class StaticDraftCache:
 
     def block_mask(self, block_positions: Tensor, window: int | None, backend: str) -> AttentionMask:
         """The cache's rows a block at ``block_positions`` [1, B] (its keys written into the rows of its own
-        positions: ``Attention.over_cache``) sees: the rows before its anchor, within ``window`` of a slot's
+        positions: ``Attention.forward`` with ``rows``) sees: the rows before its anchor, within ``window`` of a slot's
         own position for a sliding layer, and the block's own rows, all of them. One row of the cache per
         key, so no key is there twice and nothing past the block is read."""
         anchor = block_positions[:, :1, None]  # [1, 1, 1]
@@ -473,9 +443,7 @@ class DFlashDrafter(nn.Module):
         h = block_embeds.to(self.fc.weight.dtype)
         for i, layer in enumerate(self.layers):
             mask = masks[layer.layer_type]
-            h = layer.over_cache(
-                h, cache.keys[i], cache.values[i], block_positions[0], cos, sin, mask, backend
-            )
+            h = layer(h, cache.keys[i], cache.values[i], cos, sin, mask, backend, block_positions[0])
         return self.norm(h)
 
     def _static_masks(
