@@ -14,8 +14,9 @@ Steps (fixed shapes, as the static engine's):
 - target [1, 1] and [1, B]: write the tokens' keys and values at the engine's length, return their logits
   (float32) and, for a block, the features of the drafter's target layers;
 - draft [1, B]: write the context's rows (the kept tokens of the last verified block; rows at or beyond
-  the new anchor are rejected drafts: the drafter's mask hides them, and committing those positions later
-  writes them again), then draft the block [anchor, MASK x (B-1)];
+  the new anchor are rejected drafts: the block's own keys overwrite them, the drafter's mask hides any past
+  the block, and committing those positions later writes them again), then draft the block [anchor, MASK x
+  (B-1)] over the drafter's cache in place;
 - greedy round [1, B]: the draft step, the target step over [anchor, drafts], the acceptance (drafts
   kept while they equal the target's argmax) and the next round's state (its context rows, block start and
   anchor), as one step: a greedy chain round is one replay and one copy to the host (`greedy_round`;
