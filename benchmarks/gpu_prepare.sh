@@ -387,9 +387,9 @@ for s in "$@"; do
         --data $W/gsweep --out $W/gsweep-runs $R --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} \
         2>&1 | grep -v "Loading weights" | tail -30
       for f in sweep.json sweep.md sweep.png; do cp "$W/gsweep-runs/$f" "$OUT/gsweep-$f" 2>/dev/null; done
-      B=$(python3 -c "import json,sys; v=[r for r in json.load(open(sys.argv[1]))['variants'] if r.get('best_served_tau')]; \
+      BEST=$(python3 -c "import json,sys; v=[r for r in json.load(open(sys.argv[1]))['variants'] if r.get('best_served_tau')]; \
 print(max(v, key=lambda r: r['best_served_tau'])['folder'] if v else '')" "$W/gsweep-runs/sweep.json" 2>/dev/null)
-      [ -n "$B" ] && echo "best: $B" && tar -C "$B" -cf - best | split -b 15M - "$OUT/gsweep-drafter.tar.part." ;;
+      [ -n "$BEST" ] && echo "best: $BEST" && tar -C "$BEST" -cf - best | split -b 15M - "$OUT/gsweep-drafter.tar.part." ;;
     grow)
       # the recipe's drafter (carried, see `drafter`) trained on as it is, with 3 and with 4 layers (grown:
       # the new layers start as identities), through the fan-out on the recipe's data; a later command resumes
