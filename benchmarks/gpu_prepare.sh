@@ -385,7 +385,7 @@ for s in "$@"; do
       R=""; [ -d $W/gsweep-runs ] && R=--resume
       timeout $(cap 590) python3 benchmarks/drafter_sweep.py -c configs/embedded-gpu-sweep-greedy.yaml \
         --data $W/gsweep --out $W/gsweep-runs $R --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} \
-        2>&1 | grep -v "Loading weights" | tail -30
+        run.compile_cache=$W/compile-gsweep.cache 2>&1 | grep -v "Loading weights" | tail -30
       for f in sweep.json sweep.md sweep.png; do cp "$W/gsweep-runs/$f" "$OUT/gsweep-$f" 2>/dev/null; done
       BEST=$(python3 -c "import json,sys; v=[r for r in json.load(open(sys.argv[1]))['variants'] if r.get('best_served_tau')]; \
 print(max(v, key=lambda r: r['best_served_tau'])['folder'] if v else '')" "$W/gsweep-runs/sweep.json" 2>/dev/null)
