@@ -467,3 +467,27 @@ def test_compiled_layers_forward_and_backward_match_eager_on_gpu():
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-4, atol=1e-4)
     for n in grads[False]:
         torch.testing.assert_close(grads[True][n], grads[False][n], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_static_draft_block_equals_draft_over_the_same_context(sliding):
+    """``draft_block`` over a ``StaticDraftCache`` (the block's keys written into its own rows, one mask over
+    the cache) equals ``draft`` over a DraftCache of the same context rows, with a sliding layer's window
+    too; the rows at and past the anchor hold stale values (a rejected block's), which it must not read."""
+    over = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3) if sliding else {}
+    config = tiny_config(**over)
+    d = random_drafter(config, seed=5)
+    B, anchor = config.block_size, 9
+    gen = torch.Generator().manual_seed(6)
+    feats = torch.randn(1, 16, len(config.target_layer_ids) * config.hidden_size, generator=gen)
+    embeds = torch.randn(1, B, config.hidden_size, generator=gen)
+    block_positions = torch.arange(anchor, anchor + B)[None]
+    with torch.no_grad():
+        want = d.draft(feats[:, :anchor], torch.arange(anchor)[None], embeds, block_positions, d.new_cache())
+        cache = d.new_static_cache(20)
+        d.write_context(feats, torch.arange(16)[None], cache)  # rows 9..15: a rejected block's features
+        for k, v in zip(cache.keys, cache.values, strict=True):
+            k[:, :, anchor + B :] = 1e4  # past the block: never read
+            v[:, :, anchor + B :] = 1e4
+        got = d.draft_block(embeds, block_positions, cache)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -17,8 +17,9 @@ One module serves both uses:
 - inference, ``draft``: one block at a time over a ``DraftCache`` of context K/V that grows with the
   verified tokens and is cropped after each step. The block's own K/V are never cached.
 - inference with fixed shapes (the static engine): ``write_context`` puts context rows into a
-  preallocated ``StaticDraftCache`` (row r = position r), and ``draft_block`` runs the block over the
-  rows before its anchor; both compile once per shape (``dflashkit.infer.engine``).
+  preallocated ``StaticDraftCache`` (row r = position r), and ``draft_block`` writes the block's K/V into
+  the rows of its own positions and runs it over the rows before its anchor and its own; both compile once
+  per shape (``dflashkit.infer.engine``).
 """
 
 from __future__ import annotations
@@ -435,7 +436,8 @@ class DFlashDrafter(nn.Module):
         self, block_embeds: Tensor, block_positions: Tensor, cache: StaticDraftCache, backend: str = "sdpa"
     ) -> Tensor:
         """One block (embeds [1, B, H] at positions [1, B]) over the cached rows before its anchor, as
-        ``draft`` does over a DraftCache. Returns hidden [1, B, H] after the final norm."""
+        ``draft`` does over a DraftCache; its own keys and values go into the cache rows of its positions
+        (``StaticDraftCache``). Returns hidden [1, B, H] after the final norm."""
         if backend == "flex":
             raise ValueError("the static engine drafts on the sdpa or eager backend, not flex")
         cos, sin = self.rotary(block_positions, self.fc.weight.dtype)

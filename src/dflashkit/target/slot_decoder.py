@@ -253,9 +253,10 @@ def write_rows(cache: Tensor, rows_at: tuple[Tensor, Tensor], rows: Tensor) -> N
     head dim] at ``rows_at`` (each row's slot and position, built once a step by ``_step_plan``), in place.
     An ``index_put_`` on the cache itself, not an ``index_copy_`` on a flat view of it: compiled, a mutation
     through a view made inside the graph can be functionalised into a copy of the whole cache, written, and
-    copied back (torch 2.13 does so for a small function on the CPU; on the GPU's torch 2.11 a compiled layer
-    step runs two copy kernels per layer beside its two writes: benchmarks/NOTES.md, nineteenth session).
-    Eager it is also the faster write (3.1 against 6.1 us for 8 bf16 rows on this CPU)."""
+    copied back (torch 2.13 does so for a small function on the CPU; on the GPU's torch 2.11 the compiled
+    layer ran two copy kernels per layer beside its writes: with this write they went, the one-token step
+    1.041 -> 0.785 ms on an H200, benchmarks/RESULTS.md, twentieth session). Eager it is also the faster write
+    (3.1 against 6.1 us for 8 bf16 rows on this CPU)."""
     cache.index_put_(rows_at, rows)
 
 
