@@ -357,7 +357,7 @@ for s in "$@"; do
       # no GGUF needed: random target and drafter of the embedded shapes; both engines side by side
       stage decode
       timeout $(cap 360) python3 benchmarks/decode_steps.py --engines ${ENGINES:-graphs,graphs-compiled} ${DECODE_ARGS:-} \
-        2>&1 | tail -8 ;;
+        2>&1 | tee "$OUT/decode_steps.log" | tail -8 ;;   # the whole log (the profiles) in $OUT
     trees)
       # no GGUF needed: tree rounds of 8-64 nodes beside the chain on the graphs engine, with each call timed;
       # the one-token step of both graphs engines profiled (kernels, device time)
