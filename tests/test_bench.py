@@ -320,6 +320,12 @@ def test_bench_writes_sets_table_json_figure_and_summary(
     metric = held["training_metric"]
     assert metric["comparable"] is True and metric["acceptance_length"] == 1.25
     assert metric["gap"] == pytest.approx((held["temperatures"]["0"]["tau"] - 1.25) / 1.25)
+    # tree rounds: no agreement line (the training metric is a chain's served-order tau, not comparable)
+    trees = [*common[:-1], str(tmp_path / "bench-tree"), "--sets", "heldout", "--temperatures", "0"]
+    assert main([*trees, "--tree-budget", "4"]) == 0
+    assert "train/serve agreement" not in " ".join(capsys.readouterr().out.split())
+    tree_held = json.loads((tmp_path / "bench-tree" / "bench.json").read_text())["sets"]["heldout"]
+    assert "training_metric" not in tree_held
     table = json.loads(summary.read_text())
     assert set(table) == {"heldout", "twoturn"}
     assert table["twoturn"]["tau"] == two["temperatures"]["0"]["tau"] and "speedup" in table["twoturn"]

@@ -721,6 +721,7 @@ def run_set(
         checked = decode_set(lossless, subset, 0.0, compare=True, stop_at_difference=True, progress=report32)
         result["lossless_fp32"] = lossless_result(subset, checked, "float32", lossless.engine)
     t0 = result["temperatures"].get("0")
-    if bset.name == "heldout" and drafter_dir is not None and t0 is not None:
+    # the training metric is a chain's served-order tau: beside tree rounds it would read as a gap
+    if bset.name == "heldout" and drafter_dir is not None and t0 is not None and not dec.tree_budget:
         result["training_metric"] = training_metric(drafter_dir, data_dir, t0["tau"], bset)
     return result
