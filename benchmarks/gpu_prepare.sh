@@ -20,6 +20,8 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-first session, as run: RESULTS (the GGUF's pieces now in five folders: p2 with the working tree passed the
+# carry's 64 MiB; `join` now refuses a missing piece or a missing gguf module before it joins anything).
 # Twenty-first session's plan (~28 device minutes; the twentieth measured the cache written in place (AR 894 ->
 # 1,120 tok/s, bench's baseline +36-41%), a second greedy round at +0.015 only (training tau 4.65 = validation
 # 4.68: not overfitting), and one step in flight gaining nothing (the round's 0.14 ms of glue is device work).
@@ -301,6 +303,10 @@ for s in "$@"; do
       ls -la "$M" ;;
     join)
       stage join
+      # every piece or nothing: a missing piece fails here in a second, with the pieces kept for the next join
+      n=$(ls $M/gguf.part.* 2>/dev/null | wc -l)
+      [ "$n" = 10 ] || { echo "join: $n of the GGUF's 10 pieces are here (carry the missing .bench/p* with part)"; exit 1; }
+      python3 -c "import gguf" 2>/dev/null || { echo "join: no gguf module (carry .whl with part)"; exit 1; }
       cat $(ls $M/gguf.part.* | sort) > "$DFLASHKIT_EMBEDDED_GGUF" && rm $M/gguf.part.*
       # the first load converts the GGUF and caches safetensors (~/.cache/dflashkit)
       python3 -c "from dflashkit.target.embedded import embedded_dir; print(embedded_dir())" || exit 1 ;;

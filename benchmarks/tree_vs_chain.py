@@ -78,6 +78,48 @@ def summarise(rows: list[dict[str, Any]], configs: list[tuple[str, int]]) -> dic
     return out
 
 
+def report_from_bench(chain: dict[str, Any], tree: dict[str, Any]) -> dict[str, Any]:
+    """This script's report from two ``dflashkit bench`` results of one drafter: ``chain`` (chain rounds) and
+    ``tree`` (``--tree-budget N``), over the sets both measured at T=0. Each command's speedup is against its
+    own autoregressive baseline, so the round costs (in AR tokens) compare across the two commands; the greedy
+    outputs were not compared with the autoregressive ones here (bench checks fp32 losslessness instead)."""
+    budget = tree["settings"].get("tree_budget")
+    if chain["settings"].get("tree_budget") or not budget:
+        sys.exit("--from-bench: the first file must hold chain rounds and the second tree rounds")
+    for key in ("drafter_weights", "engine", "dtype", "max_new_tokens"):
+        if chain["settings"].get(key) != tree["settings"].get(key):
+            sys.exit(f"--from-bench: the two benches differ in {key}: not one drafter on one engine")
+    configs = [(CHAIN, 0, chain), (f"tree-{budget}", budget, tree)]
+    sets: dict[str, Any] = {}
+    for name in chain["sets"]:
+        runs = [(c, b, r["sets"].get(name, {}).get("temperatures", {}).get("0")) for c, b, r in configs]
+        if any(t is None for _, _, t in runs):
+            continue
+        out: dict[str, Any] = {"replies": runs[0][2]["responses"], "configs": {}}
+        out["ar_tokens_per_second"] = runs[0][2]["ar_tokens_per_second"]
+        for config, b, t in runs:
+            fig = {
+                "tree_budget": b or None,
+                "rounds": t["rounds"],
+                "new_tokens": t["new_tokens"],
+                "tau": t["tau"],
+                "spec_tokens_per_second": t["spec_tokens_per_second"],
+                "ar_tokens_per_second": t["ar_tokens_per_second"],
+                "speedup": t["speedup"],
+                "round_cost_ar_tokens": t["tau"] / t["speedup"],
+                "equal_to_ar": None,
+            }
+            if b:
+                first = out["configs"][CHAIN]
+                fig["tau_gain_vs_chain"] = fig["tau"] / first["tau"] - 1
+                fig["round_cost_vs_chain"] = fig["round_cost_ar_tokens"] / first["round_cost_ar_tokens"] - 1
+            out["configs"][config] = fig
+        sets[name] = out
+    if not sets:
+        sys.exit("--from-bench: no set measured at T=0 by both benches")
+    return {"settings": {**chain["settings"], "tree_budget": None}, "budgets": [budget], "sets": sets}
+
+
 def markdown(result: dict[str, Any]) -> str:
     s = result["settings"]
     lines = [
@@ -94,10 +136,12 @@ def markdown(result: dict[str, Any]) -> str:
         for name, f in res["configs"].items():
             gain = f"{f['tau_gain_vs_chain']:+.1%}" if "tau_gain_vs_chain" in f else "-"
             cost = f"{f['round_cost_vs_chain']:+.1%}" if "round_cost_vs_chain" in f else "-"
+            same = {True: "yes", False: "no", None: "-"}[f["equal_to_ar"]]
+            tps = f.get("ar_tokens_per_second", res["ar_tokens_per_second"])
             lines.append(
                 f"| {set_name} | {name} | {res['replies']} | {f['tau']:.2f} | {gain} | "
-                f"{res['ar_tokens_per_second']:.1f} | {f['spec_tokens_per_second']:.1f} | {f['speedup']:.2f}x | "
-                f"{f['round_cost_ar_tokens']:.2f} | {cost} | {'yes' if f['equal_to_ar'] else 'no'} |"
+                f"{tps:.1f} | {f['spec_tokens_per_second']:.1f} | {f['speedup']:.2f}x | "
+                f"{f['round_cost_ar_tokens']:.2f} | {cost} | {same} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -129,12 +173,30 @@ def main() -> None:
         "--from", dest="from_file", help="a tree_vs_chain.json of an earlier run: report it, measure nothing"
     )
     ap.add_argument(
+        "--from-bench",
+        nargs=2,
+        metavar=("CHAIN", "TREE"),
+        help="two bench.json files of one drafter, chain rounds and tree rounds (`dflashkit bench "
+        "--tree-budget N`): their T=0 sets as one report, measure nothing (each speedup against its own "
+        "command's autoregressive baseline)",
+    )
+    ap.add_argument(
         "--update-results",
         metavar="CONFIG",
         help="write tree_tau_gain (MT-Bench, trees of a node budget: 32; an older report's tree attention "
         f"named: 32-masked) and a tree block into {RESULTS}",
     )
     args = ap.parse_args()
+    if args.from_bench:
+        report = report_from_bench(*(json.loads(Path(f).read_text()) for f in args.from_bench))
+        report["command"] = " ".join(sys.argv)
+        print(markdown(report))
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "tree_vs_chain.json").write_text(json.dumps(report, indent=2) + "\n")
+        if args.update_results:
+            update_results(report, " and ".join(args.from_bench), args.update_results)
+        return
     if args.from_file:
         report = json.loads(Path(args.from_file).read_text())
         print(markdown(report))
