@@ -3,6 +3,7 @@ the figures, the held-out prompts, the fp32 lossless check, both engines, and th
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -386,3 +387,21 @@ def test_a_failed_fp32_check_ends_the_command_with_one_line_after_writing_its_fi
     check = json.loads((out / "sets" / "heldout.json").read_text())["lossless_fp32"]
     assert check["lossless"] is False and check["engine"] == "dynamic"
     assert (out / "bench.json").exists() and (out / "bench.md").exists()
+
+
+def test_a_slower_speculative_loop_is_said_with_its_round_cost():
+    from dflashkit.commands.bench import slower_lines
+    from dflashkit.infer.evaluate import slower_than_autoregressive
+
+    assert slower_than_autoregressive("x", 2.0, 1.3) is None  # it paid
+    assert slower_than_autoregressive("x", 2.0, None) is None  # no baseline measured
+    line = slower_than_autoregressive("MT-Bench at T=1", 1.7, 0.85)
+    assert line is not None and "0.85x" in line and "cost 2.00 autoregressive tokens" in line
+    # the committed tables: the T=1 bench lost on every set, the T=0 one on none
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    t1 = json.loads((results / "bench-t1-s20.json").read_text())
+    lines = slower_lines(t1, list(t1["sets"]))
+    assert len(lines) == len(t1["sets"]) == 4 and all("at T=1" in x for x in lines)
+    t0 = json.loads((results / "bench-inplace-s21.json").read_text())
+    assert slower_lines(t0, list(t0["sets"])) == []
+    assert slower_lines(t1, []) == []  # only the sets this command measured

@@ -189,6 +189,8 @@ def _bench(args: argparse.Namespace) -> int:
     console.print(bench_table(combined, measured))
     for line in agreement_lines(combined):
         console.print(line)
+    for line in slower_lines(combined, measured):
+        console.print(f"[yellow]{line}[/]")
     console.print(
         f"wrote {out / bench.BENCH_JSON}, {out / bench.BENCH_MD} and {out / bench.BENCH_PNG}"
         + (f", and the T=0 summary {summary_path}" if summary_path else "")
@@ -304,6 +306,19 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
                 lossless if key == "0" else "-",
             )
     return t
+
+
+def slower_lines(combined: dict[str, Any], measured: list[str]) -> list[str]:
+    """A line for each set and temperature this command measured where speculation lost to the baseline."""
+    from dflashkit.infer.evaluate import slower_than_autoregressive
+
+    lines = []
+    for name in measured:
+        for key, fig in combined["sets"][name]["temperatures"].items():
+            line = slower_than_autoregressive(f"{name} at T={key}", fig["tau"], fig["speedup"])
+            if line:
+                lines.append(line)
+    return lines
 
 
 def agreement_lines(combined: dict[str, Any]) -> list[str]:

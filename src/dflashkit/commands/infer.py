@@ -208,6 +208,13 @@ def _eval(args: argparse.Namespace) -> int:
             f"[green]yes, every prompt and token[/]{_check_note(report)}",
         )
     console.print(t)
+    from dflashkit.infer.evaluate import slower_than_autoregressive
+
+    slower = slower_than_autoregressive(
+        f"T={sampling.temperature}", report.mean_acceptance_length, report.speedup
+    )
+    if slower:
+        console.print(f"[yellow]{slower}[/]")
     console.print(f"wrote {js} and {png} (this evaluation is also kept as {kept.name}; earlier ones stay)")
     return 0
 

@@ -76,6 +76,20 @@ class EvalReport:
         return {**asdict(self), "round_cost_ar_tokens": self.round_cost}
 
 
+def slower_than_autoregressive(where: str, tau: float, speedup: float | None) -> str | None:
+    """One line saying so when speculative decoding measured slower than the autoregressive loop on the same
+    engine (speedup < 1), with why in the method's terms: each round accepted fewer tokens (tau) than it costs
+    in autoregressive tokens (tau / speedup). None when it paid, or when no baseline was measured."""
+    if not speedup or math.isnan(speedup) or speedup >= 1.0:
+        return None
+    return (
+        f"{where}: speculative decoding was slower than autoregressive decoding ({speedup:.2f}x): a round "
+        f"gave {tau:.2f} tokens and cost {tau / speedup:.2f} autoregressive tokens. A drafter pays where its "
+        "tau passes that cost: serve it where it was trained to be accepted (a drafter trained on the target's "
+        "argmax is accepted at T=0), or decode without it"
+    )
+
+
 def summarise(
     gens: list[tuple[Generation, Generation | None]], block_size: int
 ) -> tuple[float, list[int], list[float], float, float | None]:
