@@ -610,9 +610,12 @@ def fmt(value: float | None, width: int, digits: int) -> str:
     return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
 
-def load_models(folder: Path, dtype_name: str, args, device, seconds: dict[str, float] | None = None):
+def load_models(
+    folder: Path, dtype_name: str, args, device, seconds: dict[str, float] | None = None, lazy: bool = True
+):
     """The random target saved in ``folder`` and a random drafter of the configured shape (``seconds``:
-    filled with the wall time of each: "target" and "drafter")."""
+    filled with the wall time of each: "target" and "drafter"). ``lazy``: the target as the serving commands
+    load it (its weights file alone; the transformers model only if a step needs it)."""
     import time
 
     import torch
@@ -623,7 +626,7 @@ def load_models(folder: Path, dtype_name: str, args, device, seconds: dict[str, 
 
     dtype = getattr(torch, dtype_name)
     t0 = time.perf_counter()
-    target = TargetModel.load(folder, dtype=dtype, device=device)
+    target = TargetModel.load(folder, dtype=dtype, device=device, lazy=lazy)
     t1 = time.perf_counter()
     cfg = config_for_target(
         target.config,

@@ -6,6 +6,8 @@ one after another on a random target of the chosen shape and a random drafter:
   compile, cold            precompile off, empty Inductor cache, no compile cache (fills both)
   compile, warm local      the same caches again (this machine's Inductor cache and the portable file)
   compile, warm file       an empty Inductor cache and the portable file only (a fresh machine)
+  compile, warm file, target model   the same, the target loaded through transformers' model (as before the
+                           serving commands read its weights file alone: `TargetModel.load(lazy=True)`)
   precompile, cold         precompile on: the chain steps precompiled and written beside a new cache file
   precompile, warm local   loaded whole, this machine's Inductor cache as left by the cold case
   precompile, warm file    loaded whole into an empty Inductor cache (a fresh machine)
@@ -42,13 +44,16 @@ RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 
 # (label, precompile, Inductor cache folder, compile cache file): folders and files by name, under the run's
 # temporary folder; a name used twice is the same cache, so a later case finds what an earlier one left
+# and whether the target loads as the serving commands load it (lazy: its weights file alone) or through
+# transformers' model (as before the twenty-first session), side by side on the portable file alone
 CASES = [
-    ("compile, cold", False, "inductor-a", "compile/graphs.cache"),
-    ("compile, warm local", False, "inductor-a", "compile/graphs.cache"),
-    ("compile, warm file", False, "inductor-b", "compile/graphs.cache"),
-    ("precompile, cold", True, "inductor-c", "precompile/graphs.cache"),
-    ("precompile, warm local", True, "inductor-c", "precompile/graphs.cache"),
-    ("precompile, warm file", True, "inductor-d", "precompile/graphs.cache"),
+    ("compile, cold", False, "inductor-a", "compile/graphs.cache", "lazy"),
+    ("compile, warm local", False, "inductor-a", "compile/graphs.cache", "lazy"),
+    ("compile, warm file", False, "inductor-b", "compile/graphs.cache", "lazy"),
+    ("compile, warm file, target model", False, "inductor-e", "compile/graphs.cache", "model"),
+    ("precompile, cold", True, "inductor-c", "precompile/graphs.cache", "lazy"),
+    ("precompile, warm local", True, "inductor-c", "precompile/graphs.cache", "lazy"),
+    ("precompile, warm file", True, "inductor-d", "precompile/graphs.cache", "lazy"),
 ]
 
 
@@ -68,7 +73,9 @@ def child(args: argparse.Namespace) -> dict:
         torch.zeros(1, device=device)  # the CUDA context
     device_ready = time.time()
     models: dict[str, float] = {}
-    target, drafter = load_models(Path(args.target_folder), args.dtype, args, device, models)
+    target, drafter = load_models(
+        Path(args.target_folder), args.dtype, args, device, models, lazy=args.target_load == "lazy"
+    )
     loaded = time.time()
     t0 = time.perf_counter()
     from dflashkit.infer.engine import GRAPH_ENGINES
@@ -99,8 +106,8 @@ def child(args: argparse.Namespace) -> dict:
             "other imports": imported - imported_torch,
             "device": device_ready - imported,
             "models": loaded - device_ready,
-            # of which: transformers' from_pretrained of the target (its model code imported on first use)
-            # and the drafter built and moved
+            # of which: the target's load (lazy: its weights file read; model: transformers' from_pretrained,
+            # its model code imported on first use) and the drafter built and moved
             "target load": models["target"],
             "drafter": models["drafter"],
         },
@@ -131,7 +138,10 @@ def main() -> None:
         help="compiling graphs engines, one after another (comma-separated)",
     )
     ap.add_argument(
-        "--cases", choices=["all", "compile"], default="all", help="compile: the first three cases"
+        "--cases",
+        choices=["all", "compile"],
+        default="all",
+        help="compile: the compile cases (no precompile)",
     )
     ap.add_argument(
         "--from", dest="from_file", help="a warm_start.json of an earlier run: report it, measure nothing"
@@ -147,6 +157,7 @@ def main() -> None:
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("--precompile", choices=["on", "off"], help=argparse.SUPPRESS)
     ap.add_argument("--engine", default="graphs-compiled", help=argparse.SUPPRESS)
+    ap.add_argument("--target-load", choices=["lazy", "model"], default="lazy", help=argparse.SUPPRESS)
     ap.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -171,12 +182,12 @@ def main() -> None:
             for case in CASES
             if args.cases == "all" or not case[1]
         ]
-        for engine, label, precompile, inductor, cache in cases:
+        for engine, label, precompile, inductor, cache, target_load in cases:
             if engine != "graphs-compiled":  # each engine its own caches
                 label, inductor, cache = f"{engine}: {label}", f"{engine}-{inductor}", f"{engine}/{cache}"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--target-folder", str(folder)]
             cmd += ["--cache", str(Path(tmp) / cache), "--precompile", "on" if precompile else "off"]
-            cmd += ["--engine", engine]
+            cmd += ["--engine", engine, "--target-load", target_load]
             cmd += ["--dtype", args.dtype, "--layers", str(args.layers), "--block", str(args.block)]
             cmd += ["--target-layers", str(args.target_layers), "--capacity", str(args.capacity)]
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / inductor)}
@@ -201,16 +212,16 @@ def main() -> None:
 def print_table(rows: list[dict]) -> None:
     print()
     print(
-        f"{'case':40} {'process s':>9} {'engine s':>9} {'before s':>9} {'loaded':>6} {'built':>6}  steps (s)"
+        f"{'case':52} {'process s':>9} {'engine s':>9} {'before s':>9} {'loaded':>6} {'built':>6}  steps (s)"
     )
     for r in rows:
         if "errors" in r:
-            print(f"{r['case']:40} {r['errors']}")
+            print(f"{r['case']:52} {r['errors']}")
             continue
         steps = ", ".join(f"{k} {v:.1f}" for k, v in r["warmup_seconds"].items())
         steps += "; before: " + ", ".join(f"{k} {v:.1f}" for k, v in r.get("before_engine_parts", {}).items())
         print(
-            f"{r['case']:40} {r['process_to_first_token_seconds']:9.1f} {r['engine_to_first_token_seconds']:9.1f} "
+            f"{r['case']:52} {r['process_to_first_token_seconds']:9.1f} {r['engine_to_first_token_seconds']:9.1f} "
             f"{r['before_engine_seconds']:9.1f} {r['steps_precompiled_loaded']:6d} "
             f"{r['steps_precompiled_built']:6d}  {steps}"
         )

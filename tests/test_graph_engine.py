@@ -48,6 +48,22 @@ def test_graphs_engine_decodes_as_the_dynamic_engine(target, drafter, dynamic_ro
         assert set(g.accept_lengths[:-1]) == set(range(1, B + 1))
 
 
+def test_a_lazy_target_serves_the_graphs_engine_without_its_model(target, drafter, dynamic_rounds):
+    """The serving commands load the target lazily: the graphs engine decodes from its weights file alone,
+    token for token and round for round as with the model loaded, and the transformers model is never
+    built (NOTES: most of a target's load is importing it)."""
+    lazy = TargetModel.load("embedded", lazy=True)
+    engine = GraphEngine(lazy, drafter, capacity=64, graphs=False, fixed_shapes=True, tree_budget=6)
+    for key, (ar, dyn, _) in dynamic_rounds.items():
+        prompt = list(key)
+        assert autoregressive_generate(lazy, prompt, N, engine=engine).tokens == ar.tokens
+        ours = speculative_generate(lazy, drafter, prompt, N, engine=engine)
+        assert ours.tokens == dyn.tokens and ours.accept_lengths == dyn.accept_lengths
+        trees = speculative_generate(lazy, drafter, prompt, N, engine=engine, tree_budget=6)
+        assert trees.tokens == ar.tokens
+    assert lazy.lazy
+
+
 def test_graphs_engine_draft_and_verify_logits_match_the_dynamic_engine(target, drafter):
     """The drafter's logits (context written from the prompt, then from a verified block, with a rejected
     tail) and the target's block logits agree with the dynamic engine's to fp32 rounding."""

@@ -2,6 +2,7 @@
 decode-loop step with a croppable cache, identity, Qwen2/Qwen3 folders, and the embedded mask token."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -236,3 +237,64 @@ def test_embedded_target_and_drafter_on_gpu():
         "sdpa",
     )
     assert gpu.lm_head(h).shape == (1, 8, 49152)
+
+
+def weights_equal(a, b) -> bool:
+    """Every tensor and shape of two DecoderWeights equal (the layers' fused projections included)."""
+    fields = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down")
+
+    def same(x, y) -> bool:
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+
+    return (
+        all(same(getattr(a, f), getattr(b, f)) for f in ("embed", "norm", "lm_head", "rotary"))
+        and all(
+            same(getattr(la, f), getattr(lb, f))
+            for la, lb in zip(a.layers, b.layers, strict=True)
+            for f in fields
+        )
+        and (a.heads, a.kv_heads, a.head_dim, a.eps) == (b.heads, b.kv_heads, b.head_dim, b.eps)
+    )
+
+
+@pytest.mark.parametrize("kind", ["embedded", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lazy_target_reads_the_weights_the_model_holds(tmp_path, kind, dtype):
+    """``load(lazy=True)`` reads the weights file and config.json alone: the decoder's weights equal the
+    transformers model's tensor for tensor (Llama tied; Qwen2's biases; Qwen3's head norms, untied), and so
+    do the shape, device, dtype, identity and what ends a reply; the model is built on its first use only."""
+    from dflashkit.data.regenerate import eos_token_ids
+
+    spec = "embedded" if kind == "embedded" else tiny_folder(tmp_path, kind)
+    loaded = TargetModel.load(spec, dtype=dtype)
+    lazy = TargetModel.load(spec, dtype=dtype, lazy=True)
+    assert lazy.lazy and not loaded.lazy
+    assert weights_equal(lazy.decoder_weights(96), loaded.decoder_weights(96))
+    assert (lazy.device, lazy.dtype, lazy.num_layers, lazy.hidden_size, lazy.vocab_size) == (
+        loaded.device,
+        loaded.dtype,
+        loaded.num_layers,
+        loaded.hidden_size,
+        loaded.vocab_size,
+    )
+    assert lazy.identity() == loaded.identity()
+    tok = SimpleNamespace(eos_token_id=7)
+    assert eos_token_ids(lazy, tok) == eos_token_ids(loaded.model, tok)
+    assert lazy.lazy  # none of that built the model
+    ids = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(lazy.features(ids, layer_ids=[1, 3])[0], loaded.features(ids, layer_ids=[1, 3])[0])
+    assert not lazy.lazy and lazy._state is None  # built on first use; the tensors read ahead let go
+    assert weights_equal(lazy.decoder_weights(96), loaded.decoder_weights(96))
+
+
+def test_a_folder_the_weights_file_cannot_build_loads_its_model(tmp_path):
+    """A rotary scaling (or anything ``DecoderWeights.from_state`` does not build exactly) loads the model at
+    once under ``lazy=True``, as without it."""
+    import json
+
+    folder = tiny_folder(tmp_path, "qwen3")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_type": "linear", "factor": 2.0}
+    config.setdefault("rope_parameters", {}).setdefault("rope_theta", 10000.0)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert not TargetModel.load(folder, lazy=True).lazy

@@ -143,7 +143,9 @@ def _bench(args: argparse.Namespace) -> int:
                 "fp32 lossless check: loading float32 copies of the target and the drafter"
                 + (on if check_engine != args.engine else "")
             )
-            t32 = TargetModel.load(args.target or "embedded", dtype=torch.float32, device=target.device)
+            t32 = TargetModel.load(
+                args.target or "embedded", dtype=torch.float32, device=target.device, lazy=True
+            )
             d32 = load_drafter(args.drafter, t32, dtype=torch.float32, device=target.device, verify=False)
             lossless = decoder(t32, d32.eval(), check_engine)
 

@@ -59,7 +59,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
         if dtype_name == "auto"
         else getattr(torch, dtype_name)
     )
-    target = TargetModel.load(args.target or "embedded", dtype=dtype, device=device)
+    # lazy: the graphs engines read the weights file alone; anything else loads the model when it needs it
+    target = TargetModel.load(args.target or "embedded", dtype=dtype, device=device, lazy=True)
     drafter = load_drafter(args.drafter, target, dtype=dtype, device=device, verify=False).eval()
     from transformers import AutoTokenizer
 
@@ -125,7 +126,7 @@ def eval_prompts(args: argparse.Namespace, tokenizer: Any, thinking: bool) -> tu
 def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
     from dflashkit.data.regenerate import eos_token_ids
 
-    return eos_token_ids(target.model, tokenizer)
+    return eos_token_ids(target, tokenizer)  # its generation config, without loading a lazy target's model
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -153,7 +154,9 @@ def _eval(args: argparse.Namespace) -> int:
         from dflashkit.target.hf import TargetModel
 
         console.print("lossless check: decoding on float32 copies of the target and the drafter first")
-        t32 = TargetModel.load(args.target or "embedded", dtype=torch.float32, device=target.device)
+        t32 = TargetModel.load(
+            args.target or "embedded", dtype=torch.float32, device=target.device, lazy=True
+        )
         d32 = load_drafter(args.drafter, t32, dtype=torch.float32, device=target.device, verify=False).eval()
         engine32 = _engine(args, t32, d32, capacity, console)
         check32 = _decode(

@@ -97,7 +97,8 @@ def _loading(target: str) -> Iterator[None]:
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    """Every token id that ends a reply: the generation config's EOS ids and the tokenizer's."""
+    """Every token id that ends a reply: the generation config's EOS ids and the tokenizer's. ``model``:
+    anything with a ``generation_config`` (a transformers model; a TargetModel, lazy or not), or None."""
     ids: list[int] = []
     config = getattr(model, "generation_config", None)
     if model is None and getattr(tokenizer, "dflashkit_folder", None):

@@ -284,7 +284,7 @@ class GraphEngine:
             list(drafter.config.target_layer_ids) if drafter is not None else list(layer_ids or [])
         )
         self.block_size = drafter.config.block_size if drafter is not None else 1
-        self.w = DecoderWeights.from_hf(target.model, max_positions=capacity)
+        self.w = target.decoder_weights(capacity)
         # eager steps on a CPU in bf16: every weight packed once for oneDNN (no-op elsewhere)
         self.packed = not compile and not graphs and self.w.pack_for_cpu()
         self.cache = SlotCache(self.w, slots=1, capacity=capacity)

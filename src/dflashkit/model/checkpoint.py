@@ -37,8 +37,9 @@ from torch import Tensor
 from dflashkit.atomic import atomic_dir
 from dflashkit.errors import CheckpointError
 from dflashkit.integrity import CHECKSUMS_FILE, CorruptFileError, check_structure, verify_files
-from dflashkit.model.config import DrafterConfig, rope_from_dict, validation_message
+from dflashkit.model.config import DrafterConfig, validation_message
 from dflashkit.model.drafter import DFlashDrafter, Rotary
+from dflashkit.rope import rope_from_dict
 
 Layout = Literal["zlab", "speculators"]
 LAYOUTS: tuple[str, ...] = ("zlab", "speculators")

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from dflashkit.errors import ConfigError
+from dflashkit.rope import rope_from_hf_config
 
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -227,37 +228,3 @@ def config_for_target(
         max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 32768)),
         target=target,
     )
-
-
-def rope_from_hf_config(c: Any) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from an HF config object: transformers-5 ``rope_parameters`` or transformers-4
-    top-level ``rope_theta`` / ``rope_scaling``."""
-    params = getattr(c, "rope_parameters", None)
-    d = {"rope_parameters": params} if params else {}
-    if getattr(c, "rope_theta", None) is not None:
-        d["rope_theta"] = c.rope_theta
-    if getattr(c, "rope_scaling", None):
-        d["rope_scaling"] = c.rope_scaling
-    return rope_from_dict(d)
-
-
-def rope_from_dict(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from config.json keys, accepting both transformers-5 and transformers-4 forms."""
-    params = d.get("rope_parameters")
-    if params:
-        if "rope_theta" not in params:
-            raise ConfigError(
-                "rope_parameters without rope_theta (per-layer-type RoPE settings are not supported)"
-            )
-        theta = float(params["rope_theta"])
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        if d.get("rope_theta") is None:
-            raise ConfigError("the config has neither rope_parameters nor rope_theta")
-        theta = float(d["rope_theta"])
-        scaling = dict(d.get("rope_scaling") or {})
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default" and set(scaling) <= {"rope_type"}:
-        return theta, None
-    return theta, scaling

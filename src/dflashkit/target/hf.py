@@ -23,8 +23,9 @@ import hashlib
 import inspect
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError, DflashkitError
 from dflashkit.target.embedded import MASK_TOKEN_ID, NAME, embedded_dir
+from dflashkit.target.slot_decoder import DecoderWeights, state_unsupported
 
 Labels = Literal["argmax", "logits", "none"]
 
@@ -221,28 +223,82 @@ class StaticTargetCache:
 
 
 class TargetModel:
-    """A frozen HF causal LM with the accessors DFlash needs. Build with ``TargetModel.load``."""
+    """A frozen HF causal LM with the accessors DFlash needs. Build with ``TargetModel.load``.
 
-    def __init__(self, model: nn.Module, *, name: str, path: Path | None = None):
-        self.model = model.eval().requires_grad_(False)
-        self.config = model.config
+    Loaded lazily (``load(lazy=True)``), the target holds its weights as the checkpoint's tensors and its
+    config.json's fields until something needs the transformers model itself (features, the dynamic and
+    static engines, the tokens' embedding or head): the graphs engines read only ``decoder_weights``, so a
+    served target never imports transformers' model code, most of a target's load (NOTES: the warm start).
+    The first use of the model loads it then, in one place (``model``), and the tensors read ahead go.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        *,
+        name: str,
+        path: Path | None = None,
+        state: dict[str, Tensor] | None = None,
+        config: Any = None,
+        load_model: Callable[[], nn.Module] | None = None,
+    ):
         self.name = name
         self.path = path
-        self.decoder = model.get_decoder()
-        layers = getattr(self.decoder, "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise DflashkitError(
-                f"{name}: unsupported architecture {type(model).__name__} (no decoder .layers to read features from)"
-            )
-        self.layers = layers
         self._identity: dict[str, Any] | None = None
         # Hooks stay registered; each call says per thread which layers it wants, so that threads that
         # share the model do not see each other's captures.
         self._capture = threading.local()
-        for i, layer in enumerate(self.layers):
+        self._model: nn.Module | None = None
+        self._state = state  # a lazy target's tensors by checkpoint name, until the model loads
+        self._load_model = load_model  # () -> the transformers model, for a lazy target
+        self.config = config
+        if model is not None:
+            self._attach(model)
+        elif state is None or config is None or load_model is None:
+            raise ValueError("TargetModel needs a model, or the state, config and loader of a lazy one")
+
+    def _attach(self, model: nn.Module) -> None:
+        """Take the transformers model: its config, decoder layers and the features' hooks."""
+        model = model.eval().requires_grad_(False)
+        decoder = model.get_decoder()
+        layers = getattr(decoder, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise DflashkitError(
+                f"{self.name}: unsupported architecture {type(model).__name__} (no decoder .layers to read features from)"
+            )
+        self._model, self.config, self._decoder, self._layers = model, model.config, decoder, layers
+        for i, layer in enumerate(layers):
             layer.register_forward_hook(self._hook(i))
         forward_params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._forward_cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._state = None  # the model holds the weights now
+
+    @property
+    def model(self) -> nn.Module:
+        """The transformers model (a lazy target loads it here, once)."""
+        if self._model is None:
+            self._attach(self._load_model())  # type: ignore[misc]
+        return self._model  # type: ignore[return-value]
+
+    @property
+    def decoder(self) -> nn.Module:
+        _ = self.model
+        return self._decoder
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        _ = self.model
+        return self._layers
+
+    @property
+    def _cache_kwarg(self) -> str:
+        _ = self.model
+        return self._forward_cache_kwarg
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the transformers model is not loaded (yet): the weights are the checkpoint's tensors."""
+        return self._model is None
 
     @classmethod
     def load(
@@ -250,23 +306,57 @@ class TargetModel:
         spec: str | Path = EMBEDDED,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        *,
+        lazy: bool = False,
     ) -> TargetModel:
-        """Load "embedded" (SmolLM2-135M-Instruct, offline) or an HF model folder."""
-        from transformers import AutoModelForCausalLM
-
+        """Load "embedded" (SmolLM2-135M-Instruct, offline) or an HF model folder. ``lazy``: read only the
+        weights file and config.json now (a folder with one ``model.safetensors`` of a decoder that
+        ``DecoderWeights.from_state`` builds exactly; any other folder loads whole, as without it), and the
+        transformers model when something first needs it."""
         folder, name = resolve_target(spec)
         device = torch.device(device)
-        kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}  # a folder: never the hub
-        if device.type != "cpu":
-            kwargs["device_map"] = str(device)  # load straight onto the GPU
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-        return cls(model.to(device), name=name, path=folder)
+
+        def load_model() -> nn.Module:
+            from transformers import AutoModelForCausalLM
+
+            kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}  # a folder: never the hub
+            if device.type != "cpu":
+                kwargs["device_map"] = str(device)  # load straight onto the GPU
+            return AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device)
+
+        if lazy:
+            config = SimpleNamespace(**json.loads((folder / "config.json").read_text()))
+            weights = folder / "model.safetensors"
+            if weights.is_file() and state_unsupported(config) is None:
+                from safetensors.torch import load_file
+
+                state = {k: v.to(dtype) for k, v in load_file(str(weights), device=str(device)).items()}
+                return cls(None, name=name, path=folder, state=state, config=config, load_model=load_model)
+        return cls(load_model(), name=name, path=folder)
+
+    def decoder_weights(self, max_positions: int | None = None) -> DecoderWeights:
+        """The decoder's weights as the graphs engines read them: from the checkpoint's tensors while the
+        target is lazy, else from the transformers model (the same tensors: tested)."""
+        if self._model is None:
+            return DecoderWeights.from_state(self._state, self.config, max_positions)  # type: ignore[arg-type]
+        return DecoderWeights.from_hf(self._model, max_positions=max_positions)
+
+    @property
+    def generation_config(self) -> Any:
+        """What ends a reply: the model's generation config, or while lazy its folder's
+        ``generation_config.json`` (else config.json's ``eos_token_id``, as transformers derives it)."""
+        if self._model is not None:
+            return self._model.generation_config
+        gen = self.path / "generation_config.json" if self.path else None
+        if gen is not None and gen.is_file():
+            return SimpleNamespace(**json.loads(gen.read_text()))
+        return SimpleNamespace(eos_token_id=getattr(self.config, "eos_token_id", None))
 
     # --- shape ---------------------------------------------------------------------------------
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return len(self.layers) if self._model is not None else int(self.config.num_hidden_layers)
 
     @property
     def hidden_size(self) -> int:
@@ -278,11 +368,16 @@ class TargetModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return self._embedding().device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.get_input_embeddings().weight.dtype
+        return self._embedding().dtype
+
+    def _embedding(self) -> Tensor:
+        if self._model is None:
+            return self._state["model.embed_tokens.weight"]  # type: ignore[index]
+        return self._model.get_input_embeddings().weight
 
     # --- frozen pieces the drafter shares ------------------------------------------------------
 
@@ -371,7 +466,7 @@ class TargetModel:
     # --- decode loop ---------------------------------------------------------------------------
 
     def new_cache(self) -> TargetCache:
-        return TargetCache(self.config)
+        return TargetCache(self.model.config)
 
     @torch.no_grad()
     def forward_step(
@@ -406,7 +501,7 @@ class TargetModel:
 
     def check_tree_attention(self) -> None:
         """Refuse an attention kernel that ignores an explicit mask (tree verification needs one)."""
-        kernel = getattr(self.config, "_attn_implementation", None)
+        kernel = getattr(self.model.config, "_attn_implementation", None)
         if kernel not in TREE_ATTENTION:
             raise DflashkitError(
                 f"{self.name} runs attention with {kernel!r}, which takes no tree mask; tree verification "
@@ -433,7 +528,7 @@ class TargetModel:
 
     def new_static_cache(self, capacity: int) -> StaticTargetCache:
         self.check_static()
-        return StaticTargetCache(self.config, capacity, self.dtype, self.device)
+        return StaticTargetCache(self.model.config, capacity, self.dtype, self.device)
 
     def walk(
         self,

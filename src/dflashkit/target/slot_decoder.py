@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflashkit.errors import DflashkitError
+from dflashkit.errors import ConfigError, DflashkitError
+from dflashkit.rope import rope_from_hf_config
 
 Attention = Literal["sdpa", "flash"]
 
@@ -124,40 +125,37 @@ class DecoderWeights:
         check_supported(model.config)
         cfg = model.config
         inner = model.get_decoder()
-        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        order = rotary_order(head_dim, heads + kv_heads, device=inner.embed_tokens.weight.device)
+        heads, kv_heads, head_dim = attention_shape(cfg)
         layers = []
         with torch.no_grad():
             for layer in inner.layers:
                 at, mlp = layer.self_attn, layer.mlp
-                qk = torch.cat([at.q_proj.weight, at.k_proj.weight])[order]
-                qkv = torch.cat([qk, at.v_proj.weight]).contiguous()
-                bias = None
-                if at.q_proj.bias is not None:
-                    qk_b = torch.cat([at.q_proj.bias, at.k_proj.bias])[order]
-                    bias = torch.cat([qk_b, at.v_proj.bias]).contiguous()
-                per_head = rotary_order(head_dim, 1, device=qkv.device)
-                q_norm = getattr(at, "q_norm", None)
-                k_norm = getattr(at, "k_norm", None)
                 layers.append(
-                    LayerWeights(
-                        input_norm=layer.input_layernorm.weight.detach(),
-                        qkv=qkv,
-                        qkv_bias=bias,
-                        q_norm=None if q_norm is None else q_norm.weight.detach()[per_head].contiguous(),
-                        k_norm=None if k_norm is None else k_norm.weight.detach()[per_head].contiguous(),
-                        o=at.o_proj.weight.detach(),
-                        post_norm=layer.post_attention_layernorm.weight.detach(),
-                        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-                        down=mlp.down_proj.weight.detach(),
+                    fused_layer(
+                        {
+                            "input_norm": layer.input_layernorm.weight,
+                            "q": at.q_proj.weight,
+                            "k": at.k_proj.weight,
+                            "v": at.v_proj.weight,
+                            "q_bias": at.q_proj.bias,
+                            "k_bias": at.k_proj.bias,
+                            "v_bias": at.v_proj.bias,
+                            "q_norm": None if getattr(at, "q_norm", None) is None else at.q_norm.weight,
+                            "k_norm": None if getattr(at, "k_norm", None) is None else at.k_norm.weight,
+                            "o": at.o_proj.weight,
+                            "post_norm": layer.post_attention_layernorm.weight,
+                            "gate": mlp.gate_proj.weight,
+                            "up": mlp.up_proj.weight,
+                            "down": mlp.down_proj.weight,
+                        },
+                        heads,
+                        kv_heads,
+                        head_dim,
                     )
                 )
             rot = inner.rotary_emb
             n = max_positions or int(cfg.max_position_embeddings)
-            pos = torch.arange(n, dtype=torch.float32, device=rot.inv_freq.device)
-            angles = pos[:, None] * rot.inv_freq.float()[None, :]
-            rotary = torch.polar(torch.full_like(angles, float(rot.attention_scaling)), angles)
+            rotary = rotary_table(rot.inv_freq, float(rot.attention_scaling), n)
         return cls(
             embed=inner.embed_tokens.weight.detach(),
             layers=layers,
@@ -169,6 +167,124 @@ class DecoderWeights:
             head_dim=head_dim,
             eps=float(cfg.rms_norm_eps),
         )
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, Tensor], config: Any, max_positions: int | None = None
+    ) -> DecoderWeights:
+        """The same weights from a checkpoint's tensors by name (``model.safetensors`` of a transformers
+        folder, already in the wanted dtype and device) and its config.json's fields, without building the
+        transformers model (whose imports are most of a target's load: `TargetModel.load(lazy=True)`). Only
+        for the plain default rotary embedding (`state_supported` says which configs); the tensors are those
+        ``from_hf`` reads, fused the same way."""
+        reason = state_unsupported(config)
+        if reason:
+            raise DflashkitError(f"the target's weights cannot be read without transformers: {reason}")
+        check_supported(config)
+        heads, kv_heads, head_dim = attention_shape(config)
+        names = {
+            "input_norm": "input_layernorm.weight",
+            "q": "self_attn.q_proj.weight",
+            "k": "self_attn.k_proj.weight",
+            "v": "self_attn.v_proj.weight",
+            "q_bias": "self_attn.q_proj.bias",
+            "k_bias": "self_attn.k_proj.bias",
+            "v_bias": "self_attn.v_proj.bias",
+            "q_norm": "self_attn.q_norm.weight",
+            "k_norm": "self_attn.k_norm.weight",
+            "o": "self_attn.o_proj.weight",
+            "post_norm": "post_attention_layernorm.weight",
+            "gate": "mlp.gate_proj.weight",
+            "up": "mlp.up_proj.weight",
+            "down": "mlp.down_proj.weight",
+        }
+        embed = state["model.embed_tokens.weight"]
+        layers = []
+        with torch.no_grad():
+            for i in range(int(config.num_hidden_layers)):
+                parts = {k: state.get(f"model.layers.{i}.{name}") for k, name in names.items()}
+                layers.append(fused_layer(parts, heads, kv_heads, head_dim))
+            theta, _ = rope_from_hf_config(config)
+            exponents = (
+                torch.arange(0, head_dim, 2, dtype=torch.int64, device=embed.device).float() / head_dim
+            )
+            inv_freq = 1.0 / (theta**exponents)  # transformers' default rotary initialisation
+            n = max_positions or int(config.max_position_embeddings)
+            rotary = rotary_table(inv_freq, 1.0, n)
+        return cls(
+            embed=embed,
+            layers=layers,
+            norm=state["model.norm.weight"],
+            lm_head=state.get("lm_head.weight", embed) if not tied(config) else embed,
+            rotary=rotary,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            eps=float(config.rms_norm_eps),
+        )
+
+
+def attention_shape(config: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of a transformers config."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return heads, kv_heads, head_dim
+
+
+def tied(config: Any) -> bool:
+    """Whether the output head is the input embedding (transformers' default for a config that says nothing)."""
+    return bool(getattr(config, "tie_word_embeddings", True))
+
+
+def state_unsupported(config: Any) -> str | None:
+    """Why ``DecoderWeights.from_state`` cannot build this config's weights exactly (None: it can)."""
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model type {getattr(config, 'model_type', None)!r}"
+    try:
+        _, scaling = rope_from_hf_config(config)
+    except ConfigError as e:
+        return str(e)
+    if scaling:
+        return f"rotary scaling {scaling.get('rope_type')!r}"
+    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return "a partial rotary embedding"
+    if getattr(config, "quantization_config", None):
+        return "quantised weights"
+    return None
+
+
+def fused_layer(parts: dict[str, Tensor | None], heads: int, kv_heads: int, head_dim: int) -> LayerWeights:
+    """One decoder layer's weights fused and reordered (see the module docstring) from its projections by
+    role: q, k, v (and their biases, None without), q_norm and k_norm (None without), o, gate, up, down and
+    the two norms."""
+    order = rotary_order(head_dim, heads + kv_heads, device=parts["q"].device)  # type: ignore[union-attr]
+    per_head = rotary_order(head_dim, 1, device=parts["q"].device)  # type: ignore[union-attr]
+    qk = torch.cat([parts["q"], parts["k"]])[order]  # type: ignore[list-item]
+    qkv = torch.cat([qk, parts["v"]]).contiguous()  # type: ignore[list-item]
+    bias = None
+    if parts["q_bias"] is not None:
+        qk_b = torch.cat([parts["q_bias"], parts["k_bias"]])[order]  # type: ignore[list-item]
+        bias = torch.cat([qk_b, parts["v_bias"]]).contiguous()  # type: ignore[list-item]
+    q_norm, k_norm = parts["q_norm"], parts["k_norm"]
+    return LayerWeights(
+        input_norm=parts["input_norm"].detach(),  # type: ignore[union-attr]
+        qkv=qkv,
+        qkv_bias=bias,
+        q_norm=None if q_norm is None else q_norm.detach()[per_head].contiguous(),
+        k_norm=None if k_norm is None else k_norm.detach()[per_head].contiguous(),
+        o=parts["o"].detach(),  # type: ignore[union-attr]
+        post_norm=parts["post_norm"].detach(),  # type: ignore[union-attr]
+        gate_up=torch.cat([parts["gate"], parts["up"]]).contiguous(),  # type: ignore[list-item]
+        down=parts["down"].detach(),  # type: ignore[union-attr]
+    )
+
+
+def rotary_table(inv_freq: Tensor, scaling: float, max_positions: int) -> Tensor:
+    """The rotary table [max_positions, head_dim / 2] complex64: scaling * e^(i * pos * inv_freq)."""
+    pos = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    angles = pos[:, None] * inv_freq.float()[None, :]
+    return torch.polar(torch.full_like(angles, scaling), angles)
 
 
 def check_supported(config: Any) -> None:
