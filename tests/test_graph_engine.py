@@ -798,3 +798,34 @@ def test_layers_engine_tree_rounds_decode_as_autoregressive(tmp_path):
     assert scripted.tokens == ar and scripted.accept_lengths == reference.accept_lengths
     assert max(scripted.accept_lengths) >= 3 and any(p != list(range(len(p))) for p in script.paths)
     assert (graph_engine.TREE_BUILD_STEP.graphs(), graph_engine.TREE_WALK_STEP.graphs()) == after
+
+
+@pytest.mark.slow
+def test_one_compile_serves_a_lazy_target_and_its_loaded_model(tmp_path):
+    """The compiled steps of graphs-layers built from a lazy target's weights file serve the same target
+    loaded through its model without a second compile (and so does the portable compile cache), and the
+    two decode alike. A tied head passed as the embedding object itself, not a view, compiled the draft step
+    again (H200, twenty-first session: 9.2 s of the model case's warm start)."""
+    from torch._dynamo.utils import counters
+
+    model_target = tiny_target(tmp_path / "target")
+    lazy = TargetModel.load(tmp_path / "target", dtype=torch.float32, lazy=True)
+    cfg = config_for_target(
+        model_target.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=[0, 2]
+    )
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg).eval()
+    torch._dynamo.reset()
+    counters.clear()
+    prompt = prompts(9)[0]
+    prompt = [t % 500 for t in prompt]
+    outputs = []
+    for t in (lazy, model_target):
+        engine = GraphEngine(t, drafter, capacity=64, graphs=False, compile="layers")
+        engine.warm_up()
+        if t is lazy:
+            graphs = counters["stats"]["unique_graphs"]
+        outputs.append(speculative_generate(t, drafter, prompt, 12, engine=engine))
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled for the second load
+    assert outputs[0].tokens == outputs[1].tokens and outputs[0].accept_lengths == outputs[1].accept_lengths
+    assert lazy.lazy

@@ -215,7 +215,9 @@ class DecoderWeights:
             embed=embed,
             layers=layers,
             norm=state["model.norm.weight"],
-            lm_head=state.get("lm_head.weight", embed) if not tied(config) else embed,
+            # tied: a view of the embedding, not the same tensor object, as ``from_hf`` gives it (a compiled
+            # step guards on its inputs being one object: the same object would compile a second graph)
+            lm_head=embed.detach() if tied(config) else state.get("lm_head.weight", embed.detach()),
             rotary=rotary,
             heads=heads,
             kv_heads=kv_heads,
