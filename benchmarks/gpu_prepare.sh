@@ -20,6 +20,12 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-second session's plan (what the twenty-first left; NOTES "What stands between"): build on the CPU first,
+# then measure: (1) issue 15: the loss against the target's whole distribution (soft labels beside the argmax;
+# the remedy for T=1, where this drafter serves at 0.82-0.95x), one round from the drafter in git on the
+# third greedy set (`gsweep`'s data, ~3 min to prepare), bench at T=0 and T=1; (2) issue 16: the serving
+# commands' tokenizer without transformers (the last ~2 s of a command's start), and a decode layer in fewer
+# kernels (the round is its 378 kernels). Carry: .bench/p1 .whl, p2, p5, p3, then p4 with `part join ...`.
 # Twenty-first session, as run: RESULTS (the GGUF's pieces now in five folders: p2 with the working tree passed the
 # carry's 64 MiB; `join` now refuses a missing piece or a missing gguf module before it joins anything).
 # Twenty-first session's plan (~28 device minutes; the twentieth measured the cache written in place (AR 894 ->
