@@ -251,6 +251,7 @@ class TargetModel:
         self._model: nn.Module | None = None
         self._state = state  # a lazy target's tensors by checkpoint name, until the model loads
         self._load_model = load_model  # () -> the transformers model, for a lazy target
+        self._loading = threading.Lock()  # threads that share a lazy target build its model once
         self.config = config
         if model is not None:
             self._attach(model)
@@ -277,7 +278,9 @@ class TargetModel:
     def model(self) -> nn.Module:
         """The transformers model (a lazy target loads it here, once)."""
         if self._model is None:
-            self._attach(self._load_model())  # type: ignore[misc]
+            with self._loading:
+                if self._model is None:
+                    self._attach(self._load_model())  # type: ignore[misc]
         return self._model  # type: ignore[return-value]
 
     @property
