@@ -10,6 +10,8 @@ a K/V cache allocated once:
   query and key rows of every head are reordered so that the rotary pairs (i, i + d/2) sit side by side:
   rotary embedding then is one complex multiplication (`apply_rotary`). Queries and keys are permuted the
   same way, so their dot products, and everything the model computes, are unchanged.
+  ``DecoderWeights.from_state(tensors, config)`` builds the same from a folder's weights file and
+  config.json, without transformers' model (a served target: ``TargetModel.load(lazy=True)``).
 - ``SlotCache``: keys and values of ``slots`` sequences of up to ``capacity`` positions each, laid out
   [slot, position, kv head, head dim], plus one scratch slot (index ``slots``) that padding rows write to.
 - ``forward(...)``: rows of new tokens, each row written into its slot at its own start position; every
@@ -175,7 +177,7 @@ class DecoderWeights:
         """The same weights from a checkpoint's tensors by name (``model.safetensors`` of a transformers
         folder, already in the wanted dtype and device) and its config.json's fields, without building the
         transformers model (whose imports are most of a target's load: `TargetModel.load(lazy=True)`). Only
-        for the plain default rotary embedding (`state_supported` says which configs); the tensors are those
+        for the plain default rotary embedding (``state_unsupported`` says why not); the tensors are those
         ``from_hf`` reads, fused the same way."""
         reason = state_unsupported(config)
         if reason:
