@@ -298,3 +298,22 @@ def test_a_folder_the_weights_file_cannot_build_loads_its_model(tmp_path):
     config.setdefault("rope_parameters", {}).setdefault("rope_theta", 10000.0)
     (folder / "config.json").write_text(json.dumps(config))
     assert not TargetModel.load(folder, lazy=True).lazy
+
+
+def test_a_lazy_load_of_a_damaged_folder_says_what_is_wrong(tmp_path):
+    """A weights file that lacks a layer's tensor, one that is not a safetensors file, and a config.json that
+    is not JSON: each one clear error naming the file, never a KeyError from deep inside the load."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_folder(tmp_path, "qwen3")
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["model.layers.2.mlp.up_proj.weight"]
+    save_file(weights, str(folder / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(DflashkitError, match=r"lack 1 tensors .*model.layers.2.mlp.up_proj.weight"):
+        TargetModel.load(folder, lazy=True)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(DflashkitError, match=r"cannot read .*model.safetensors .*damaged"):
+        TargetModel.load(folder, lazy=True)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(DflashkitError, match=r"config.json is not a JSON object"):
+        TargetModel.load(folder, lazy=True)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError, DflashkitError
 from dflashkit.target.embedded import MASK_TOKEN_ID, NAME, embedded_dir
-from dflashkit.target.slot_decoder import DecoderWeights, state_unsupported
+from dflashkit.target.slot_decoder import DecoderWeights, check_tensors, state_unsupported
 
 Labels = Literal["argmax", "logits", "none"]
 
@@ -328,12 +328,24 @@ class TargetModel:
             return AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device)
 
         if lazy:
-            config = SimpleNamespace(**json.loads((folder / "config.json").read_text()))
+            try:
+                config = SimpleNamespace(**json.loads((folder / "config.json").read_text()))
+            except (ValueError, TypeError) as e:
+                raise DflashkitError(
+                    f"{folder / 'config.json'} is not a JSON object ({e}): fix or replace it"
+                ) from None
             weights = folder / "model.safetensors"
             if weights.is_file() and state_unsupported(config) is None:
+                from safetensors import SafetensorError
                 from safetensors.torch import load_file
 
-                state = {k: v.to(dtype) for k, v in load_file(str(weights), device=str(device)).items()}
+                try:
+                    state = {k: v.to(dtype) for k, v in load_file(str(weights), device=str(device)).items()}
+                except SafetensorError as e:
+                    raise DflashkitError(
+                        f"cannot read {weights} ({e}): the file is damaged; replace it"
+                    ) from None
+                check_tensors(state, config, f"the tensors of {weights}")
                 return cls(None, name=name, path=folder, state=state, config=config, load_model=load_model)
         return cls(load_model(), name=name, path=folder)
 

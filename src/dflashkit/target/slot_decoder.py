@@ -183,6 +183,7 @@ class DecoderWeights:
         if reason:
             raise DflashkitError(f"the target's weights cannot be read without transformers: {reason}")
         check_supported(config)
+        check_tensors(state, config, "the target's weights")
         heads, kv_heads, head_dim = attention_shape(config)
         names = {
             "input_norm": "input_layernorm.weight",
@@ -219,7 +220,7 @@ class DecoderWeights:
             norm=state["model.norm.weight"],
             # tied: a view of the embedding, not the same tensor object, as ``from_hf`` gives it (a compiled
             # step guards on its inputs being one object: the same object would compile a second graph)
-            lm_head=embed.detach() if tied(config) else state.get("lm_head.weight", embed.detach()),
+            lm_head=embed.detach() if tied(config) else state["lm_head.weight"],
             rotary=rotary,
             heads=heads,
             kv_heads=kv_heads,
@@ -234,6 +235,36 @@ def attention_shape(config: Any) -> tuple[int, int, int]:
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     return heads, kv_heads, head_dim
+
+
+# the tensors every layer of a supported decoder has, by their checkpoint names (biases and head norms are
+# optional: Qwen2 has the one, Qwen3 the other)
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def check_tensors(state: dict[str, Tensor], config: Any, where: str) -> None:
+    """Refuse, naming them, a ``state`` that lacks tensors ``DecoderWeights.from_state`` needs for ``config``."""
+    wanted = ["model.embed_tokens.weight", "model.norm.weight"]
+    wanted += [f"model.layers.{i}.{n}" for i in range(int(config.num_hidden_layers)) for n in LAYER_TENSORS]
+    if not tied(config):
+        wanted.append("lm_head.weight")
+    missing = [n for n in wanted if n not in state]
+    if missing:
+        more = ", ..." if len(missing) > 3 else ""
+        raise DflashkitError(
+            f"{where} lack {len(missing)} tensors the config needs ({', '.join(missing[:3])}{more}): "
+            "not a whole checkpoint of this model; replace the weights file"
+        )
 
 
 def tied(config: Any) -> bool:
