@@ -22,10 +22,11 @@ from dflashkit.train.validation import validate
 
 STEPS = 6
 # a: the base (block 4, 1 layer, 2 target layers); b: block 8 and another lr; c: 2 layers reading 3
-# target layers (so the target computes the union of the drafters' layers and each takes its own).
+# target layers, distilling (so the target computes the union of the drafters' layers and the last one
+# c's loss reads, and each takes its own).
 A = "{name: a}"
 B = "{name: b, overrides: {drafter.block_size: 8, train.lr: 1.0e-3}}"
-C = "{name: c, overrides: {drafter.layers: 2, drafter.num_target_layers: 3}}"
+C = "{name: c, overrides: {drafter.layers: 2, drafter.num_target_layers: 3, train.distill: 0.5}}"
 VARIANTS = f"[{A}, {B}, {C}]"
 
 

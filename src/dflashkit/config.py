@@ -172,6 +172,12 @@ class TrainSection(Section):
     loss_weighting: Literal["decay", "dpace"] = "decay"
     dpace_alpha: float = Field(0.5, ge=0, le=1)
     labels: Literal["target", "dataset"] = "target"
+    # Distillation: the weight alpha of the target's whole distribution in each slot's loss, beside its argmax
+    # (or the dataset token): (1 - alpha) CE(label) + alpha KL(p_target || p_drafter). 0: the label alone.
+    # The target's distribution comes from its last layer (read beside the drafter's layers, through the
+    # target's final norm and lm_head), so it needs the target online: a capture (data.features_dir) holds
+    # the drafter's layers only.
+    distill: float = Field(0.0, ge=0, le=1)
     chunk_blocks: int = Field(32, ge=1)  # blocks per loss chunk (full-vocab logits never all at once)
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(100, ge=1)
@@ -332,6 +338,12 @@ class RunConfig(Section):
             raise ValueError(
                 f"drafter.target_layer_ids has {len(d.target_layer_ids)} ids but drafter.num_target_layers is "
                 f"{d.num_target_layers}; make them agree (or drop target_layer_ids for the default spacing)"
+            )
+        if t.distill > 0 and self.data.features_dir:
+            raise ValueError(
+                f"train.distill={t.distill} needs the target's last layer at every step, and a capture "
+                f"(data.features_dir={self.data.features_dir}) holds the drafter's layers only; drop "
+                "data.features_dir to run the target online, or set train.distill: 0"
             )
         return self
 

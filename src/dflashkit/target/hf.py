@@ -411,6 +411,11 @@ class TargetModel:
         rows = h.to(head.weight.dtype).reshape(-1, h.shape[-1])  # a view when it can be, else a copy of h
         return head(rows).view(*h.shape[:-1], head.weight.shape[0])
 
+    def final_norm(self, h: Tensor) -> Tensor:
+        """The target's final norm of last-layer outputs h [..., H]: what its lm_head reads (a drafter that
+        distils takes the target's distribution from it)."""
+        return self.decoder.norm(h)
+
     def embed_weight(self) -> Tensor:
         return self.model.get_input_embeddings().weight
 

@@ -166,3 +166,12 @@ def block_labels(
     else:
         labels = torch.gather(target_argmax, 1, (pos - 1).clamp(0, T - 1))
     return torch.where(mask, labels, torch.zeros_like(labels)), mask
+
+
+def label_states(layout: BlockLayout, states: Tensor) -> Tensor:
+    """The target's state that predicts each block slot's token: states[a + k - 1] for slot k of the block at
+    anchor a (where `block_labels` reads the target's argmax), clamped to the row. states: [b, T, H] ->
+    [b, N*B, H]."""
+    T = states.shape[1]
+    pos = (block_indices(layout) - 1).clamp(0, T - 1)
+    return torch.gather(states, 1, pos[:, :, None].expand(-1, -1, states.shape[-1]))

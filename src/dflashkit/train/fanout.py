@@ -82,6 +82,8 @@ from dflashkit.train.sources import (
     FedFeatures,
     KeptFeatures,
     OnlineFeatures,
+    feature_columns,
+    feature_layers,
     feature_source,
     feature_source_for,
 )
@@ -189,6 +191,7 @@ class TargetView:
         embedding, head = copy.deepcopy(pair)  # one deepcopy, so that tied weights stay tied
         self._embedding = embedding.to(self.device)
         self._head = head.to(self.device)
+        self._norm = copy.deepcopy(target.decoder.norm).to(self.device)
 
     def __getattr__(self, name: str) -> Any:  # config, identity(), hidden_size, dtype, ...: the target's
         if name == "target":
@@ -197,6 +200,9 @@ class TargetView:
 
     def embed(self, ids: Tensor) -> Tensor:
         return self._embedding(ids)
+
+    def final_norm(self, h: Tensor) -> Tensor:
+        return self._norm(h)
 
     def embed_weight(self) -> Tensor:
         return self._embedding.weight
@@ -215,16 +221,6 @@ class TargetView:
         mask = attention_mask.to(there) if attention_mask is not None else None
         feats, labels = self.target.features(input_ids.to(there), mask, layer_ids, **moved)
         return feats.to(self.device), labels.to(self.device) if labels is not None else None
-
-
-def feature_columns(union: list[int], layer_ids: list[int], hidden: int) -> Tensor | None:
-    """Columns of a drafter's layers in features of the ``union`` of layers (outputs concatenated in
-    layer order, ``hidden`` wide each), on the CPU; None when the drafter reads them all."""
-    mine = sorted(layer_ids)
-    if mine == union:
-        return None
-    cols = [torch.arange(union.index(i) * hidden, (union.index(i) + 1) * hidden) for i in mine]
-    return torch.cat(cols)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,7 +398,7 @@ def setup_fanout(cfg: RunConfig, resume_from: dict[str, ResumePoint | None] | No
     stream = MicroBatchStream(len(rows[0]), cfg.train.batch_size, cfg.train.seed)
     for run in runs:
         run.stream = stream
-    union = sorted(set().union(*(r.drafter.config.target_layer_ids for r in runs)))
+    union = sorted(set().union(*(feature_layers(r.cfg, r.drafter.config) for r in runs)))
     store = runs[0].store
     targets = [
         TargetWorker(i, d, feature_source_for(cfg, replicas[d], union, store)) for i, d in enumerate(devices)
@@ -414,7 +410,7 @@ def setup_fanout(cfg: RunConfig, resume_from: dict[str, ResumePoint | None] | No
         step = point.saved.progress["step"] if point is not None else 0
         start = stream.position(point.saved.progress["data_cursor"] if point is not None else None)
         end = start + max(run.total_steps - step, 0) * run.cfg.train.grad_accum
-        columns = feature_columns(union, run.drafter.config.target_layer_ids, first.hidden_size)
+        columns = feature_columns(union, feature_layers(run.cfg, run.drafter.config), first.hidden_size)
         feed = Feed(name, start, end, fc.queue_depth, columns, stop)
         held_out = feature_source(run) if store is not None else KeptFeatures()
         workers.append(DrafterWorker(name, run, feed, FedFeatures(feed, held_out), point, step))

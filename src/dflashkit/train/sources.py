@@ -11,6 +11,10 @@ split, on the device of the rows it is handed. Four kinds:
   stream order, and held-out rows from features computed once for every drafter.
 
 `feature_source` picks the first three from the config; the fan-out builds the fed ones.
+
+The layers a source reads are `feature_layers`: the drafter's own, and the target's last when the run
+distils (train.distill > 0: the target's distribution is its last layer through its final norm and head).
+`split_features` takes the drafter's context features and that last layer apart again.
 """
 
 from __future__ import annotations
@@ -26,9 +30,42 @@ from dflashkit.data.features import FeatureStore
 from dflashkit.data.rows import Rows
 from dflashkit.data.stream import MicroBatch
 from dflashkit.errors import DflashkitError
+from dflashkit.model.config import DrafterConfig
 from dflashkit.target import packed
 
 Features = tuple[Tensor, Tensor]  # context features [b, T, n*H], argmax labels [b, T]
+
+
+def feature_layers(cfg: RunConfig, config: DrafterConfig) -> list[int]:
+    """The target layers a run reads at each step, in order: the drafter's (its context features) and, when
+    it distils (train.distill > 0), the target's last one."""
+    layers = set(config.target_layer_ids)
+    if cfg.train.distill > 0:
+        layers.add(config.num_target_layers - 1)
+    return sorted(layers)
+
+
+def feature_columns(union: list[int], layer_ids: list[int], hidden: int) -> Tensor | None:
+    """Columns of ``layer_ids`` in features of the ``union`` of layers (outputs concatenated in layer order,
+    ``hidden`` wide each), on the CPU; None when they are all of them."""
+    mine = sorted(layer_ids)
+    if mine == union:
+        return None
+    cols = [torch.arange(union.index(i) * hidden, (union.index(i) + 1) * hidden) for i in mine]
+    return torch.cat(cols)
+
+
+def split_features(features: Tensor, cfg: RunConfig, config: DrafterConfig) -> tuple[Tensor, Tensor | None]:
+    """Features of `feature_layers` [b, T, n*H] -> the drafter's context features and the target's last-layer
+    output [b, T, H] (None when the run does not distil). The last layer comes last in layer order: the
+    drafter's are the columns before it, or all of them when it reads the last layer itself (views both)."""
+    if cfg.train.distill <= 0:
+        return features, None
+    H = config.hidden_size
+    last = features[..., -H:]
+    if config.num_target_layers - 1 in config.target_layer_ids:
+        return features, last
+    return features[..., :-H], last
 
 
 class FeedError(DflashkitError):
@@ -99,7 +136,7 @@ def feature_source_for(
     cfg: RunConfig, target: Any, layer_ids: Sequence[int], store: FeatureStore | None
 ) -> OnlineFeatures | CapturedFeatures:
     """The source a config asks for: a capture's ``store`` (data.features_dir), cached target passes
-    (train.cache_features) or the target every time, for ``layer_ids`` of ``target``."""
+    (train.cache_features) or the target every time, for ``layer_ids`` of ``target`` (`feature_layers`)."""
     if store is not None:
         return CapturedFeatures(store, target.dtype)
     kind = CachedFeatures if cfg.train.cache_features else OnlineFeatures
@@ -107,8 +144,8 @@ def feature_source_for(
 
 
 def feature_source(run: Any) -> OnlineFeatures | CapturedFeatures:
-    """A training run's own source (`setup.Run`): its target, its drafter's layers, its capture if any."""
-    return feature_source_for(run.cfg, run.target, run.drafter.config.target_layer_ids, run.store)
+    """A training run's own source (`setup.Run`): its target, its `feature_layers`, its capture if any."""
+    return feature_source_for(run.cfg, run.target, feature_layers(run.cfg, run.drafter.config), run.store)
 
 
 class KeptFeatures:

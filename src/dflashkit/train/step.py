@@ -20,9 +20,10 @@ from dflashkit.data.rows import Rows
 from dflashkit.model.acceptance import acceptance_stats, block_lengths
 from dflashkit.model.drafter import DFlashDrafter, build_block_masks
 from dflashkit.target.hf import TargetModel
-from dflashkit.train.anchors import block_inputs, block_labels, block_positions, sample_anchors
+from dflashkit.train.anchors import block_inputs, block_labels, block_positions, label_states, sample_anchors
 from dflashkit.train.distributed import unwrap
 from dflashkit.train.loss import LossOutput, dflash_loss
+from dflashkit.train.sources import split_features
 
 
 def draw_anchors(
@@ -80,7 +81,9 @@ def block_step(
 ) -> StepOutput:
     """Anchors -> blocks -> drafter -> chunked weighted loss, for one micro-batch. ``drafter`` may be a
     DDP wrapper; ``seeds`` (one per row) make each row's anchors its own draw (`draw_anchors`); ``layout``
-    gives the anchors instead (evaluation's `covering_layouts`)."""
+    gives the anchors instead (evaluation's `covering_layouts`). ``features`` are those of the run's
+    `feature_layers`: with train.distill, the target's last layer beside the drafter's, whose output through
+    the target's final norm gives the loss the target's whole distribution at each slot."""
     config = unwrap(drafter).config
     B = config.block_size
     if layout is None:
@@ -91,8 +94,10 @@ def block_step(
         layout, argmax, rows.input_ids, rows.loss_mask, use_dataset_tokens=cfg.train.labels == "dataset"
     )
     masks = build_block_masks(config, layout, backend)
+    context, last = split_features(features, cfg, config)
     with autocast:
-        hidden = drafter(features, target.embed(ids), rows.position_ids, positions, masks, backend)
+        target_hidden = None if last is None else target.final_norm(label_states(layout, last))
+        hidden = drafter(context, target.embed(ids), rows.position_ids, positions, masks, backend)
         out = dflash_loss(
             hidden,
             target.lm_head_weight(),
@@ -104,6 +109,8 @@ def block_step(
             dpace_alpha=cfg.train.dpace_alpha,
             chunk_blocks=cfg.train.chunk_blocks,
             compiled=unwrap(drafter).compiled_regions,
+            target_hidden=target_hidden,
+            distill=cfg.train.distill,
         )
     lengths = block_lengths(out.predictions, labels, label_mask, B)
     stats = acceptance_stats(out.predictions, labels, label_mask, layout.block_valid, B, lengths)
