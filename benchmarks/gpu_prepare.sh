@@ -20,6 +20,13 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-second session's plan, as built (distillation: train.distill, configs/embedded-gpu-distill.yaml), back to back:
+#   bash benchmarks/gpu_prepare.sh part      # carry .bench/p1 .whl (then p2, p5, p3: `part` each)
+#   bash benchmarks/gpu_prepare.sh part join dtests    # carry .bench/p4: the distilling fan-out's GPU test
+#   BUDGET=590 bash benchmarks/gpu_prepare.sh dsweep   # the third greedy set; the control and three distilling
+#                       # variants side by side (held-out served tau, T=0); the best comes back in pieces
+#   then bench the best distilling drafter (DRAFTER=/root/work/dsweep-runs/<its folder>/best) at T=1 beside the
+#   drafter in git on the same prompts, and at T=0 on the whole table if it passes the control.
 # Twenty-second session's plan (what the twenty-first left; NOTES "What stands between"): build on the CPU first,
 # then measure: (1) issue 15: the loss against the target's whole distribution (soft labels beside the argmax;
 # the remedy for T=1, where this drafter serves at 0.82-0.95x), one round from the drafter in git on the
@@ -298,6 +305,21 @@ train() {  # name, config
   for f in metrics.jsonl training.png summary.json; do cp "$W/run-$1/$f" "$OUT/$1-$f" 2>/dev/null; done
 }
 
+sweep() {  # name, config, dataset: the config's fan-out variants on a prepared dataset (a later call resumes
+  # them); the best variant's best drafter (or KEEP_VARIANT's) comes back in pieces, as `keep`'s does
+  stage "sweep $1"
+  R=""; [ -d $W/$1-runs ] && R=--resume
+  timeout $(cap 590) python3 benchmarks/drafter_sweep.py -c "$2" --data $W/$3 --out $W/$1-runs $R \
+    --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} run.compile_cache=$W/compile-$1.cache \
+    2>&1 | grep -v "Loading weights" | tail -30
+  for f in sweep.json sweep.md sweep.png; do cp "$W/$1-runs/$f" "$OUT/$1-$f" 2>/dev/null; done
+  local best
+  best=$(python3 -c "import json,sys; v=[r for r in json.load(open(sys.argv[1]))['variants'] if r.get('best_served_tau')]; \
+k=[r for r in v if r['name']==sys.argv[2]]; print((k or [max(v, key=lambda r: r['best_served_tau'])])[0]['folder'] if v else '')" \
+    "$W/$1-runs/sweep.json" "${KEEP_VARIANT:-}" 2>/dev/null)
+  [ -n "$best" ] && echo "kept: $best" && tar -C "$best" -cf - best | split -b 15M - "$OUT/$1-drafter.tar.part."
+}
+
 for s in "$@"; do
   case $s in
     part)
@@ -328,6 +350,12 @@ for s in "$@"; do
     speed)
       stage speed
       timeout $(cap 420) python3 benchmarks/prepare_speed.py 2>&1 | grep -v "Loading weights" | tail -14 ;;
+    dtests)
+      # a distilling drafter on the GPU: the fan-out's compiled flex and loss-chunk regions warmed then frozen,
+      # beside two plain drafters (it loads the embedded target: after `join`), and the loss's memory bound
+      stage dtests
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_fanout.py tests/test_loss.py -k "flex_fanout or memory" \
+        2>&1 | tee "$OUT/pytest-dtests.log" | tail -15 ;;
     gtests)
       stage gtests
       timeout $(cap 300) python3 -m pytest -q -m gpu tests/test_generator.py tests/test_graph_engine.py \
@@ -390,18 +418,14 @@ for s in "$@"; do
     gsweep)
       # what limits the drafter now (configs/embedded-gpu-sweep-greedy.yaml): a third set of greedy replies,
       # prepared once, and four variants of the drafter in git through the fan-out (as it is; three times the
-      # rate; 4 and 5 layers); a later command resumes them. Then the best variant's best drafter comes back
-      # in pieces, as `round`'s does
+      # rate; 4 and 5 layers); a later command resumes them
       prepare gsweep configs/embedded-gpu-sweep-greedy.yaml
-      stage gsweep
-      R=""; [ -d $W/gsweep-runs ] && R=--resume
-      timeout $(cap 590) python3 benchmarks/drafter_sweep.py -c configs/embedded-gpu-sweep-greedy.yaml \
-        --data $W/gsweep --out $W/gsweep-runs $R --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} \
-        run.compile_cache=$W/compile-gsweep.cache 2>&1 | grep -v "Loading weights" | tail -30
-      for f in sweep.json sweep.md sweep.png; do cp "$W/gsweep-runs/$f" "$OUT/gsweep-$f" 2>/dev/null; done
-      BEST=$(python3 -c "import json,sys; v=[r for r in json.load(open(sys.argv[1]))['variants'] if r.get('best_served_tau')]; \
-print(max(v, key=lambda r: r['best_served_tau'])['folder'] if v else '')" "$W/gsweep-runs/sweep.json" 2>/dev/null)
-      [ -n "$BEST" ] && echo "best: $BEST" && tar -C "$BEST" -cf - best | split -b 15M - "$OUT/gsweep-drafter.tar.part." ;;
+      sweep gsweep configs/embedded-gpu-sweep-greedy.yaml gsweep ;;
+    dsweep)
+      # distillation against the control on the same data (configs/embedded-gpu-distill.yaml): the third greedy
+      # set as `gsweep` prepares it; KEEP_VARIANT=<name> brings back that variant's drafter instead of the best
+      prepare gsweep configs/embedded-gpu-sweep-greedy.yaml
+      sweep dsweep configs/embedded-gpu-distill.yaml gsweep ;;
     grow)
       # the recipe's drafter (carried, see `drafter`) trained on as it is, with 3 and with 4 layers (grown:
       # the new layers start as identities), through the fan-out on the recipe's data; a later command resumes
