@@ -11,7 +11,7 @@ import torch
 from dflashkit.cli import main
 from dflashkit.infer import bench
 from dflashkit.infer.bench import BenchSet, Conversation, Decoder, Response, decode_set, figures, run_set
-from dflashkit.infer.speculative import Sampling, _rejection
+from dflashkit.infer.sampling import Sampling, accept_sampled, probabilities, race, rejection_noise
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
@@ -37,6 +37,26 @@ P = torch.tensor(
 Q = torch.tensor(
     [[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]]
 )  # drafter, 2 drafted slots (another distribution)
+
+
+def _rejection(drafts, draft_logits, target_logits, s, gen):
+    """The chain round's rule as it runs on the device, from its noise (the drafts given)."""
+    races, uniforms = rejection_noise(drafts.shape[0] + 1, draft_logits.shape[-1], gen, drafts.device)
+    q, p = probabilities(draft_logits, s), probabilities(target_logits, s)
+    n, token = accept_sampled(drafts, q, p, uniforms, races[-1])
+    return int(n), drafts[: int(n)].tolist() + [int(token)]
+
+
+def test_the_race_draws_from_each_row():
+    """race(p, Exp(1) noise) is a sample of p (chi-square over 20,000 draws of each row)."""
+    gen = torch.Generator().manual_seed(1)
+    trials = 20_000
+    noise = torch.empty(trials, *Q.shape).exponential_(generator=gen)
+    draws = race(Q.expand(trials, -1, -1), noise)  # [trials, 2]
+    for row in range(Q.shape[0]):
+        counts = torch.bincount(draws[:, row], minlength=4).double()
+        assert _chi_square_p(counts, Q[row].double() * trials) > 1e-3
+        assert _chi_square_p(counts, P[row].double() * trials) < 1e-6  # and not another distribution
 
 
 def _two_tokens(rule, trials: int) -> torch.Tensor:

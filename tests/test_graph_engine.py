@@ -14,6 +14,7 @@ import test_engine
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.engine import DynamicEngine, make_engine, ready_engine
 from dflashkit.infer.graph_engine import GraphEngine
+from dflashkit.infer.sampling import Sampling
 from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
 from dflashkit.infer.tree import DraftTree, build_tree
 from dflashkit.model.config import config_for_target
@@ -393,6 +394,38 @@ def test_greedy_rounds_as_one_step_equal_the_separate_calls(target, drafter, fix
     assert out[True].tokens == autoregressive_generate(target, prompt, 19, layer_ids=LAYERS).tokens
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampled_rounds_as_one_step_equal_the_separate_calls(target, drafter, top_p, monkeypatch):
+    """At T > 0 under the rejection rule the graphs engine's chain round as one step (draft, the drafts raced
+    from the drafter's distribution, verify, accept, the next round's state, on the device) commits, for a
+    seed, the tokens of the draft, verify and keep calls: both draw the round's noise first, in one order
+    (`sampling.rejection_noise`). The calls' rule is held to the target's distribution by
+    test_speculative's chi-square tests."""
+    engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=True)
+    keys: list[str] = []
+    run = engine.steps.run
+    monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
+    accepted = 0
+    for prompt in prompts(11)[:3]:
+        for seed in (0, 1):
+            out = {}
+            for fused in (True, False):
+                engine.fused_rounds = fused
+                keys.clear()
+                # a high temperature: the random drafter's drafts are accepted often (both distributions flat)
+                s = Sampling(temperature=20.0, top_p=top_p, rule="rejection", seed=seed)
+                out[fused] = speculative_generate(target, drafter, prompt, 19, s, engine=engine)
+                assert ("sampled round" in keys) == fused and ("draft" in keys) != fused
+            assert out[True].tokens == out[False].tokens
+            assert out[True].accept_lengths == out[False].accept_lengths
+            accepted += sum(t - 1 for t in out[True].accept_lengths)
+    assert accepted > 0, "the test must exercise accepted drafts"
+    # another temperature is another captured step; the exact rule and greedy decoding take their own ways
+    engine.fused_rounds = True
+    with pytest.raises(DflashkitError, match="rejection rule"):
+        engine.sampled_round(None, Sampling(temperature=1.0, rule="exact"), None)
+
+
 class NoHostRead(TorchDispatchMode):
     """Fails on any op that reads a tensor's value on the host (a sync, which ends a CUDA graph capture)."""
 
@@ -424,7 +457,10 @@ def test_graphs_engine_steps_never_read_the_device_on_the_host(target, drafter, 
     script = ScriptedTree(engine, prompt + ar.tokens)  # accepted branches whose rows keep must move
     branched = speculative_generate(target, drafter, prompt, 12, engine=script, tree_budget=10)
     assert chain.tokens == tree.tokens == branched.tokens == ar.tokens
-    assert ran == {"target", "tree", "build", "walk", "keep", "draft", "round", "tree round"}, ran
+    sampled = Sampling(temperature=1.0, top_p=0.9, rule="rejection", seed=0)
+    assert len(speculative_generate(target, drafter, prompt, 12, sampled, engine=engine).tokens) == 12
+    steps = {"target", "tree", "build", "walk", "keep", "draft", "round", "tree round", "sampled round"}
+    assert ran == steps, ran
 
 
 @pytest.mark.parametrize(("fixed_shapes", "walked"), [(False, False), (True, False), (True, True)])

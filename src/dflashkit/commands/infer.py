@@ -431,9 +431,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rule",
         choices=["exact", "rejection"],
-        default="exact",
-        help="acceptance rule when sampling: exact (a draft token is kept when it equals the target's sample) "
-        "or rejection (speculative sampling; the target's distribution either way)",
+        default="rejection",
+        help="acceptance rule when sampling: rejection (speculative sampling: accepts the most; on the graphs "
+        "engines a round is one step; the default) or exact (a draft token is kept when it equals the target's "
+        "sample); the target's distribution either way",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     p.add_argument(

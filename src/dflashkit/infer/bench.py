@@ -249,19 +249,21 @@ class Decoder:
                 self.console.print(f"{self.engine} engine: {capacity} positions; warmed up ({steps})")
         return self._engine
 
-    def warm_up(self, ids: list[int]) -> None:
-        """A few tokens of both loops before measuring: first-call costs stay out of the figures."""
+    def warm_up(self, ids: list[int], temperatures: Sequence[float] = (0.0,)) -> None:
+        """A few tokens of both loops at each temperature before measuring: first-call costs (a sampled round's
+        step is captured on its first call) stay out of the figures."""
         from dflashkit.infer.engine import round_width
         from dflashkit.infer.speculative import Sampling, autoregressive_generate, speculative_generate
 
         n = min(4, self.max_new_tokens)
         engine = self.ready(len(ids) + n + round_width(self.drafter.config.block_size, self.tree_budget))
-        speculative_generate(
-            self.target, self.drafter, ids, n, Sampling(), engine=engine, tree_budget=self.tree_budget
-        )
-        autoregressive_generate(
-            self.target, ids, n, Sampling(), layer_ids=self.drafter.config.target_layer_ids, engine=engine
-        )
+        for t in temperatures:
+            s = Sampling(temperature=t, top_p=self.top_p, rule="rejection", seed=0)
+            speculative_generate(
+                self.target, self.drafter, ids, n, s, engine=engine, tree_budget=self.tree_budget
+            )
+            layers = self.drafter.config.target_layer_ids
+            autoregressive_generate(self.target, ids, n, s, layer_ids=layers, engine=engine)
 
     def reply_text(self, tokens: list[int]) -> str:
         eos = set(self.eos_ids)
@@ -693,7 +695,7 @@ def run_set(
         "responses_detail": {},
     }
     if bset.conversations:
-        dec.warm_up(dec.prompt_ids(bset.conversations[0], 0, []))
+        dec.warm_up(dec.prompt_ids(bset.conversations[0], 0, []), temperatures)
     for t in temperatures:
         key = temperature_key(t)
         compare = lossless is dec and t == 0

@@ -75,6 +75,7 @@ from torch import Tensor
 from dflashkit.data.generator import Steps
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
+from dflashkit.infer.sampling import Sampling, accept_sampled, probabilities, race, rejection_noise
 from dflashkit.infer.tree import (
     DraftTree,
     accepted_path,
@@ -325,8 +326,15 @@ class GraphEngine:
             self._block = torch.full((1, B), drafter.config.mask_token_id, **long)  # type: ignore[arg-type]
             self._block_start = torch.zeros(1, **long)  # type: ignore[arg-type]
             self._draft_logits = torch.zeros(B - 1, V, dtype=torch.float32, device=dev)
-            self._round_out = torch.zeros(B + 1, **long)  # type: ignore[arg-type]  # greedy_round's
-        # greedy chain rounds as one step (`greedy_round`); False: draft, verify and keep as separate calls
+            self._round_out = torch.zeros(B + 1, **long)  # type: ignore[arg-type]  # a fused round's
+            # a sampled round's noise (`sampling.rejection_noise`), written before each replay
+            self._noise = (
+                torch.ones(B, V, dtype=torch.float32, device=dev),
+                torch.zeros(B - 1, dtype=torch.float32, device=dev),
+            )
+            self._round_sampling = Sampling()
+        # chain rounds as one step (`greedy_round`, `sampled_round`); False: draft, verify and keep as separate
+        # calls
         self.fused_rounds = True
         self._offsets = torch.arange(B, device=dev)[None]
         self.tree_budget = tree_budget or None
@@ -456,23 +464,46 @@ class GraphEngine:
     def _round_step(self) -> None:
         """A greedy chain round on the device: draft the block anchored at ``_block_start``, verify [anchor,
         drafts] there, accept the drafts while they equal the target's choices, and leave the next round's
-        state (its context rows start at this block, its block after the accepted ones, anchored at the
-        target's own token). Writes [accepted n, the B-1 drafts, the target's token] to ``_round_out``."""
+        state (`_next_round`). Writes [accepted n, the B-1 drafts, the target's token] to ``_round_out``."""
         B = self.block_size
         self._draft_step()
         drafts = self._draft_logits.argmax(-1)
+        self._verify_block(drafts)
+        choices = self._logits[B].argmax(-1)
+        n = (drafts == choices[:-1]).long().cumprod(0).sum().view(1)
+        self._next_round(n, drafts, choices.index_select(0, n))
+
+    def _sampled_round_step(self) -> None:
+        """A sampled chain round on the device under the rejection rule (`sampling.accept_sampled`), from the
+        noise in ``_noise`` and the temperature and top-p of ``_round_sampling`` (constants of the captured
+        step: its key names them): draft, race the drafts from the drafter's distribution, verify, accept,
+        the next round's state, as `_round_step` does greedily."""
+        B, s = self.block_size, self._round_sampling
+        races, uniforms = self._noise
+        self._draft_step()
+        q = probabilities(self._draft_logits, s)
+        drafts = race(q, races[:-1])
+        self._verify_block(drafts)
+        n, token = accept_sampled(drafts, q, probabilities(self._logits[B], s), uniforms, races[-1])
+        self._next_round(n, drafts, token)
+
+    def _verify_block(self, drafts: Tensor) -> None:
+        """The target step over [anchor, drafts] at the block's start."""
+        B = self.block_size
         ids = self._ids[B]
         ids[0, :1].copy_(self._block[0, :1])
         ids[0, 1:].copy_(drafts)
         self._start.copy_(self._block_start)
         self._target_step(B)
-        choices = self._logits[B].argmax(-1)
-        n = (drafts == choices[:-1]).long().cumprod(0).sum().view(1)
-        bonus = choices.index_select(0, n)
-        self._round_out.copy_(torch.cat([n, drafts, bonus]))
+
+    def _next_round(self, n: Tensor, drafts: Tensor, token: Tensor) -> None:
+        """After a chain round that kept n [1] drafts and then ``token`` [1]: write [n, drafts, token] to
+        ``_round_out``, and leave the next round's state (its context rows start at this block, its block
+        after the kept drafts, anchored at ``token``)."""
+        self._round_out.copy_(torch.cat([n, drafts, token]))
         self._row_start.copy_(self._start)
         self._block_start.add_(n + 1)
-        self._block[0, :1].copy_(bonus)
+        self._block[0, :1].copy_(token)
 
     def _tree_round_step(self) -> None:
         """A greedy tree round on the device (the chain's ``_round_step`` for trees): draft the block anchored
@@ -615,21 +646,49 @@ class GraphEngine:
                 f"this graphs engine runs no greedy {'tree' if tree else 'chain'} round as one step "
                 f"(fused_rounds {self.fused_rounds}, tree budget {self.tree_budget}, block {self.block_size})"
             )
-        B = self.block_size
-        self._check_room(self._tree_inputs.shape[1] if tree else B)
-        if anchor is not None:
-            self._row_start.fill_(self._length)  # the prompt's features are in the drafter's cache already
-            self._block_start.fill_(self._length)
-            self._block[0, 0] = anchor
+        self._check_room(self._tree_inputs.shape[1] if tree else self.block_size)
+        self._start_rounds(anchor)
         if tree:
             self._run(("tree round", self._tree_inputs.shape[1]), self._tree_round_step)
         else:
             self._run(("round",), self._round_step)
+        return self._committed()
+
+    @torch.no_grad()
+    def sampled_round(self, anchor: int | None, s: Sampling, gen: torch.Generator | None) -> list[int]:
+        """One sampled chain round under the rejection rule as one step (`_sampled_round_step`: one replay of
+        the step captured for this temperature and top-p, one copy to the host), from noise ``gen`` draws
+        first, in the order the separate calls draw it (`sampling.rejection_noise`): for a seed, the tokens
+        the draft, verify and keep calls commit. ``anchor`` as for `greedy_round`."""
+        self._need_drafter()
+        if s.greedy or s.rule != "rejection" or not self.fuses_rounds():
+            raise DflashkitError(
+                f"this graphs engine runs a sampled chain round as one step under the rejection rule at T > 0 "
+                f"only (temperature {s.temperature}, rule {s.rule}, fused_rounds {self.fused_rounds})"
+            )
+        B = self.block_size
+        self._check_room(B)
+        self._start_rounds(anchor)
+        rejection_noise(B, self.w.vocab_size, gen, self.target.device, out=self._noise)
+        self._round_sampling = Sampling(temperature=s.temperature, top_p=s.top_p, rule=s.rule)
+        self._run(("sampled round", s.temperature, s.top_p), self._sampled_round_step)
+        return self._committed()
+
+    def _start_rounds(self, anchor: int | None) -> None:
+        """On the first fused round after ``prefill``: the drafter's context rows and block start at the
+        prompt's end, anchored at the target's token after it."""
+        if anchor is not None:
+            self._row_start.fill_(self._length)  # the prompt's features are in the drafter's cache already
+            self._block_start.fill_(self._length)
+            self._block[0, 0] = anchor
+
+    def _committed(self) -> list[int]:
+        """A fused round's committed tokens from ``_round_out`` (one copy to the host); the caches hold them."""
         out = self._round_out.tolist()
         n = out[0]
         self._length += n + 1
         self._open = None
-        return out[1 : 1 + n] + [out[B]]
+        return out[1 : 1 + n] + [out[self.block_size]]
 
     @torch.no_grad()
     def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:

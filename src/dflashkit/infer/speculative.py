@@ -34,29 +34,23 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from dflashkit.infer.engine import Engine, Verified, make_engine, round_width
 from dflashkit.infer.graph_engine import GraphEngine
+from dflashkit.infer.sampling import (
+    Sampling,
+    accept_sampled,
+    choose,
+    new_generator,
+    probabilities,
+    race,
+    rejection_noise,
+)
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
-
-Rule = Literal["exact", "rejection"]
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    rule: Rule = "exact"
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
 
 
 @dataclass
@@ -77,38 +71,6 @@ class Generation:
     @property
     def mean_acceptance_length(self) -> float:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else float("nan")
-
-
-def probabilities(logits: Tensor, s: Sampling) -> Tensor:
-    """The distribution tokens are drawn from: softmax(logits / T), restricted to the top-p nucleus."""
-    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
-    if s.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < s.top_p  # the smallest prefix whose mass reaches top_p
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def choose(logits: Tensor, s: Sampling, gen: torch.Generator | None) -> Tensor:
-    """One token per row of logits [..., V]: argmax when greedy, else a sample."""
-    if s.greedy:
-        return logits.argmax(-1)
-    p = probabilities(logits, s)
-    flat = p.reshape(-1, p.shape[-1])
-    return torch.multinomial(flat, 1, generator=gen).reshape(p.shape[:-1])
-
-
-def _new_generator(s: Sampling, device: torch.device) -> torch.Generator | None:
-    if s.greedy:
-        return None
-    g = torch.Generator(device=device)
-    if s.seed is not None:
-        g.manual_seed(s.seed)
-    else:
-        g.seed()
-    return g
 
 
 class Stopper:
@@ -168,7 +130,7 @@ def speculative_generate(
         engine, target, drafter, capacity=P + max_new_tokens + width, backend=backend, tree_budget=tree_budget
     )
     dec.reserve(P, max_new_tokens, width)
-    gen = _new_generator(s, dev)
+    gen = new_generator(s, dev)
     _sync(dev)
     t0 = time.perf_counter()
 
@@ -181,12 +143,17 @@ def speculative_generate(
     out.prefill_seconds = time.perf_counter() - t0
 
     stopped = stopper.check(new, 0)[1] if stopper else None
-    # the graphs engine runs a greedy round, chain or tree, as one step (the four stages below, on the device)
-    fused = s.greedy and isinstance(dec, GraphEngine) and dec.fuses_rounds(tree_budget)
-    greedy_round = dec.greedy_round if fused else None
+    # the graphs engine runs a greedy round, chain or tree, and a sampled chain round under the rejection rule
+    # as one step (the four stages below, on the device)
+    fused = isinstance(dec, GraphEngine) and dec.fuses_rounds(tree_budget) and fuses(s, tree_budget)
     while stopped is None and len(new) < max_new_tokens:
-        if greedy_round is not None:
-            committed = greedy_round(new[-1] if not out.accept_lengths else None, bool(tree_budget))
+        if fused:
+            assert isinstance(dec, GraphEngine)
+            anchor = new[-1] if not out.accept_lengths else None
+            if s.greedy:
+                committed = dec.greedy_round(anchor, bool(tree_budget))
+            else:
+                committed = dec.sampled_round(anchor, s, gen)
             path: list[int] = list(range(len(committed)))
         else:
             # 1. draft: the drafter reads the new context rows and fills [anchor, MASK x (B-1)]
@@ -203,7 +170,7 @@ def speculative_generate(
         if stopper is not None:
             trimmed, stopped = stopper.check(new, before)
             del new[len(trimmed) :]
-        if greedy_round is None:
+        if not fused:
             # 4. keep: the caches hold the accepted path; its features are the drafter's next context
             context = dec.keep(verified, path)
     _sync(dev)
@@ -212,17 +179,32 @@ def speculative_generate(
     return out
 
 
+def fuses(s: Sampling, tree_budget: int | None) -> bool:
+    """Whether a round of these settings runs as one step on an engine that fuses rounds: a greedy chain or
+    tree, or a sampled chain under the rejection rule."""
+    return s.greedy or (not tree_budget and s.rule == "rejection")
+
+
 def _chain_round(
     dec: Engine, anchor: int, draft_logits: Tensor, s: Sampling, gen: torch.Generator | None
 ) -> tuple[Verified, list[int], list[int]]:
-    """The chain: the drafter's choice per slot, verified as one block [anchor, d1 .. d_{B-1}]."""
+    """The chain: the drafter's choice per slot, verified as one block [anchor, d1 .. d_{B-1}]. Under the
+    rejection rule at T > 0 the drafts, the acceptance and the token after it come from noise drawn up front
+    (`sampling.accept_sampled`), as the graphs engine's one-step round draws them."""
+    if not s.greedy and s.rule == "rejection":
+        B, V = draft_logits.shape[0] + 1, draft_logits.shape[-1]
+        races, uniforms = rejection_noise(B, V, gen, draft_logits.device)
+        q = probabilities(draft_logits, s)
+        drafts = race(q, races[:-1])
+        verified = dec.verify(torch.cat([drafts.new_full((1,), anchor), drafts])[None])
+        n, token = accept_sampled(drafts, q, probabilities(verified.logits, s), uniforms, races[-1])
+        out = torch.cat([n, drafts, token]).tolist()  # one copy from the device
+        acc = out[0]
+        return verified, list(range(acc + 1)), out[1 : 1 + acc] + [out[-1]]
     drafts = choose(draft_logits, s, gen)  # [B-1]
     block = torch.cat([drafts.new_full((1,), anchor), drafts])[None]
     verified = dec.verify(block)  # logits[i]: the target's distribution for the token after block[i]
-    if s.greedy or s.rule == "exact":
-        acc, committed = _exact(drafts, choose(verified.logits, s, gen))
-    else:
-        acc, committed = _rejection(drafts, draft_logits, verified.logits, s, gen)
+    acc, committed = _exact(drafts, choose(verified.logits, s, gen))
     return verified, list(range(acc + 1)), committed
 
 
@@ -250,28 +232,6 @@ def _exact(drafts: Tensor, choices: Tensor) -> tuple[int, list[int]]:
     return acc, d[:acc] + [c[acc]]
 
 
-def _rejection(
-    drafts: Tensor, draft_logits: Tensor, target_logits: Tensor, s: Sampling, gen: torch.Generator | None
-) -> tuple[int, list[int]]:
-    """Speculative rejection sampling over one block. Returns (accepted drafts, committed tokens)."""
-    q = probabilities(draft_logits, s)  # [B-1, V]
-    p = probabilities(target_logits, s)  # [B, V]
-    n = drafts.shape[0]
-    idx = torch.arange(n, device=drafts.device)
-    ratio = (p[idx, drafts] / q[idx, drafts]).clamp(max=1.0)
-    u = torch.rand(n, generator=gen, device=drafts.device)
-    ok = (u < ratio).long().cumprod(0)
-    acc = int(ok.sum())
-    if acc < n:
-        residual = (p[acc] - q[acc]).clamp(min=0)
-        total = residual.sum()
-        dist = residual / total if total > 0 else p[acc]
-        extra = int(torch.multinomial(dist, 1, generator=gen))
-    else:
-        extra = int(torch.multinomial(p[n], 1, generator=gen))
-    return acc, drafts[:acc].tolist() + [extra]
-
-
 @torch.no_grad()
 def autoregressive_generate(
     target: TargetModel,
@@ -289,7 +249,7 @@ def autoregressive_generate(
     P = len(prompt_ids)
     dec = make_engine(engine, target, capacity=P + max_new_tokens + 1, layer_ids=layer_ids)
     dec.reserve(P, max_new_tokens, 1)
-    gen = _new_generator(s, dev)
+    gen = new_generator(s, dev)
     _sync(dev)
     t0 = time.perf_counter()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)

@@ -1,0 +1,117 @@
+"""Drawing tokens at T > 0, and speculative rejection sampling on the device.
+
+- `Sampling`: temperature, top-p, the acceptance rule and the seed of one generation.
+- `probabilities`: softmax(logits / T), restricted to the top-p nucleus.
+- `choose`: one token per row (argmax when greedy, else a sample).
+- `race`: a sample from each row of p given Exp(1) noise of its shape, argmax p / noise: the first of
+  independent exponential clocks of rates p to ring is token i with probability p_i. It needs no copy to the
+  host (torch.multinomial's callers read its result at once) and takes its randomness as a tensor, so a
+  captured step (a CUDA graph) can draw from noise written before each replay.
+- `rejection_noise` and `accept_sampled`: one chain round's rejection sampling from noise drawn up front,
+  on the device: the drafts raced from the drafter's q, each accepted with probability min(1, p/q), the token
+  after them raced from the residual max(0, p - q) (or from p after a whole block). The round's separate
+  calls and the graphs engine's one-step round (`GraphEngine.sampled_round`) both run it, on the same noise
+  drawn in the same order, so they commit the same tokens for a seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Rule = Literal["exact", "rejection"]
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    rule: Rule = "exact"
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def probabilities(logits: Tensor, s: Sampling) -> Tensor:
+    """The distribution tokens are drawn from: softmax(logits / T), restricted to the top-p nucleus."""
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+    if s.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < s.top_p  # the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def choose(logits: Tensor, s: Sampling, gen: torch.Generator | None) -> Tensor:
+    """One token per row of logits [..., V]: argmax when greedy, else a sample."""
+    if s.greedy:
+        return logits.argmax(-1)
+    p = probabilities(logits, s)
+    flat = p.reshape(-1, p.shape[-1])
+    return torch.multinomial(flat, 1, generator=gen).reshape(p.shape[:-1])
+
+
+def new_generator(s: Sampling, device: torch.device) -> torch.Generator | None:
+    """The generation's random source: None when greedy, seeded with ``s.seed`` when given."""
+    if s.greedy:
+        return None
+    g = torch.Generator(device=device)
+    if s.seed is not None:
+        g.manual_seed(s.seed)
+    else:
+        g.seed()
+    return g
+
+
+def race(p: Tensor, noise: Tensor) -> Tensor:
+    """A token per row of p [..., V] (non-negative, any scale) from Exp(1) ``noise`` of its shape: the exponential
+    race, argmax p / noise, distributed as p normalised (see the module docstring)."""
+    return (p / noise).argmax(-1)
+
+
+def rejection_noise(
+    block_size: int,
+    vocab: int,
+    gen: torch.Generator | None,
+    device: torch.device,
+    out: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One chain round's randomness, drawn in this order: Exp(1) races [B, V] (rows 0 .. B-2 draw the drafts,
+    row B-1 the token after the accepted ones) and uniforms [B-1] (the acceptance tests). ``out``: buffers to
+    fill in place (a captured step's inputs)."""
+    races, uniforms = (
+        out
+        if out is not None
+        else (
+            torch.empty(block_size, vocab, device=device),
+            torch.empty(block_size - 1, device=device),
+        )
+    )
+    races.exponential_(generator=gen)
+    uniforms.uniform_(generator=gen)
+    return races, uniforms
+
+
+def accept_sampled(
+    drafts: Tensor, q: Tensor, p: Tensor, uniforms: Tensor, residual_race: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Speculative rejection sampling over one block, on the device: drafts [B-1] drawn from the drafter's q
+    [B-1, V], the target's p [B, V] (p[i]: its distribution for the token after block[i]). Draft i is kept
+    while uniforms[i] < min(1, p_i(d_i) / q_i(d_i)); the token after the n kept ones is raced
+    (``residual_race`` [V]) from max(0, p_n - q_n), or from p_n when that is zero everywhere or n = B-1.
+    Returns (n [1], that token [1]): the target's own distribution exactly, whatever q."""
+    idx = torch.arange(drafts.shape[0], device=drafts.device)
+    ratio = (p[idx, drafts] / q[idx, drafts]).clamp(max=1.0)
+    n = (uniforms < ratio).long().cumprod(0).sum().view(1)
+    past = torch.cat([q, q.new_zeros(1, q.shape[-1])])  # no draft after the block: the residual is p itself
+    p_n, q_n = p.index_select(0, n)[0], past.index_select(0, n)[0]
+    residual = (p_n - q_n).clamp(min=0)
+    residual = torch.where(residual.sum() > 0, residual, p_n)
+    return n, race(residual, residual_race).view(1)
