@@ -62,9 +62,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
     # lazy: the graphs engines read the weights file alone; anything else loads the model when it needs it
     target = TargetModel.load(args.target or "embedded", dtype=dtype, device=device, lazy=True)
     drafter = load_drafter(args.drafter, target, dtype=dtype, device=device, verify=False).eval()
-    from transformers import AutoTokenizer
+    from dflashkit.target.tokenizer import serving_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    tokenizer = serving_tokenizer(target.path)  # tokenizer.json and the chat template, without transformers
     manifest = read_manifest(args.data) if args.data else None
     return target, drafter, tokenizer, dtype, manifest
 

@@ -21,6 +21,10 @@ Steps (fixed shapes, as the static engine's):
   kept while they equal the target's argmax) and the next round's state (its context rows, block start and
   anchor), as one step: a greedy chain round is one replay and one copy to the host (`greedy_round`;
   ``speculative_generate`` uses it at T=0, unless ``fused_rounds`` is False; a tree's: below);
+- sampled round [1, B] (one per temperature and top-p, captured on its first call): the same at T > 0 under
+  the rejection rule, the drafts raced from the drafter's distribution and accepted by
+  ``sampling.accept_sampled`` from noise written before the replay (`sampled_round`): for a seed, the tokens
+  the separate calls commit;
 - target tree [1, N+1] (built with ``tree_budget=N``): the root and N nodes of a ``DraftTree``, written at
   start .. start+N, each at rotary position start + depth, under a boolean mask [N+1, capacity] (the cache
   before start, and each node's ancestors and itself) that the step builds from the nodes' parents, so a
