@@ -28,7 +28,13 @@ N = test_engine.N
 
 B = test_engine.B
 # what warm-up captures for chains, in order (the greedy round: the draft and target steps and the glue)
-CHAIN_STEPS = ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]", f"greedy round [1, {B}]"]
+CHAIN_STEPS = [
+    "target [1, 1]",
+    f"target [1, {B}]",
+    f"draft [1, {B}]",
+    f"greedy round [1, {B}]",
+    "next token [1, 1]",
+]
 
 
 @pytest.mark.parametrize("fixed_shapes", [False, True])
@@ -176,7 +182,7 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
     gpu, d = on_gpu()
     engine = GraphEngine(gpu, d, capacity=128, compile=compiled)
     warmed = engine.warm_up()
-    assert list(warmed) == CHAIN_STEPS and len(engine.steps) == 4
+    assert list(warmed) == CHAIN_STEPS and len(engine.steps) == 5
     for prompt in prompts(5, 13, 40):
         ar = autoregressive_generate(gpu, prompt, 48, layer_ids=LAYERS)
         assert autoregressive_generate(gpu, prompt, 48, engine=engine).tokens == ar.tokens
@@ -185,7 +191,7 @@ def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
         )
         ours = speculative_generate(gpu, d, prompt, 48, engine=ScriptedDrafts(engine, prompt + ar.tokens))
         assert ours.tokens == ref.tokens == ar.tokens and ours.accept_lengths == ref.accept_lengths
-    assert len(engine.steps) == 4, "a step was captured after warm-up"
+    assert len(engine.steps) == 5, "a step was captured after warm-up"
 
 
 FIXED_TREE = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])  # padded to an engine's budget
@@ -222,7 +228,7 @@ def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
         f"greedy tree round [{n} nodes]",
     ]
     assert list(warmed) == CHAIN_STEPS + tree_steps
-    assert len(engine.steps) == 9
+    assert len(engine.steps) == 10
     tree_step_replays(engine, eager, prompts(9)[0], tol=1e-4)
     for seed in range(3):  # the replayed build: the eager build's tree
         probs = torch.softmax(torch.randn(B - 1, gpu.vocab_size, device="cuda") * (2 + seed), dim=-1)
@@ -238,7 +244,7 @@ def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
             assert any(p != list(range(len(p))) for p in script.paths), name
             runs[name] = (scripted.accept_lengths, real.accept_lengths)
         assert runs["graphs"] == runs["eager"]
-    assert len(engine.steps) == 9, "a step was captured after warm-up"
+    assert len(engine.steps) == 10, "a step was captured after warm-up"
 
 
 @pytest.mark.gpu
@@ -426,6 +432,28 @@ def test_sampled_rounds_as_one_step_equal_the_separate_calls(target, drafter, to
         engine.sampled_round(None, Sampling(temperature=1.0, rule="exact"), None)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_autoregressive_tokens_as_one_step_equal_verify_and_choose(target, drafter, temperature, monkeypatch):
+    """The graphs engine's autoregressive step (the target step and the next token's choice on the device)
+    gives, for a seed, the tokens of a verify call and the host's choice (one engine for both)."""
+    engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=True)
+    keys: list[str] = []
+    run = engine.steps.run
+    monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
+    for prompt in prompts(11)[:2]:
+        for top_p in (1.0, 0.9):
+            out = {}
+            for fused in (True, False):
+                engine.fused_rounds = fused
+                keys.clear()
+                s = Sampling(temperature=temperature, top_p=top_p, seed=3)
+                out[fused] = autoregressive_generate(target, prompt, 17, s, engine=engine).tokens
+                assert ("next token" in keys) == fused and ("target" in keys) != fused
+            assert out[True] == out[False]
+    if temperature == 0:
+        assert out[True] == autoregressive_generate(target, prompt, 17, layer_ids=LAYERS).tokens
+
+
 class NoHostRead(TorchDispatchMode):
     """Fails on any op that reads a tensor's value on the host (a sync, which ends a CUDA graph capture)."""
 
@@ -459,7 +487,20 @@ def test_graphs_engine_steps_never_read_the_device_on_the_host(target, drafter, 
     assert chain.tokens == tree.tokens == branched.tokens == ar.tokens
     sampled = Sampling(temperature=1.0, top_p=0.9, rule="rejection", seed=0)
     assert len(speculative_generate(target, drafter, prompt, 12, sampled, engine=engine).tokens) == 12
-    steps = {"target", "tree", "build", "walk", "keep", "draft", "round", "tree round", "sampled round"}
+    engine.fused_rounds = False  # the separate calls: the target step alone
+    assert speculative_generate(target, drafter, prompt, 12, engine=engine).tokens == ar.tokens
+    steps = {
+        "target",
+        "tree",
+        "build",
+        "walk",
+        "keep",
+        "draft",
+        "round",
+        "tree round",
+        "sampled round",
+        "next token",
+    }
     assert ran == steps, ran
 
 
@@ -710,7 +751,7 @@ def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compil
     assert fused.compiled and fused.graphs and not eager.compiled
     eager.warm_up()
     warmed = fused.warm_up()
-    assert list(warmed) == CHAIN_STEPS and len(fused.steps) == 4
+    assert list(warmed) == CHAIN_STEPS and len(fused.steps) == 5
     assert warmed.precompiled_loaded == (3 if compiled == "precompiled" else 0), warmed.notes
     for prompt in prompts(5, 13, 40):
         ar = autoregressive_generate(gpu, prompt, 48, layer_ids=LAYERS)
@@ -728,7 +769,7 @@ def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compil
     context = eager.prefill(torch.tensor([prompts(11)[0]], device="cuda"))[1]
     fused.prefill(torch.tensor([prompts(11)[0]], device="cuda"))
     torch.testing.assert_close(fused.draft(context, 17), eager.draft(context, 17), atol=1e-3, rtol=1e-4)
-    assert len(fused.steps) == 4, "a step was captured after warm-up"
+    assert len(fused.steps) == 5, "a step was captured after warm-up"
 
 
 def test_layer_by_layer_decode_gives_the_whole_step_numbers(tmp_path):

@@ -21,6 +21,8 @@ Steps (fixed shapes, as the static engine's):
   kept while they equal the target's argmax) and the next round's state (its context rows, block start and
   anchor), as one step: a greedy chain round is one replay and one copy to the host (`greedy_round`;
   ``speculative_generate`` uses it at T=0, unless ``fused_rounds`` is False; a tree's: below);
+- next token [1, 1] (one per temperature and top-p, captured on its first call): autoregressive decoding's
+  step, the target step and the next token chosen on the device (`next_token`);
 - sampled round [1, B] (one per temperature and top-p, captured on its first call): the same at T > 0 under
   the rejection rule, the drafts raced from the drafter's distribution and accepted by
   ``sampling.accept_sampled`` from noise written before the replay (`sampled_round`): for a seed, the tokens
@@ -336,9 +338,12 @@ class GraphEngine:
                 torch.ones(B, V, dtype=torch.float32, device=dev),
                 torch.zeros(B - 1, dtype=torch.float32, device=dev),
             )
-            self._round_sampling = Sampling()
-        # chain rounds as one step (`greedy_round`, `sampled_round`); False: draft, verify and keep as separate
-        # calls
+        # a one-step round's or token's temperature and top-p (constants of the captured step: its key names them)
+        self._step_sampling = Sampling()
+        self._token_noise = torch.ones(V, dtype=torch.float32, device=dev)  # `next_token`'s race, at T > 0
+        self._token_out = torch.zeros(1, **long)  # type: ignore[arg-type]
+        # chain rounds as one step (`greedy_round`, `sampled_round`) and autoregressive tokens (`next_token`);
+        # False: draft, verify and keep as separate calls, and a token as verify and the host's choice
         self.fused_rounds = True
         self._offsets = torch.arange(B, device=dev)[None]
         self.tree_budget = tree_budget or None
@@ -479,10 +484,10 @@ class GraphEngine:
 
     def _sampled_round_step(self) -> None:
         """A sampled chain round on the device under the rejection rule (`sampling.accept_sampled`), from the
-        noise in ``_noise`` and the temperature and top-p of ``_round_sampling`` (constants of the captured
+        noise in ``_noise`` and the temperature and top-p of ``_step_sampling`` (constants of the captured
         step: its key names them): draft, race the drafts from the drafter's distribution, verify, accept,
         the next round's state, as `_round_step` does greedily."""
-        B, s = self.block_size, self._round_sampling
+        B, s = self.block_size, self._step_sampling
         races, uniforms = self._noise
         self._draft_step()
         q = probabilities(self._draft_logits, s)
@@ -626,6 +631,32 @@ class GraphEngine:
         self._length += t
         return self._open
 
+    @torch.no_grad()
+    def next_token(self, token: Tensor, s: Sampling, gen: torch.Generator | None) -> Tensor:
+        """Autoregressive decoding's step: the target step over ``token`` (one id, on the device) and the next
+        token chosen there (argmax; at T > 0 raced from noise ``gen`` draws first, as `sampling.choose` draws
+        it), as one step (`_next_token_step`: one replay; the caller's read of the token is the copy to the
+        host). Returns the token [1], valid until the next call."""
+        self._check_room(1)
+        self._ids[1].view(-1).copy_(token.view(-1))
+        self._start.fill_(self._length)
+        if not s.greedy:
+            self._token_noise.exponential_(generator=gen)
+        self._step_sampling = Sampling(temperature=s.temperature, top_p=s.top_p)
+        key = ("next token",) if s.greedy else ("next token", s.temperature, s.top_p)
+        self._run(key, self._next_token_step)
+        self._open = Verified(self._logits[1], None, self._length)
+        self._tree_open = False
+        self._length += 1
+        return self._token_out
+
+    def _next_token_step(self) -> None:
+        """The target step over one token, and the next one chosen from its logits (`next_token`)."""
+        self._target_step(1)
+        logits, s = self._logits[1][-1], self._step_sampling
+        token = logits.argmax(-1) if s.greedy else race(probabilities(logits, s), self._token_noise)
+        self._token_out.copy_(token.view(1))
+
     def fuses_rounds(self, tree_budget: int | None = None) -> bool:
         """Whether ``greedy_round`` runs this round as one step: the chain's (no ``tree_budget``), or a tree
         of the engine's own budget that holds at least a block of nodes (its path fills the next round's
@@ -674,7 +705,7 @@ class GraphEngine:
         self._check_room(B)
         self._start_rounds(anchor)
         rejection_noise(B, self.w.vocab_size, gen, self.target.device, out=self._noise)
-        self._round_sampling = Sampling(temperature=s.temperature, top_p=s.top_p, rule=s.rule)
+        self._step_sampling = Sampling(temperature=s.temperature, top_p=s.top_p, rule=s.rule)
         self._run(("sampled round", s.temperature, s.top_p), self._sampled_round_step)
         return self._committed()
 
@@ -814,6 +845,10 @@ class GraphEngine:
             if self.drafter is not None:  # the round: the two steps above and the glue, captured as one
                 self._block_start.zero_()
                 seconds[f"greedy round [1, {B}]"] = self._warm_step(("round",), self._round_step)
+            # autoregressive decoding's greedy step (the target step and the argmax); a temperature's is
+            # captured on its first call, as a sampled round's
+            self._step_sampling = Sampling()
+            seconds["next token [1, 1]"] = self._warm_step(("next token",), self._next_token_step)
             if self.tree_budget and (self.graphs or self.compiled):  # eager steps: nothing to warm
                 seconds.update(self._warm_tree())
         seconds.compiled, seconds.cached, seconds.cache_loaded = use.compiled, use.cached, use.loaded

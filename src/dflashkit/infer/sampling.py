@@ -50,12 +50,12 @@ def probabilities(logits: Tensor, s: Sampling) -> Tensor:
 
 
 def choose(logits: Tensor, s: Sampling, gen: torch.Generator | None) -> Tensor:
-    """One token per row of logits [..., V]: argmax when greedy, else a sample."""
+    """One token per row of logits [..., V]: argmax when greedy, else a sample (raced from Exp(1) noise
+    ``gen`` draws, of the logits' shape: what a one-step token of the graphs engine draws)."""
     if s.greedy:
         return logits.argmax(-1)
     p = probabilities(logits, s)
-    flat = p.reshape(-1, p.shape[-1])
-    return torch.multinomial(flat, 1, generator=gen).reshape(p.shape[:-1])
+    return race(p, torch.empty_like(p).exponential_(generator=gen))
 
 
 def new_generator(s: Sampling, device: torch.device) -> torch.Generator | None:

@@ -259,9 +259,15 @@ def autoregressive_generate(
     out = Generation(tokens=new)
     out.prefill_seconds = time.perf_counter() - t0
     stopped = stopper.check(new, 0)[1] if stopper else None
+    # the graphs engine runs the target step and the choice of the next token as one step
+    one_step = isinstance(dec, GraphEngine) and dec.fused_rounds
     while stopped is None and len(new) < max_new_tokens:
-        logits = dec.verify(token.view(1, 1)).logits  # nothing to keep: every token is committed
-        token = choose(logits[-1], s, gen)
+        if one_step:
+            assert isinstance(dec, GraphEngine)
+            token = dec.next_token(token, s, gen)
+        else:
+            logits = dec.verify(token.view(1, 1)).logits  # nothing to keep: every token is committed
+            token = choose(logits[-1], s, gen)
         new.append(int(token))
         out.accept_lengths.append(1)
         if stopper is not None:

@@ -79,6 +79,7 @@ _KINDS = (
     ("train.loss_weighting", "the loss"),
     ("train.dpace_alpha", "the loss"),
     ("train.labels", "the loss"),
+    ("train.distill", "the loss"),
     ("train.lr", "the optimizer"),
     ("train.betas", "the optimizer"),
     ("train.weight_decay", "the optimizer"),
