@@ -20,6 +20,14 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-third session's plan (NOTES: "A sampled round as one step", its prediction), after the four `part`s:
+#   bash benchmarks/gpu_prepare.sh part join heldout gtests   # carry .bench/p4: the engines' GPU tests (the
+#                       # warm-up now captures the one-step token: 5 chain steps)
+#   BUDGET=560 BENCH_CAP=500 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout \
+#     BENCH_PROMPTS=24 BENCH_SUMMARY=none BENCH_OUT=/root/work/b1 BENCH_ARGS="--sets heldout,mtbench \
+#     --temperatures 0,1" bash benchmarks/gpu_prepare.sh bench   # T=1 beside bench-t1-l3-s22 (same prompts)
+#   ENGINES=graphs-layers DECODE_ARGS="--no-warm-start" BUDGET=200 bash benchmarks/gpu_prepare.sh decode
+#                       # the AR step's gain at T=0 (decode_steps.json)
 # Twenty-second session's plan, as built (distillation: train.distill, configs/embedded-gpu-distill.yaml), back to back:
 #   bash benchmarks/gpu_prepare.sh part      # carry .bench/p1 .whl (then p2, p5, p3: `part` each)
 #   bash benchmarks/gpu_prepare.sh part join dtests    # carry .bench/p4: the distilling fan-out's GPU test
