@@ -59,6 +59,16 @@ def test_the_race_draws_from_each_row():
         assert _chi_square_p(counts, P[row].double() * trials) < 1e-6  # and not another distribution
 
 
+def test_a_zero_draw_never_picks_a_token_of_probability_zero():
+    """Exp(1) noise of exactly 0 beside a zero probability (a token outside the top-p nucleus): not chosen."""
+    p = torch.tensor([0.0, 0.7, 0.3, 0.0])
+    noise = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    assert int(race(p, noise)) == 1
+    assert (
+        int(race(torch.tensor([0.0, 0.5, 0.5]), torch.tensor([1.0, 0.0, 2.0]))) == 1
+    )  # a 0 draw of p > 0 wins
+
+
 def _two_tokens(rule, trials: int) -> torch.Tensor:
     """Counts of the first two tokens committed from blocks [anchor, d1, d2] drafted from Q, verified against P.
     A block that commits one token is followed by a token drawn from P[1], as the next round would give

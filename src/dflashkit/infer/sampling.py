@@ -72,8 +72,10 @@ def new_generator(s: Sampling, device: torch.device) -> torch.Generator | None:
 
 def race(p: Tensor, noise: Tensor) -> Tensor:
     """A token per row of p [..., V] (non-negative, any scale) from Exp(1) ``noise`` of its shape: the exponential
-    race, argmax p / noise, distributed as p normalised (see the module docstring)."""
-    return (p / noise).argmax(-1)
+    race, argmax p / noise, distributed as p normalised (see the module docstring). A draw of exactly 0 (which
+    an exponential sampler can return) is taken as the smallest positive float: 0 / 0 would be NaN, which argmax
+    takes as the largest, and would pick a token of probability 0."""
+    return (p / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
 
 
 def rejection_noise(
