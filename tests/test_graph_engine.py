@@ -353,6 +353,14 @@ def script_fused_drafts(engine: GraphEngine, continuation: list[int]) -> None:
     engine._draft_step = scripted  # type: ignore[method-assign]
 
 
+def record_step_keys(engine: GraphEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The kind of every step ``engine`` runs from now on (the first part of its key), in order."""
+    keys: list[str] = []
+    run = engine.steps.run
+    monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
+    return keys
+
+
 @pytest.mark.parametrize("fixed_shapes", [False, True])
 @pytest.mark.parametrize("budget", [3, 10])
 def test_greedy_tree_rounds_as_one_step_keep_branches_as_the_dynamic_engine(
@@ -367,9 +375,7 @@ def test_greedy_tree_rounds_as_one_step_keep_branches_as_the_dynamic_engine(
         target, drafter, capacity=48, graphs=False, fixed_shapes=fixed_shapes, tree_budget=budget
     )
     assert engine.fuses_rounds(budget) and not engine.fuses_rounds(budget + 1)
-    keys: list[str] = []
-    run = engine.steps.run
-    monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
+    keys = record_step_keys(engine, monkeypatch)
     real = speculative_generate(target, drafter, prompt, N_TREE, engine=engine, tree_budget=budget)
     script_fused_drafts(engine, prompt + ar)
     scripted = speculative_generate(target, drafter, prompt, N_TREE, engine=engine, tree_budget=budget)
@@ -385,9 +391,7 @@ def test_greedy_rounds_as_one_step_equal_the_separate_calls(target, drafter, fix
     the device) gives the tokens and acceptance lengths of the draft, verify and keep calls (one engine for
     both, each generation after the other's), with a length limit that cuts the last round."""
     engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=fixed_shapes)
-    keys: list[str] = []
-    run = engine.steps.run
-    monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
+    keys = record_step_keys(engine, monkeypatch)
     for prompt in prompts(11):
         out = {}
         for fused in (True, False):
@@ -408,9 +412,7 @@ def test_sampled_rounds_as_one_step_equal_the_separate_calls(target, drafter, to
     (`sampling.rejection_noise`). The calls' rule is held to the target's distribution by
     test_speculative's chi-square tests."""
     engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=True)
-    keys: list[str] = []
-    run = engine.steps.run
-    monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
+    keys = record_step_keys(engine, monkeypatch)
     accepted = 0
     for prompt in prompts(11)[:3]:
         for seed in (0, 1):
@@ -437,9 +439,7 @@ def test_autoregressive_tokens_as_one_step_equal_verify_and_choose(target, draft
     """The graphs engine's autoregressive step (the target step and the next token's choice on the device)
     gives, for a seed, the tokens of a verify call and the host's choice (one engine for both)."""
     engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=True)
-    keys: list[str] = []
-    run = engine.steps.run
-    monkeypatch.setattr(engine.steps, "run", lambda key, step: (keys.append(str(key[0])), run(key, step)))
+    keys = record_step_keys(engine, monkeypatch)
     for prompt in prompts(11)[:2]:
         for top_p in (1.0, 0.9):
             out = {}

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from dflashkit.data.chat import generation_prompt_ids, template_identity
-from dflashkit.errors import DataError
+from dflashkit.errors import ConfigError, DataError
 from dflashkit.infer.bench import load_set
 from dflashkit.target.embedded import embedded_dir
 from dflashkit.target.tokenizer import ChatTokenizer, serving_tokenizer
@@ -118,3 +118,19 @@ def test_a_folder_without_a_chat_template_takes_transformers_tokenizer(tmp_path)
     shutil.copy(embedded_dir() / "tokenizer_config.json", folder / "tokenizer_config.json")
     assert ChatTokenizer.from_folder(folder) is None
     assert not isinstance(serving_tokenizer(folder), ChatTokenizer)
+
+
+def test_damaged_tokenizer_files_end_in_one_clear_error(tmp_path):
+    """A tokenizer_config.json that is not JSON, or a tokenizer.json the reader cannot read: one message that
+    names the file, not a traceback from the JSON or Rust reader."""
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    shutil.copy(embedded_dir() / "tokenizer.json", folder / "tokenizer.json")
+    shutil.copy(embedded_dir() / "chat_template.jinja", folder / "chat_template.jinja")
+    (folder / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="tokenizer_config.json is not JSON"):
+        serving_tokenizer(folder)
+    shutil.copy(embedded_dir() / "tokenizer_config.json", folder / "tokenizer_config.json")
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": 3}')
+    with pytest.raises(ConfigError, match="tokenizer.json cannot be read as a tokenizer"):
+        serving_tokenizer(folder)

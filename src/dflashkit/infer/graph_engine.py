@@ -621,10 +621,16 @@ class GraphEngine:
         t = ids.shape[1]
         if t not in self._ids:
             raise ValueError(f"the graphs engine's target steps take 1 or {self.block_size} tokens, got {t}")
+        return self._target_pass(ids, ("target", t), lambda: self._target_step(t))
+
+    def _target_pass(self, ids: Tensor, key: tuple[Any, ...], step: Callable[[], None]) -> Verified:
+        """Run ``step`` (a target step over ``ids`` [1, t], with what else it does) at the engine's length;
+        its logits and features are open until ``keep``."""
+        t = ids.shape[1]
         self._check_room(t)
         self._ids[t].copy_(ids)
         self._start.fill_(self._length)
-        self._run(("target", t), lambda: self._target_step(t))
+        self._run(key, step)
         features = self._rows if t == self.block_size and self.drafter is not None else None
         self._open = Verified(self._logits[t], features, self._length)
         self._tree_open = False
@@ -637,17 +643,11 @@ class GraphEngine:
         token chosen there (argmax; at T > 0 raced from noise ``gen`` draws first, as `sampling.choose` draws
         it), as one step (`_next_token_step`: one replay; the caller's read of the token is the copy to the
         host). Returns the token [1], valid until the next call."""
-        self._check_room(1)
-        self._ids[1].view(-1).copy_(token.view(-1))
-        self._start.fill_(self._length)
         if not s.greedy:
             self._token_noise.exponential_(generator=gen)
-        self._step_sampling = Sampling(temperature=s.temperature, top_p=s.top_p)
+        self._step_sampling = s
         key = ("next token",) if s.greedy else ("next token", s.temperature, s.top_p)
-        self._run(key, self._next_token_step)
-        self._open = Verified(self._logits[1], None, self._length)
-        self._tree_open = False
-        self._length += 1
+        self._target_pass(token.view(1, 1), key, self._next_token_step)
         return self._token_out
 
     def _next_token_step(self) -> None:
@@ -658,9 +658,9 @@ class GraphEngine:
         self._token_out.copy_(token.view(1))
 
     def fuses_rounds(self, tree_budget: int | None = None) -> bool:
-        """Whether ``greedy_round`` runs this round as one step: the chain's (no ``tree_budget``), or a tree
-        of the engine's own budget that holds at least a block of nodes (its path fills the next round's
-        context rows)."""
+        """Whether a round runs as one step (`greedy_round`, `sampled_round`): the chain's (no ``tree_budget``),
+        or a greedy tree of the engine's own budget that holds at least a block of nodes (its path fills the
+        next round's context rows)."""
         if not self.fused_rounds or self.drafter is None:
             return False
         if not tree_budget:
@@ -705,7 +705,7 @@ class GraphEngine:
         self._check_room(B)
         self._start_rounds(anchor)
         rejection_noise(B, self.w.vocab_size, gen, self.target.device, out=self._noise)
-        self._step_sampling = Sampling(temperature=s.temperature, top_p=s.top_p, rule=s.rule)
+        self._step_sampling = s
         self._run(("sampled round", s.temperature, s.top_p), self._sampled_round_step)
         return self._committed()
 

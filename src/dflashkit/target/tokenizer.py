@@ -24,6 +24,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from dflashkit.errors import ConfigError
+
 # The named special tokens transformers passes a chat template (`special_tokens_map`), in its order.
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -74,14 +76,26 @@ class ChatTokenizer:
         if not (folder / "tokenizer.json").is_file():
             return None
         config_file = folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(
+                f"{config_file} is not JSON ({e}); copy the target's tokenizer files again"
+            ) from None
         template = read_chat_template(folder, config)
         if template is None:
             return None
         from tokenizers import Tokenizer
 
+        try:
+            tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the Rust reader raises a plain Exception on a damaged file
+            raise ConfigError(
+                f"{folder / 'tokenizer.json'} cannot be read as a tokenizer ({e}); copy the target's tokenizer "
+                "files again"
+            ) from None
         special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
-        return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), template, special, str(folder))
+        return cls(tokenizer, template, special, str(folder))
 
     @cached_property
     def _template(self) -> Any:
@@ -124,9 +138,6 @@ class ChatTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
-
-    def __len__(self) -> int:
-        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
 
 def chat_environment() -> Any:
