@@ -11,6 +11,11 @@ os.environ.setdefault(
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Without a GPU the decoder kernels (dflashkit.target.kernels) run in Triton's interpreter, which Triton reads
+# at its first import: before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

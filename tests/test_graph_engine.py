@@ -848,6 +848,28 @@ def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
 
 
 @pytest.mark.cpu_compile
+def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path):
+    """compile="kernels" (the "graphs-kernels" engine) on the CPU, its decoder kernels in Triton's interpreter:
+    the chain's target steps through the kernels (the compiled layer never runs for them), the draft step
+    compiled whole; greedy tokens and acceptance lengths, of the one-step rounds and of the separate calls,
+    equal the dynamic engine's token for token in fp32."""
+    pytest.importorskip("triton")
+    from dflashkit.infer import graph_engine
+
+    tiny, d, layers = tiny_pair(tmp_path)
+    layer_graphs = graph_engine.LAYER_STEP.graphs()
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels")
+    assert list(engine.warm_up()) == CHAIN_STEPS
+    assert graph_engine.LAYER_STEP.graphs() == layer_graphs, "a chain step compiled the layer"
+    decodes_as_dynamic(tiny, d, engine, layers)
+    engine.fused_rounds = False  # draft, verify and keep as separate calls
+    prompt = list(range(7, 20))
+    ours = speculative_generate(tiny, d, prompt, 12, engine=engine)
+    dyn = speculative_generate(tiny, d, prompt, 12)
+    assert ours.tokens == dyn.tokens and ours.accept_lengths == dyn.accept_lengths
+
+
+@pytest.mark.cpu_compile
 def test_layers_engine_tree_rounds_decode_as_autoregressive(tmp_path):
     """compile="layers" with a tree budget on the CPU: warm-up compiles the tree step's layer, the build and
     the walk (one graph each) and runs the greedy tree round as one step; greedy tree rounds, the real

@@ -17,6 +17,7 @@ ENGINE_CHOICES = (
     "graphs",
     "graphs-compiled",
     "graphs-layers",
+    "graphs-kernels",
 )
 
 
@@ -453,7 +454,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "step shape; starts in a second), graphs-compiled (the same steps compiled first: faster steps, a "
         "start of ~25-65 s) or "
         "graphs-layers (one target decoder layer compiled for every layer: a start of ~16 s, the one-token step's "
-        "matmuls as reductions fused with their neighbours)",
+        "matmuls as reductions fused with their neighbours) or graphs-kernels (graphs-layers with the chain's "
+        "target steps as five hand-written Triton kernels a layer; GPU only)",
     )
     add_tree_budget(p)
 

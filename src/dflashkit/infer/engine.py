@@ -89,12 +89,15 @@ ENGINES: tuple[str, ...] = (
     "graphs",
     "graphs-compiled",
     "graphs-layers",
+    "graphs-kernels",
 )
-# the graphs engines by name: which of their steps Inductor compiles before they are captured
-GRAPH_ENGINES: dict[str, bool | Literal["layers"]] = {
+# the graphs engines by name: which of their steps Inductor compiles before they are captured ("kernels": as
+# "layers", the chain's target steps through the decoder kernels)
+GRAPH_ENGINES: dict[str, bool | Literal["layers", "kernels"]] = {
     "graphs": False,
     "graphs-compiled": True,
     "graphs-layers": "layers",
+    "graphs-kernels": "kernels",
 }
 ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINES)  # what --engine takes
 WARM_CALLS_GRAPHED = 3  # a CUDA-graph region warms, records, then replays: all three before freezing
@@ -544,7 +547,7 @@ def compile_cache_path(
     drafter: Any,
     capacity: int,
     layer_ids: Sequence[int] | None = None,
-    steps: bool | Literal["layers"] = True,
+    steps: bool | Literal["layers", "kernels"] = True,
 ) -> Path:
     """The portable compile cache of a compiling graphs engine: one file per target, dtype, drafter shape,
     capacity (the compiled steps' shapes) and compiled steps (``steps``: all or "layers"), under

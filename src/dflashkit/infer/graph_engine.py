@@ -98,6 +98,7 @@ from dflashkit.runtime.compile_cache import CacheUse, portable_cache
 from dflashkit.runtime.compiled_region import CompiledRegion
 from dflashkit.runtime.precompiled import compile_step, guarded, step_path
 from dflashkit.target.hf import TargetModel
+from dflashkit.target.kernels import check_runnable, decode_by_kernels, unsupported
 from dflashkit.target.slot_decoder import (
     Attention,
     DecoderWeights,
@@ -151,6 +152,25 @@ def target_step(
     if keep:
         assert out_rows is not None
         out_rows.copy_(torch.cat(kept, dim=-1))
+
+
+def kernel_target_step(
+    w: DecoderWeights,
+    cache: SlotCache,
+    ids: Tensor,
+    slot: Tensor,
+    start: Tensor,
+    out_logits: Tensor,
+    out_rows: Tensor | None,
+    kv_len: int,
+    attention: Attention,
+    keep: tuple[int, ...],
+    *_: Any,
+) -> None:
+    """``target_step`` of a chain through the decoder kernels (``dflashkit.target.kernels``: five launches a
+    layer), for the engine's one slot (``slot`` is its index 0; the kernels read each step's used positions
+    from ``start``, so ``kv_len`` and ``attention`` need not say)."""
+    decode_by_kernels(w, cache, ids, start, out_logits, out_rows, keep)
 
 
 def draft_step(
@@ -249,7 +269,9 @@ class GraphEngine:
     layer serves all of them, where a whole step unrolls every layer into its graph), the one-token step's
     matmuls written as reductions that Inductor fuses with the work around them
     (``slot_decoder.linear_as_reduction``), and the draft step whole (both compiling engines also compile a
-    tree's build and walk);
+    tree's build and walk); ``"kernels"`` (the "graphs-kernels" engine) as "layers", but the chain's target
+    steps through the decoder kernels (``dflashkit.target.kernels``: five Triton kernels a layer, compiled by
+    Triton on their first call; the CPU runs them only in Triton's interpreter);
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
@@ -269,7 +291,7 @@ class GraphEngine:
         layer_ids: Sequence[int] | None = None,
         graphs: bool | None = None,
         fixed_shapes: bool | None = None,
-        compile: bool | Literal["layers"] | None = None,
+        compile: bool | Literal["layers", "kernels"] | None = None,
         compile_cache: str | os.PathLike[str] | None = None,
         tree_budget: int | None = None,
         precompile: bool = True,
@@ -279,8 +301,10 @@ class GraphEngine:
         if graphs and dev.type != "cuda":
             raise DflashkitError("the graphs engine captures CUDA graphs: it needs the target on a GPU")
         compile = False if compile is None else compile  # compiled steps: the "graphs-compiled" engine
-        if compile not in (False, True, "layers"):
-            raise DflashkitError(f"GraphEngine(compile={compile!r}): choose False, True or 'layers'")
+        if compile not in (False, True, "layers", "kernels"):
+            raise DflashkitError(
+                f"GraphEngine(compile={compile!r}): choose False, True, 'layers' or 'kernels'"
+            )
         fixed_shapes = graphs or compile if fixed_shapes is None else fixed_shapes
         if compile and not fixed_shapes:
             raise DflashkitError(
@@ -292,6 +316,13 @@ class GraphEngine:
         )
         self.block_size = drafter.config.block_size if drafter is not None else 1
         self.w = target.decoder_weights(capacity)
+        if compile == "kernels":
+            why = unsupported(self.w)
+            if why:
+                raise DflashkitError(
+                    f"the decoder kernels cannot run this target ({why}): choose --engine graphs-layers"
+                )
+            check_runnable(dev)
         # eager steps on a CPU in bf16: every weight packed once for oneDNN (no-op elsewhere)
         self.packed = not compile and not graphs and self.w.pack_for_cpu()
         self.cache = SlotCache(self.w, slots=1, capacity=capacity)
@@ -305,10 +336,13 @@ class GraphEngine:
         self.precompile = precompile and compile_cache is not None
         self._precompiled: dict[tuple[Any, ...], Callable[..., None]] = {}
         self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
-        self._target_fn: Callable[..., None] = TARGET_STEP if compile is True else target_step
+        # the tree step: compiled whole (True), or one decoder layer at a time through its compiled region
+        # ("layers", "kernels"), or eager
+        self._tree_fn: Callable[..., None] = TARGET_STEP if compile is True else target_step
+        # the chain's target steps ([1, 1] and [1, B]): the same, or the decoder kernels ("kernels")
+        self._target_fn: Callable[..., None] = kernel_target_step if compile == "kernels" else self._tree_fn
         self._reduce_matmuls = compile == "layers"
-        # "layers": the target steps run as they are, one decoder layer at a time through its compiled region
-        self._layer_step: LayerStep | None = LAYER_STEP if compile == "layers" else None
+        self._layer_step: LayerStep | None = LAYER_STEP if compile in ("layers", "kernels") else None
         # the draft step compiled whole by every compiling engine: a drafter has a few layers, and one layer at
         # a time (its prologue and head eager around them) took 0.263 ms against 0.207 (H200, bf16, RESULTS:
         # seventeenth session)
@@ -405,8 +439,9 @@ class GraphEngine:
         )
 
     def _tree_step(self) -> None:
-        """The target step over the tree's nodes (compiled as the other target steps with ``compile``)."""
-        self._target_fn(
+        """The target step over the tree's nodes (compiled as the other target steps with ``compile``; one
+        compiled layer at a time for "kernels", whose kernels read no tree mask)."""
+        self._tree_fn(
             self.w,
             self.cache,
             self._tree_inputs[:1],

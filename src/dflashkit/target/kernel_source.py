@@ -1,0 +1,354 @@
+"""The Triton source of the target's decoder layer in five kernels (``dflashkit.target.kernels`` launches
+them; read that module first). Imported once Triton is known to be there: ``triton.jit`` compiles them for a
+GPU, or gives the interpreter's functions (TRITON_INTERPRET=1: the CPU tests), so both run this very source.
+
+Shapes: a step of M new tokens (M <= BLOCK_M), hidden H, query heads NQ, key/value heads NK, head dim D,
+MLP width I. Every matmul accumulates in float32 through ``tl.dot`` (tensor cores for bf16; exact float32
+products with PRECISION "ieee"), and each result is rounded to the model's dtype where the plain forward
+(``slot_decoder.decoder_layer``) rounds it.
+
+(No ``from __future__ import annotations`` here: Triton reads the ``tl.constexpr`` annotations.)
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in float32. UPCAST: the operands in float32 first (Triton's interpreter multiplies
+    bf16 operands wrongly; bf16 products are exact in float32, so the result is the same up to summation
+    order)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def qkv_kernel(
+    X,  # [M, H] the residual stream
+    NORM,  # [H] the layer's input norm
+    W,  # [NQ*D + 2*NK*D, H] the fused projection, q and k rows in side-by-side rotary order
+    BIAS,  # [NQ*D + 2*NK*D] or a dummy (HAS_BIAS False)
+    ROT,  # [max positions, D/2, 2] float32 (cos, sin)
+    START,  # [1] int64: the first new token's position
+    Q,  # [M, NQ*D] out: the turned queries
+    KC,  # [capacity, NK, D] the layer's key cache (the engine's slot), written at START + m
+    VC,  # the same for values
+    eps,
+    capacity,
+    M: tl.constexpr,
+    H: tl.constexpr,
+    NQD: tl.constexpr,
+    NKD: tl.constexpr,
+    D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PAIRS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """rms_norm(x) @ W.T (+ bias), each (even, odd) column pair of the queries and keys turned by its rotary
+    angle, the keys and values written into the cache: one program per PAIRS column pairs."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    row_ok = rm < M
+    # the input norm's scale per row (every program recomputes it: H values a row)
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & (rk < H)[None, :], other=0.0)
+        x = x.to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+    scale = tl.rsqrt(squares / H + eps)
+    rp = pid * PAIRS + tl.arange(0, PAIRS)  # column pair: columns 2 rp (even) and 2 rp + 1 (odd)
+    pair_ok = rp < (NQD + 2 * NKD) // 2
+    even = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+    odd = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < H
+        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(NORM + rk, mask=k_ok, other=0.0).to(tl.float32)
+        h = (x.to(tl.float32) * scale[:, None] * g[None, :]).to(W.dtype.element_ty)
+        w_ok = k_ok[:, None] & pair_ok[None, :]
+        we = tl.load(W + (2 * rp)[None, :] * H + rk[:, None], mask=w_ok, other=0.0)
+        wo = tl.load(W + (2 * rp + 1)[None, :] * H + rk[:, None], mask=w_ok, other=0.0)
+        even += dot(h, we, PRECISION, UPCAST)
+        odd += dot(h, wo, PRECISION, UPCAST)
+    if HAS_BIAS:
+        even += tl.load(BIAS + 2 * rp, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+        odd += tl.load(BIAS + 2 * rp + 1, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+    # the projection's output in the model's dtype, as the plain forward rounds it before the rotation
+    even = even.to(W.dtype.element_ty).to(tl.float32)
+    odd = odd.to(W.dtype.element_ty).to(tl.float32)
+    col = 2 * rp
+    start = tl.load(START)
+    pos = tl.minimum(start + rm, capacity - 1)  # [BLOCK_M]
+    turned = col < NQD + NKD  # queries and keys turn; values do not
+    j = (col % D) // 2  # the pair's index within its head
+    rot_ok = row_ok[:, None] & (turned & pair_ok)[None, :]
+    cos = tl.load(ROT + pos[:, None] * D + 2 * j[None, :], mask=rot_ok, other=1.0)
+    sin = tl.load(ROT + pos[:, None] * D + 2 * j[None, :] + 1, mask=rot_ok, other=0.0)
+    out_even = (even * cos - odd * sin).to(Q.dtype.element_ty)
+    out_odd = (even * sin + odd * cos).to(Q.dtype.element_ty)
+    ok = row_ok[:, None] & pair_ok[None, :]
+    is_q = (col < NQD)[None, :]
+    q_at = Q + rm[:, None] * NQD + col[None, :]
+    tl.store(q_at, out_even, mask=ok & is_q)
+    tl.store(q_at + 1, out_odd, mask=ok & is_q)
+    is_k = ((col >= NQD) & (col < NQD + NKD))[None, :]
+    k_at = KC + pos[:, None] * NKD + (col - NQD)[None, :]
+    tl.store(k_at, out_even, mask=ok & is_k)
+    tl.store(k_at + 1, out_odd, mask=ok & is_k)
+    is_v = (col >= NQD + NKD)[None, :]
+    v_at = VC + pos[:, None] * NKD + (col - NQD - NKD)[None, :]
+    tl.store(v_at, out_even, mask=ok & is_v)
+    tl.store(v_at + 1, out_odd, mask=ok & is_v)
+
+
+@triton.jit
+def attention_kernel(
+    Q,  # [M, NQ*D]
+    KC,  # [capacity, NK, D]
+    VC,
+    START,  # [1] int64
+    PO,  # [SPLITS, M*NQ, D] float32 out: each split's unnormalised output
+    PM,  # [SPLITS, M*NQ] float32 out: each split's score maximum
+    PL,  # [SPLITS, M*NQ] float32 out: each split's sum of exp(score - maximum)
+    sm_scale,
+    capacity,
+    M: tl.constexpr,
+    NQ: tl.constexpr,
+    NK: tl.constexpr,
+    D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    STEPS: tl.constexpr,  # cdiv(capacity, SPLITS * BLOCK_N): the most steps of BLOCK_N positions a split takes
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Causal attention of the M new tokens over the cache, split along the positions (as flash-decoding
+    does): program (g, s) reads key/value head g over its share s of the used positions, for every query
+    head of g's group and every new token at once (rows r = m * G + head within the group), and writes its
+    partial output, maximum and sum; ``out_kernel`` merges the splits."""
+    g = tl.program_id(0)
+    s = tl.program_id(1)
+    G: tl.constexpr = NQ // NK
+    start = tl.load(START)
+    used = tl.minimum(start + M, capacity)  # positions 0 .. used - 1 hold keys
+    share = tl.cdiv(tl.cdiv(used, SPLITS), BLOCK_N) * BLOCK_N
+    lo = s * share
+    hi = tl.minimum(lo + share, used)
+    rr = tl.arange(0, BLOCK_R)
+    m = rr // G
+    head = g * G + rr % G
+    row_ok = rr < M * G
+    rd = tl.arange(0, D)
+    q = tl.load(Q + m[:, None] * (NQ * D) + head[:, None] * D + rd[None, :], mask=row_ok[:, None], other=0.0)
+    q_pos = start + m  # each new token sees the positions up to its own
+    top = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    # a fixed number of steps (a loop bound read from the device cannot be a Python range in the
+    # interpreter), the ones past this split's share skipped
+    for step in range(0, STEPS):
+        n0 = lo + step * BLOCK_N
+        if n0 < hi:
+            rn = n0 + tl.arange(0, BLOCK_N)
+            n_ok = rn < hi
+            at = rn[:, None] * (NK * D) + g * D + rd[None, :]
+            k = tl.load(KC + at, mask=n_ok[:, None], other=0.0)
+            scores = dot(q, tl.trans(k), PRECISION, UPCAST) * sm_scale
+            seen = n_ok[None, :] & (rn[None, :] <= q_pos[:, None])
+            scores = tl.where(seen, scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, axis=1))
+            safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # a row that has seen nothing yet
+            alpha = tl.exp(top - safe)
+            p = tl.exp(scores - safe[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(VC + at, mask=n_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
+            top = new_top
+    row = m * NQ + head
+    tl.store(PO + (s * (M * NQ) + row)[:, None] * D + rd[None, :], acc, mask=row_ok[:, None])
+    tl.store(PM + s * (M * NQ) + row, top, mask=row_ok)
+    tl.store(PL + s * (M * NQ) + row, total, mask=row_ok)
+
+
+@triton.jit
+def out_kernel(
+    PO,  # [SPLITS, M*NQ, D] float32
+    PM,  # [SPLITS, M*NQ]
+    PL,
+    W,  # [H, NQ*D] the output projection
+    X,  # [M, H] the residual stream, updated in place: x + attention @ W.T
+    M: tl.constexpr,
+    H: tl.constexpr,
+    NQ: tl.constexpr,
+    D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The attention's splits merged (a head at a time, as the matmul reads it), the output projection and
+    the residual add: one program per BLOCK_N columns of x."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    row_ok = rm < M
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < H
+    rs = tl.arange(0, SPLITS)
+    rd = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for head in range(0, NQ):
+        row = rm * NQ + head  # [BLOCK_M]
+        at = rs[:, None] * (M * NQ) + row[None, :]  # [SPLITS, BLOCK_M]
+        tops = tl.load(PM + at, mask=row_ok[None, :], other=float("-inf"))
+        top = tl.max(tops, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # padding rows
+        weight = tl.exp(tops - top[None, :])
+        total = tl.sum(weight * tl.load(PL + at, mask=row_ok[None, :], other=0.0), axis=0)
+        total = tl.where(total > 0.0, total, 1.0)
+        parts = tl.load(PO + at[:, :, None] * D + rd[None, None, :], mask=row_ok[None, :, None], other=0.0)
+        o = tl.sum(parts * weight[:, :, None], axis=0) / total[:, None]  # [BLOCK_M, D]
+        o = o.to(W.dtype.element_ty)  # the attention's output in the model's dtype
+        w = tl.load(W + rn[None, :] * (NQ * D) + (head * D + rd)[:, None], mask=n_ok[None, :], other=0.0)
+        acc += dot(o, w, PRECISION, UPCAST)
+    ok = row_ok[:, None] & n_ok[None, :]
+    x_at = X + rm[:, None] * H + rn[None, :]
+    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_at, (x + acc.to(W.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def up_kernel(
+    X,  # [M, H]
+    NORM,  # [H] the post-attention norm
+    W,  # [2*I, H] gate rows then up rows
+    A,  # [M, I] out: silu(gate) * up
+    eps,
+    M: tl.constexpr,
+    H: tl.constexpr,
+    I: tl.constexpr,  # noqa: E741 (the MLP's width, as the method names it)
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """rms_norm(x), its gate and up projections for BLOCK_N columns, and SwiGLU's product."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    row_ok = rm < M
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & (rk < H)[None, :], other=0.0)
+        x = x.to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+    scale = tl.rsqrt(squares / H + eps)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < I
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < H
+        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(NORM + rk, mask=k_ok, other=0.0).to(tl.float32)
+        h = (x.to(tl.float32) * scale[:, None] * g[None, :]).to(W.dtype.element_ty)
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        wg = tl.load(W + rn[None, :] * H + rk[:, None], mask=w_ok, other=0.0)
+        wu = tl.load(W + (I + rn)[None, :] * H + rk[:, None], mask=w_ok, other=0.0)
+        gate += dot(h, wg, PRECISION, UPCAST)
+        up += dot(h, wu, PRECISION, UPCAST)
+    dt = W.dtype.element_ty
+    gate = gate.to(dt).to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+    product = silu * up.to(dt).to(tl.float32)
+    tl.store(
+        A + rm[:, None] * I + rn[None, :],
+        product.to(A.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
+    )
+
+
+@triton.jit
+def down_kernel(
+    A,  # [M, K]
+    W,  # [H, K]
+    X,  # [M, H] updated in place: x + a @ W.T
+    M: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The MLP's down projection and the residual add, for BLOCK_N columns of x."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    row_ok = rm < M
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < H
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        a = tl.load(A + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + rn[None, :] * K + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += dot(a, w, PRECISION, UPCAST)
+    ok = row_ok[:, None] & n_ok[None, :]
+    x_at = X + rm[:, None] * H + rn[None, :]
+    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_at, (x + acc.to(W.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def head_kernel(
+    X,  # [M, H] the last layer's residual stream
+    NORM,  # [H] the final norm
+    W,  # [V, H] the vocabulary head
+    OUT,  # [M, V] float32 out: the logits
+    eps,
+    V,
+    M: tl.constexpr,
+    H: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The final norm and the head for BLOCK_N vocabulary entries, written as float32 logits (rounded to
+    the model's dtype first, as the plain forward's head rounds them)."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    row_ok = rm < M
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & (rk < H)[None, :], other=0.0)
+        x = x.to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+    scale = tl.rsqrt(squares / H + eps)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < V
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < H
+        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(NORM + rk, mask=k_ok, other=0.0).to(tl.float32)
+        h = (x.to(tl.float32) * scale[:, None] * g[None, :]).to(W.dtype.element_ty)
+        w = tl.load(W + rn[None, :] * H + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += dot(h, w, PRECISION, UPCAST)
+    logits = acc.to(W.dtype.element_ty).to(tl.float32)
+    tl.store(OUT + rm[:, None] * V + rn[None, :], logits, mask=row_ok[:, None] & n_ok[None, :])

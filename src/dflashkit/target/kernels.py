@@ -1,0 +1,204 @@
+"""The target's chain steps as hand-written kernels: a decoder layer in five launches.
+
+A one-token step of the embedded target is 30 small layers. Compiled one layer at a time (the "graphs-layers"
+engine) each layer is ~9.6 kernels (the norms, the fused projection, rotary and the cache writes, FlashAttention,
+the output projection, SwiGLU, the down projection), and replayed as a CUDA graph a step costs what its 288
+kernels cost one after another, ~0.9 us between each (benchmarks/NOTES.md: 0.64 ms of kernel time, 0.84 ms a
+token). Here a layer is five Triton kernels (``kernel_source``), each doing all the work of one matmul:
+
+1. ``qkv``: the input norm, the fused query/key/value projection, rotary on the query and key pairs, the keys
+   and values written into the cache;
+2. ``attention``: causal attention of the new tokens over the cache, split along the positions (flash-decoding:
+   every key/value head's positions shared among SPLITS programs, each reading its keys once for every query
+   head of the group and every new token);
+3. ``out``: the splits merged, the output projection and the residual add;
+4. ``up``: the post-attention norm, the gate and up projections and SwiGLU's product;
+5. ``down``: the down projection and the residual add;
+
+and after the last layer one ``head`` kernel: the final norm and the vocabulary head, written as float32 logits.
+A step of M tokens (one, or a block) is 5 x layers + 1 launches and one embedding gather. The kernels round to
+the model's dtype where the plain forward (``slot_decoder.decoder_layer``) rounds, so in float32 they give its
+numbers up to summation order (tested against it, and the engine against the dynamic one token for token).
+
+On a GPU the kernels are compiled by Triton (``triton.jit``); on the CPU they run in Triton's interpreter, the
+same source in numpy: slow, for tests. ``unsupported`` says which targets they cannot run (the engine then
+compiles its layers instead).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from dflashkit.errors import DflashkitError
+from dflashkit.target.slot_decoder import DecoderWeights, SlotCache
+
+KERNELS = ("qkv", "attention", "out", "up", "down", "head")
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Each kernel's share of the work: columns per program and the inner dimension's step (powers of 2,
+    at least 16: ``tl.dot``'s smallest), the attention's splits and positions per step, warps per program."""
+
+    qkv_pairs: int = 16  # column pairs of the fused projection per program (32 columns)
+    out_columns: int = 16
+    up_columns: int = 32
+    down_columns: int = 16
+    head_columns: int = 64
+    inner: int = 128  # the hidden (or MLP) dimension per step of a matmul's loop
+    attention_positions: int = 64
+    splits: int = 8  # programs per key/value head along the positions
+    warps: int = 4
+
+
+def unsupported(w: DecoderWeights) -> str | None:
+    """Why the kernels cannot run this target's layers (None: they can)."""
+    d = w.head_dim
+    if any(layer.q_norm is not None for layer in w.layers):
+        return "per-head query and key norms (Qwen3)"
+    if d < 16 or d & (d - 1):
+        return f"a head dim of {d} (the kernels take powers of 2 from 16)"
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"weights in {w.dtype}"
+    return None
+
+
+def triton_missing() -> str | None:
+    """Why Triton cannot be imported (None: it can)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"Triton is not installed ({e}): pip install triton, or choose --engine graphs-layers"
+    return None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 before Triton's first import: the CPU
+    tests set it), where they take CPU tensors."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _compiled() -> SimpleNamespace:
+    """The kernels of ``kernel_source`` by name (``triton.jit`` gives the interpreter's functions when
+    ``interpreting``)."""
+    why = triton_missing()
+    if why:
+        raise DflashkitError(why)
+    from dflashkit.target import kernel_source
+
+    return SimpleNamespace(**{k: getattr(kernel_source, f"{k}_kernel") for k in KERNELS})
+
+
+def check_runnable(device: torch.device) -> None:
+    """Refuse, saying what to do, a device the kernels cannot run on."""
+    why = triton_missing()
+    if why:
+        raise DflashkitError(why)
+    if device.type != "cuda" and not interpreting():
+        raise DflashkitError(
+            f"the decoder kernels run on a GPU (the target is on {device.type}): choose --engine graphs-layers, "
+            "or set TRITON_INTERPRET=1 to run them, slowly, in Triton's interpreter"
+        )
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """Float32 products exactly (the lossless checks run in float32); other dtypes ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_by_kernels(
+    w: DecoderWeights,
+    cache: SlotCache,
+    ids: Tensor,
+    start: Tensor,
+    out_logits: Tensor,
+    out_rows: Tensor | None = None,
+    keep: tuple[int, ...] = (),
+    tiles: Tiles = Tiles(),
+) -> None:
+    """The target over the new tokens ``ids`` [1, M] of the cache's first slot, written at positions
+    ``start`` [1] + 0 .. M-1: their float32 logits into ``out_logits`` [M, V], and the outputs of the layers
+    ``keep`` (concatenated) into ``out_rows`` [1, M, n * hidden]. Shape-static: a CUDA graph captures it."""
+    m = ids.shape[1]
+    k = _compiled()
+    hidden = w.embed.shape[1]
+    nq, nk, d = w.heads, w.kv_heads, w.head_dim
+    width = w.layers[0].gate_up.shape[0] // 2
+    block_m = _pow2(m)
+    t = tiles
+    # every kernel's float32 products: exact ones for a float32 target; the interpreter's in float32
+    common = dict(num_warps=t.warps, PRECISION=_precision(w.dtype), UPCAST=interpreting())
+    # splits along the positions: fewer for a cache that holds fewer steps of positions (a power of 2)
+    splits = min(t.splits, _pow2(triton_cdiv(cache.capacity, t.attention_positions), least=1))
+    steps = triton_cdiv(cache.capacity, splits * t.attention_positions)
+    x = w.embed[ids[0]]  # [M, H]: a new tensor, updated in place layer by layer
+    q = torch.empty(m, nq * d, dtype=w.dtype, device=x.device)
+    parts = torch.empty(splits, m * nq, d, dtype=torch.float32, device=x.device)
+    tops = torch.empty(splits, m * nq, dtype=torch.float32, device=x.device)
+    totals = torch.empty_like(tops)
+    act = torch.empty(m, width, dtype=w.dtype, device=x.device)
+    columns = nq * d + 2 * nk * d
+    grids = {
+        "qkv": (triton_cdiv(columns // 2, t.qkv_pairs),),
+        "attention": (nk, splits),
+        "out": (triton_cdiv(hidden, t.out_columns),),
+        "up": (triton_cdiv(width, t.up_columns),),
+        "down": (triton_cdiv(hidden, t.down_columns),),
+        "head": (triton_cdiv(w.vocab_size, t.head_columns),),
+    }
+    kept = []
+    for i, layer in enumerate(w.layers):
+        k_cache, v_cache = cache.k[i][0], cache.v[i][0]  # [capacity, NK, D]: the engine's one slot
+        bias = layer.qkv_bias if layer.qkv_bias is not None else layer.input_norm
+        k.qkv[grids["qkv"]](
+            x, layer.input_norm, layer.qkv, bias, w.rotary_pairs, start, q, k_cache, v_cache,
+            w.eps, cache.capacity,
+            M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None,
+            BLOCK_M=block_m, PAIRS=t.qkv_pairs, BLOCK_K=t.inner, **common,
+        )  # fmt: skip
+        k.attention[grids["attention"]](
+            q, k_cache, v_cache, start, parts, tops, totals, d**-0.5, cache.capacity,
+            M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps,
+            BLOCK_R=_pow2(m * (nq // nk)), BLOCK_N=t.attention_positions, **common,
+        )  # fmt: skip
+        k.out[grids["out"]](
+            parts, tops, totals, layer.o, x,
+            M=m, H=hidden, NQ=nq, D=d, SPLITS=splits,
+            BLOCK_M=block_m, BLOCK_N=t.out_columns, **common,
+        )  # fmt: skip
+        k.up[grids["up"]](
+            x, layer.post_norm, layer.gate_up, act, w.eps,
+            M=m, H=hidden, I=width,
+            BLOCK_M=block_m, BLOCK_N=t.up_columns, BLOCK_K=t.inner, **common,
+        )  # fmt: skip
+        k.down[grids["down"]](
+            act, layer.down, x,
+            M=m, H=hidden, K=width,
+            BLOCK_M=block_m, BLOCK_N=t.down_columns, BLOCK_K=t.inner, **common,
+        )  # fmt: skip
+        if i in keep:
+            kept.append(x.clone())  # x keeps changing in place
+    k.head[grids["head"]](
+        x, w.norm, w.lm_head, out_logits, w.eps, w.vocab_size,
+        M=m, H=hidden,
+        BLOCK_M=block_m, BLOCK_N=t.head_columns, BLOCK_K=t.inner, **common,
+    )  # fmt: skip
+    if keep:
+        assert out_rows is not None
+        out_rows.copy_(torch.cat(kept, dim=-1)[None])
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

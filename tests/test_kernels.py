@@ -1,0 +1,121 @@
+"""The decoder kernels (``dflashkit.target.kernels``; on the CPU in Triton's interpreter, which conftest turns
+on): a step of the target through them gives the plain forward's logits, kept features and cache rows in
+float32 (Llama with grouped heads, Qwen2 with biases; one token and a block; contexts spanning one and
+several attention splits), and the "graphs-kernels" engine decodes as the dynamic engine token for token.
+Targets the kernels cannot run are refused with a message that says what to do."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dflashkit.errors import DflashkitError  # noqa: E402
+from dflashkit.target.kernels import Tiles, check_runnable, decode_by_kernels, unsupported  # noqa: E402
+from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, decode, logits  # noqa: E402
+
+
+def tiny_model(kind: str = "llama", **extra):
+    import transformers
+
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    config = config_class(
+        hidden_size=64,
+        intermediate_size=96,  # not a multiple of the kernels' column tiles: the masked edges
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind == "qwen2":  # biases that are not zero, so that a kernel that dropped them would show it
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("kind", "capacity", "chunks"),
+    [
+        ("llama", 64, (5, 1, 4, 1)),  # one split
+        ("qwen2", 64, (3, 4, 1)),
+        ("llama", 320, (150, 4, 1, 4)),  # a context of several splits of 16 positions
+    ],
+)
+def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks):
+    """Step after step (a prompt, then blocks and single tokens written after it) over the same cache, the
+    kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
+    (up to summation order)."""
+    w = DecoderWeights.from_hf(tiny_model(kind))
+    tiles = Tiles(attention_positions=16, splits=4) if capacity > 64 else Tiles()
+    ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
+    zero, pos = torch.zeros(1, dtype=torch.long), 0
+    gen = torch.Generator().manual_seed(1)
+    for m in chunks:
+        ids = torch.randint(5, 300, (1, m), generator=gen)
+        start = torch.tensor([pos])
+        x, kept = decode(w, ref_cache, ids, zero, start, kv_len=pos + m, keep=(0, 1))
+        out, rows = torch.full((m, w.vocab_size), float("nan")), torch.full((1, m, 128), float("nan"))
+        decode_by_kernels(w, cache, ids, start, out, rows, keep=(0, 1), tiles=tiles)
+        torch.testing.assert_close(out, logits(w, x[0]), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(rows, torch.cat(kept, dim=-1), atol=2e-5, rtol=1e-5)
+        pos += m
+        for layer in range(len(w.layers)):
+            torch.testing.assert_close(
+                cache.k[layer][0, :pos], ref_cache.k[layer][0, :pos], atol=1e-5, rtol=1e-5
+            )
+            torch.testing.assert_close(
+                cache.v[layer][0, :pos], ref_cache.v[layer][0, :pos], atol=1e-5, rtol=1e-5
+            )
+        assert not cache.k[0][0, pos:].any(), "a write past the step's tokens"
+
+
+def test_kernels_in_bf16_stay_near_the_plain_forward():
+    """bf16 weights (the served dtype): the kernels round where the plain forward rounds, so their logits
+    stay within bf16's error of its and the same tokens win."""
+    w = DecoderWeights.from_hf(tiny_model().to(torch.bfloat16))
+    ref_cache, cache = SlotCache(w, slots=1, capacity=64), SlotCache(w, slots=1, capacity=64)
+    zero = torch.zeros(1, dtype=torch.long)
+    ids = torch.randint(5, 300, (1, 6), generator=torch.Generator().manual_seed(2))
+    x, _ = decode(w, ref_cache, ids, zero, zero, kv_len=6)
+    out = torch.empty(6, w.vocab_size)
+    decode_by_kernels(w, cache, ids, zero, out)
+    ref = logits(w, x[0])
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 5 / 6
+
+
+def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
+    """Qwen3's per-head norms are not in the kernels: the reason is named (and the engine refuses with what
+    to do); without a GPU and without the interpreter the kernels refuse to start."""
+    import transformers
+
+    from dflashkit.infer.graph_engine import GraphEngine
+    from dflashkit.target.hf import TargetModel
+
+    config = transformers.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=320,
+        max_position_embeddings=128,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert "Qwen3" in (unsupported(DecoderWeights.from_hf(model)) or "")
+    assert unsupported(DecoderWeights.from_hf(tiny_model())) is None
+    target = TargetModel(model, name="qwen3-tiny")
+    with pytest.raises(
+        DflashkitError, match=r"cannot run this target \(per-head.*choose --engine graphs-layers"
+    ):
+        GraphEngine(target, None, capacity=32, graphs=False, compile="kernels")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(DflashkitError, match="run on a GPU .*choose --engine graphs-layers"):
+        check_runnable(torch.device("cpu"))
