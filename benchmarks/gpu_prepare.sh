@@ -365,9 +365,14 @@ for s in "$@"; do
       timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_fanout.py tests/test_loss.py -k "flex_fanout or memory" \
         2>&1 | tee "$OUT/pytest-dtests.log" | tail -15 ;;
     gtests)
+      # GTESTS_K: a selection (-k) of them
       stage gtests
       timeout $(cap 300) python3 -m pytest -q -m gpu tests/test_generator.py tests/test_graph_engine.py \
-        tests/test_engine.py 2>&1 | tee "$OUT/pytest-gtests.log" | tail -15 ;;
+        tests/test_engine.py -k "${GTESTS_K:-}" 2>&1 | tee "$OUT/pytest-gtests.log" | tail -15 ;;
+    ktests)
+      # the decoder kernels against the plain forward on a random target (no GGUF needed)
+      stage ktests
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_kernels.py 2>&1 | tee "$OUT/pytest-ktests.log" | tail -15 ;;
     drafter)
       # the newest GPU drafter, kept in git (benchmarks/drafters/, travels with the working tree; a drafter kept
       # outside git was lost with the eighth session's checkout), into $W/drafter0/best: a warm start

@@ -172,7 +172,7 @@ def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True, "layers"])
+@pytest.mark.parametrize("compiled", [False, True, "layers", "kernels"])
 def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
     """On CUDA (fp32, so the attention is the masked reference over the whole capacity): each step shape
     is captured once at warm-up (compiled first: the graphs-compiled and graphs-layers engines) and
@@ -208,7 +208,7 @@ def tree_step_replays(engine: GraphEngine, eager: GraphEngine, prompt: list[int]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True, "layers"])
+@pytest.mark.parametrize("compiled", [False, True, "layers", "kernels"])
 def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
     """On CUDA in fp32: warm-up captures the tree step [1, N+1] (compiled first with ``compile``, as the
     graphs-compiled engine does) and the keep step beside the chain's steps; the replayed tree step gives the
@@ -728,7 +728,7 @@ def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [True, "layers", "precompiled"])
+@pytest.mark.parametrize("compiled", [True, "layers", "kernels", "precompiled"])
 def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compiled, tmp_path):
     """On CUDA in fp32: the compiled steps (whole, or one layer for all), captured as CUDA graphs, replay
     and decode as the eager graphs engine (and the dynamic engine), with nothing captured or compiled after

@@ -10,8 +10,23 @@ import torch
 pytest.importorskip("triton")
 
 from dflashkit.errors import DflashkitError  # noqa: E402
-from dflashkit.target.kernels import Tiles, check_runnable, decode_by_kernels, unsupported  # noqa: E402
+from dflashkit.target.kernels import (  # noqa: E402
+    Tiles,
+    check_runnable,
+    decode_by_kernels,
+    interpreting,
+    unsupported,
+)
 from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, decode, logits  # noqa: E402
+
+# the CPU runs the kernels in Triton's interpreter (conftest turns it on without a GPU); a GPU compiles them
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)"),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
 
 
 def tiny_model(kind: str = "llama", **extra):
@@ -39,6 +54,7 @@ def tiny_model(kind: str = "llama", **extra):
     return model
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("kind", "capacity", "chunks"),
     [
@@ -47,20 +63,21 @@ def tiny_model(kind: str = "llama", **extra):
         ("llama", 320, (150, 4, 1, 4)),  # a context of several splits of 16 positions
     ],
 )
-def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks):
+def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, device):
     """Step after step (a prompt, then blocks and single tokens written after it) over the same cache, the
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
     (up to summation order)."""
-    w = DecoderWeights.from_hf(tiny_model(kind))
+    w = DecoderWeights.from_hf(tiny_model(kind).to(device))
     tiles = Tiles(attention_positions=16, splits=4) if capacity > 64 else Tiles()
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
-    zero, pos = torch.zeros(1, dtype=torch.long), 0
+    zero, pos = torch.zeros(1, dtype=torch.long, device=device), 0
     gen = torch.Generator().manual_seed(1)
     for m in chunks:
-        ids = torch.randint(5, 300, (1, m), generator=gen)
-        start = torch.tensor([pos])
+        ids = torch.randint(5, 300, (1, m), generator=gen).to(device)
+        start = torch.tensor([pos], device=device)
         x, kept = decode(w, ref_cache, ids, zero, start, kv_len=pos + m, keep=(0, 1))
-        out, rows = torch.full((m, w.vocab_size), float("nan")), torch.full((1, m, 128), float("nan"))
+        out = torch.full((m, w.vocab_size), float("nan"), device=device)
+        rows = torch.full((1, m, 128), float("nan"), device=device)
         decode_by_kernels(w, cache, ids, start, out, rows, keep=(0, 1), tiles=tiles)
         torch.testing.assert_close(out, logits(w, x[0]), atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(rows, torch.cat(kept, dim=-1), atol=2e-5, rtol=1e-5)
@@ -75,21 +92,23 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks):
         assert not cache.k[0][0, pos:].any(), "a write past the step's tokens"
 
 
-def test_kernels_in_bf16_stay_near_the_plain_forward():
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernels_in_bf16_stay_near_the_plain_forward(device):
     """bf16 weights (the served dtype): the kernels round where the plain forward rounds, so their logits
     stay within bf16's error of its and the same tokens win."""
-    w = DecoderWeights.from_hf(tiny_model().to(torch.bfloat16))
+    w = DecoderWeights.from_hf(tiny_model().to(device, torch.bfloat16))
     ref_cache, cache = SlotCache(w, slots=1, capacity=64), SlotCache(w, slots=1, capacity=64)
-    zero = torch.zeros(1, dtype=torch.long)
-    ids = torch.randint(5, 300, (1, 6), generator=torch.Generator().manual_seed(2))
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    ids = torch.randint(5, 300, (1, 6), generator=torch.Generator().manual_seed(2)).to(device)
     x, _ = decode(w, ref_cache, ids, zero, zero, kv_len=6)
-    out = torch.empty(6, w.vocab_size)
+    out = torch.empty(6, w.vocab_size, device=device)
     decode_by_kernels(w, cache, ids, zero, out)
     ref = logits(w, x[0])
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 5 / 6
 
 
+@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")
 def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     """Qwen3's per-head norms are not in the kernels: the reason is named (and the engine refuses with what
     to do); without a GPU and without the interpreter the kernels refuse to start."""

@@ -18,9 +18,10 @@ import triton.language as tl
 def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b accumulated in float32. UPCAST: the operands in float32 first (Triton's interpreter multiplies
     bf16 operands wrongly; bf16 products are exact in float32, so the result is the same up to summation
-    order)."""
+    order; PRECISION is then "ieee" for any dtype)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
 
 

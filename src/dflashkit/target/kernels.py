@@ -113,9 +113,10 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """Float32 products exactly (the lossless checks run in float32); other dtypes ignore it."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype, upcast: bool) -> str:
+    """Float32 products exactly (the lossless checks run in float32, and ``upcast`` operands are float32);
+    bf16 and fp16 operands ignore it."""
+    return "ieee" if dtype == torch.float32 or upcast else "tf32"
 
 
 def decode_by_kernels(
@@ -139,7 +140,8 @@ def decode_by_kernels(
     block_m = _pow2(m)
     t = tiles
     # every kernel's float32 products: exact ones for a float32 target; the interpreter's in float32
-    common = dict(num_warps=t.warps, PRECISION=_precision(w.dtype), UPCAST=interpreting())
+    upcast = interpreting()
+    common = dict(num_warps=t.warps, PRECISION=_precision(w.dtype, upcast), UPCAST=upcast)
     # splits along the positions: fewer for a cache that holds fewer steps of positions (a power of 2)
     splits = min(t.splits, _pow2(triton_cdiv(cache.capacity, t.attention_positions), least=1))
     steps = triton_cdiv(cache.capacity, splits * t.attention_positions)
