@@ -369,6 +369,11 @@ for s in "$@"; do
       stage gtests
       timeout $(cap 300) python3 -m pytest -q -m gpu tests/test_generator.py tests/test_graph_engine.py \
         tests/test_engine.py -k "${GTESTS_K:-}" 2>&1 | tee "$OUT/pytest-gtests.log" | tail -15 ;;
+    tiles)
+      # no GGUF needed: the decoder kernels' tiles side by side, and graphs-layers' steps on the same shapes
+      stage tiles
+      timeout $(cap 300) python3 benchmarks/kernel_tiles.py --out "$OUT/kernel_tiles.json" ${TILES_ARGS:-} 2>&1 \
+        | grep -v "Loading weights\|Writing model" | tail -20 ;;
     ktests)
       # the decoder kernels against the plain forward on a random target (no GGUF needed)
       stage ktests

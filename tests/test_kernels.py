@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from dflashkit.errors import DflashkitError  # noqa: E402
 from dflashkit.target.kernels import (  # noqa: E402
+    MAX_ROWS,
     Tiles,
     check_runnable,
     decode_by_kernels,
@@ -60,13 +61,13 @@ def tiny_model(kind: str = "llama", **extra):
     [
         ("llama", 64, (5, 1, 4, 1)),  # one split
         ("qwen2", 64, (3, 4, 1)),
-        ("llama", 320, (150, 4, 1, 4)),  # a context of several splits of 16 positions
+        ("llama", 320, (150, 4, 1, 4)),  # a context of several splits of 16 positions (prefilled)
     ],
 )
 def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, device):
     """Step after step (a prompt, then blocks and single tokens written after it) over the same cache, the
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
-    (up to summation order)."""
+    (up to summation order); a step of more rows than the kernels take is refused."""
     w = DecoderWeights.from_hf(tiny_model(kind).to(device))
     tiles = Tiles(attention_positions=16, splits=4) if capacity > 64 else Tiles()
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
@@ -76,6 +77,10 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, device):
         ids = torch.randint(5, 300, (1, m), generator=gen).to(device)
         start = torch.tensor([pos], device=device)
         x, kept = decode(w, ref_cache, ids, zero, start, kv_len=pos + m, keep=(0, 1))
+        if m > MAX_ROWS:  # a prompt: the engine prefills through the plain forward, so the kernels' cache too
+            decode(w, cache, ids, zero, start, kv_len=pos + m)
+            pos += m
+            continue
         out = torch.full((m, w.vocab_size), float("nan"), device=device)
         rows = torch.full((1, m, 128), float("nan"), device=device)
         decode_by_kernels(w, cache, ids, start, out, rows, keep=(0, 1), tiles=tiles)
@@ -90,6 +95,8 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, device):
                 cache.v[layer][0, :pos], ref_cache.v[layer][0, :pos], atol=1e-5, rtol=1e-5
             )
         assert not cache.k[0][0, pos:].any(), "a write past the step's tokens"
+    with pytest.raises(DflashkitError, match=f"at most {MAX_ROWS} new tokens"):
+        decode_by_kernels(w, cache, torch.zeros(1, MAX_ROWS + 1, dtype=torch.long, device=device), start, out)
 
 
 @pytest.mark.parametrize("device", DEVICES)

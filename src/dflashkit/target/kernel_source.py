@@ -2,10 +2,13 @@
 them; read that module first). Imported once Triton is known to be there: ``triton.jit`` compiles them for a
 GPU, or gives the interpreter's functions (TRITON_INTERPRET=1: the CPU tests), so both run this very source.
 
-Shapes: a step of M new tokens (M <= BLOCK_M), hidden H, query heads NQ, key/value heads NK, head dim D,
-MLP width I. Every matmul accumulates in float32 through ``tl.dot`` (tensor cores for bf16; exact float32
-products with PRECISION "ieee"), and each result is rounded to the model's dtype where the plain forward
-(``slot_decoder.decoder_layer``) rounds it.
+Shapes: a step of M new tokens (M <= BLOCK_M, a power of 2), hidden H, query heads NQ, key/value heads NK,
+head dim D, MLP width I. A step's matmuls have a few rows and read far more weight than they compute, so each
+is written as a matrix-vector product over many programs (each a few output columns, the whole inner
+dimension in unrolled steps of BLOCK_K: products broadcast over [rows, columns, inner] and summed in float32),
+which spreads the weight's bytes over the GPU's multiprocessors; the attention's score and value products go
+through ``tl.dot`` (its rows padded to 16). Each result is rounded to the model's dtype where the plain
+forward (``slot_decoder.decoder_layer``) rounds it.
 
 (No ``from __future__ import annotations`` here: Triton reads the ``tl.constexpr`` annotations.)
 """
@@ -23,6 +26,34 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def norm_scale(X, eps, rm, row_ok, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / rms of each row of x [M, H] (every program recomputes it: H values a row)."""
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in tl.static_range(0, H, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & (rk < H)[None, :], other=0.0)
+        x = x.to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+    return tl.rsqrt(squares / H + eps)
+
+
+@triton.jit
+def normed(X, NORM, scale, rm, row_ok, rk, k_ok, H: tl.constexpr, DTYPE: tl.constexpr):
+    """rms_norm(x)[:, rk] in the model's dtype (as the plain forward rounds it), as float32 [M, BLOCK_K]."""
+    x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    g = tl.load(NORM + rk, mask=k_ok, other=0.0).to(tl.float32)
+    return (x.to(tl.float32) * scale[:, None] * g[None, :]).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def rows_times(a, W, rows, rows_ok, rk, k_ok, K: tl.constexpr):
+    """a [M, BLOCK_K] (float32) times the weight rows ``rows`` [BLOCK_N] of W [*, K] at the columns rk:
+    [M, BLOCK_N] float32, summed over this step of the inner dimension."""
+    w = tl.load(W + rows[:, None] * K + rk[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+    return tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
@@ -44,8 +75,6 @@ def qkv_kernel(
     NKD: tl.constexpr,
     D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     PAIRS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -53,37 +82,26 @@ def qkv_kernel(
     """rms_norm(x) @ W.T (+ bias), each (even, odd) column pair of the queries and keys turned by its rotary
     angle, the keys and values written into the cache: one program per PAIRS column pairs."""
     pid = tl.program_id(0)
+    dt = W.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
-    # the input norm's scale per row (every program recomputes it: H values a row)
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & (rk < H)[None, :], other=0.0)
-        x = x.to(tl.float32)
-        squares += tl.sum(x * x, axis=1)
-    scale = tl.rsqrt(squares / H + eps)
+    scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     rp = pid * PAIRS + tl.arange(0, PAIRS)  # column pair: columns 2 rp (even) and 2 rp + 1 (odd)
     pair_ok = rp < (NQD + 2 * NKD) // 2
     even = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
     odd = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.static_range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
-        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(NORM + rk, mask=k_ok, other=0.0).to(tl.float32)
-        h = (x.to(tl.float32) * scale[:, None] * g[None, :]).to(W.dtype.element_ty)
-        w_ok = k_ok[:, None] & pair_ok[None, :]
-        we = tl.load(W + (2 * rp)[None, :] * H + rk[:, None], mask=w_ok, other=0.0)
-        wo = tl.load(W + (2 * rp + 1)[None, :] * H + rk[:, None], mask=w_ok, other=0.0)
-        even += dot(h, we, PRECISION, UPCAST)
-        odd += dot(h, wo, PRECISION, UPCAST)
+        h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
+        even += rows_times(h, W, 2 * rp, pair_ok, rk, k_ok, H)
+        odd += rows_times(h, W, 2 * rp + 1, pair_ok, rk, k_ok, H)
     if HAS_BIAS:
         even += tl.load(BIAS + 2 * rp, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
         odd += tl.load(BIAS + 2 * rp + 1, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
     # the projection's output in the model's dtype, as the plain forward rounds it before the rotation
-    even = even.to(W.dtype.element_ty).to(tl.float32)
-    odd = odd.to(W.dtype.element_ty).to(tl.float32)
+    even = even.to(dt).to(tl.float32)
+    odd = odd.to(dt).to(tl.float32)
     col = 2 * rp
     start = tl.load(START)
     pos = tl.minimum(start + rm, capacity - 1)  # [BLOCK_M]
@@ -180,6 +198,15 @@ def attention_kernel(
 
 
 @triton.jit
+def add_residual(X, acc, rm, row_ok, rn, n_ok, H: tl.constexpr, DTYPE: tl.constexpr):
+    """x[:, rn] += acc, the matmul's output rounded to the model's dtype first (as the plain forward adds it)."""
+    ok = row_ok[:, None] & n_ok[None, :]
+    x_at = X + rm[:, None] * H + rn[None, :]
+    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_at, (x + acc.to(DTYPE).to(tl.float32)).to(X.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def out_kernel(
     PO,  # [SPLITS, M*NQ, D] float32
     PM,  # [SPLITS, M*NQ]
@@ -191,22 +218,22 @@ def out_kernel(
     NQ: tl.constexpr,
     D: tl.constexpr,
     SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """The attention's splits merged (a head at a time, as the matmul reads it), the output projection and
     the residual add: one program per BLOCK_N columns of x."""
     pid = tl.program_id(0)
+    dt = W.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < H
     rs = tl.arange(0, SPLITS)
     rd = tl.arange(0, D)
+    d_ok = rd < D
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for head in range(0, NQ):
+    for head in tl.static_range(0, NQ):  # unrolled: every head's loads issued at once
         row = rm * NQ + head  # [BLOCK_M]
         at = rs[:, None] * (M * NQ) + row[None, :]  # [SPLITS, BLOCK_M]
         tops = tl.load(PM + at, mask=row_ok[None, :], other=float("-inf"))
@@ -217,13 +244,9 @@ def out_kernel(
         total = tl.where(total > 0.0, total, 1.0)
         parts = tl.load(PO + at[:, :, None] * D + rd[None, None, :], mask=row_ok[None, :, None], other=0.0)
         o = tl.sum(parts * weight[:, :, None], axis=0) / total[:, None]  # [BLOCK_M, D]
-        o = o.to(W.dtype.element_ty)  # the attention's output in the model's dtype
-        w = tl.load(W + rn[None, :] * (NQ * D) + (head * D + rd)[:, None], mask=n_ok[None, :], other=0.0)
-        acc += dot(o, w, PRECISION, UPCAST)
-    ok = row_ok[:, None] & n_ok[None, :]
-    x_at = X + rm[:, None] * H + rn[None, :]
-    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(x_at, (x + acc.to(W.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty), mask=ok)
+        o = o.to(dt).to(tl.float32)  # the attention's output in the model's dtype
+        acc += rows_times(o, W + head * D, rn, n_ok, rd, d_ok, NQ * D)
+    add_residual(X, acc, rm, row_ok, rn, n_ok, H, dt)
 
 
 @triton.jit
@@ -236,39 +259,26 @@ def up_kernel(
     M: tl.constexpr,
     H: tl.constexpr,
     I: tl.constexpr,  # noqa: E741 (the MLP's width, as the method names it)
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """rms_norm(x), its gate and up projections for BLOCK_N columns, and SwiGLU's product."""
     pid = tl.program_id(0)
+    dt = W.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & (rk < H)[None, :], other=0.0)
-        x = x.to(tl.float32)
-        squares += tl.sum(x * x, axis=1)
-    scale = tl.rsqrt(squares / H + eps)
+    scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.static_range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
-        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(NORM + rk, mask=k_ok, other=0.0).to(tl.float32)
-        h = (x.to(tl.float32) * scale[:, None] * g[None, :]).to(W.dtype.element_ty)
-        w_ok = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(W + rn[None, :] * H + rk[:, None], mask=w_ok, other=0.0)
-        wu = tl.load(W + (I + rn)[None, :] * H + rk[:, None], mask=w_ok, other=0.0)
-        gate += dot(h, wg, PRECISION, UPCAST)
-        up += dot(h, wu, PRECISION, UPCAST)
-    dt = W.dtype.element_ty
+        h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
+        gate += rows_times(h, W, rn, n_ok, rk, k_ok, H)
+        up += rows_times(h, W, I + rn, n_ok, rk, k_ok, H)
     gate = gate.to(dt).to(tl.float32)
     silu = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
     product = silu * up.to(dt).to(tl.float32)
@@ -287,8 +297,6 @@ def down_kernel(
     M: tl.constexpr,
     H: tl.constexpr,
     K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -300,56 +308,9 @@ def down_kernel(
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < H
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.static_range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         a = tl.load(A + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W + rn[None, :] * K + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += dot(a, w, PRECISION, UPCAST)
-    ok = row_ok[:, None] & n_ok[None, :]
-    x_at = X + rm[:, None] * H + rn[None, :]
-    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(x_at, (x + acc.to(W.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def head_kernel(
-    X,  # [M, H] the last layer's residual stream
-    NORM,  # [H] the final norm
-    W,  # [V, H] the vocabulary head
-    OUT,  # [M, V] float32 out: the logits
-    eps,
-    V,
-    M: tl.constexpr,
-    H: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """The final norm and the head for BLOCK_N vocabulary entries, written as float32 logits (rounded to
-    the model's dtype first, as the plain forward's head rounds them)."""
-    pid = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
-    row_ok = rm < M
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & (rk < H)[None, :], other=0.0)
-        x = x.to(tl.float32)
-        squares += tl.sum(x * x, axis=1)
-    scale = tl.rsqrt(squares / H + eps)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < V
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < H
-        x = tl.load(X + rm[:, None] * H + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(NORM + rk, mask=k_ok, other=0.0).to(tl.float32)
-        h = (x.to(tl.float32) * scale[:, None] * g[None, :]).to(W.dtype.element_ty)
-        w = tl.load(W + rn[None, :] * H + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += dot(h, w, PRECISION, UPCAST)
-    logits = acc.to(W.dtype.element_ty).to(tl.float32)
-    tl.store(OUT + rm[:, None] * V + rn[None, :], logits, mask=row_ok[:, None] & n_ok[None, :])
+        acc += rows_times(a.to(tl.float32), W, rn, n_ok, rk, k_ok, K)
+    add_residual(X, acc, rm, row_ok, rn, n_ok, H, W.dtype.element_ty)

@@ -15,8 +15,10 @@ token). Here a layer is five Triton kernels (``kernel_source``), each doing all 
 4. ``up``: the post-attention norm, the gate and up projections and SwiGLU's product;
 5. ``down``: the down projection and the residual add;
 
-and after the last layer one ``head`` kernel: the final norm and the vocabulary head, written as float32 logits.
-A step of M tokens (one, or a block) is 5 x layers + 1 launches and one embedding gather. The kernels round to
+and after the last layer the plain forward's final norm and head (cuBLAS reads the vocabulary's rows near the
+memory's bandwidth). A step of M tokens (one, or a block) is 5 x layers launches, an embedding gather and the
+head's three kernels. The matmul kernels are matrix-vector products over many programs (a step has 1-16 rows;
+its weights are what it reads). The kernels round to
 the model's dtype where the plain forward (``slot_decoder.decoder_layer``) rounds, so in float32 they give its
 numbers up to summation order (tested against it, and the engine against the dynamic one token for token).
 
@@ -35,25 +37,31 @@ import torch
 from torch import Tensor
 
 from dflashkit.errors import DflashkitError
-from dflashkit.target.slot_decoder import DecoderWeights, SlotCache
+from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, head, rms_norm
 
-KERNELS = ("qkv", "attention", "out", "up", "down", "head")
+KERNELS = ("qkv", "attention", "out", "up", "down")
+MAX_ROWS = 16  # new tokens a step: a token, a block or a small tree (a prompt goes through the plain forward)
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """Each kernel's share of the work: columns per program and the inner dimension's step (powers of 2,
-    at least 16: ``tl.dot``'s smallest), the attention's splits and positions per step, warps per program."""
+    """Each kernel's share of the work: output columns per program (the matrix-vector kernels: a few, so
+    that the weight's bytes spread over many programs), the products a program holds at once (rows x
+    columns x inner step: the inner dimension's step follows from it, the whole of it for one token), the
+    attention's splits along the positions and positions per step, and warps per program."""
 
-    qkv_pairs: int = 16  # column pairs of the fused projection per program (32 columns)
-    out_columns: int = 16
-    up_columns: int = 32
-    down_columns: int = 16
-    head_columns: int = 64
-    inner: int = 128  # the hidden (or MLP) dimension per step of a matmul's loop
+    qkv_pairs: int = 4  # column pairs of the fused projection per program (8 columns)
+    out_columns: int = 4
+    up_columns: int = 8  # gate and up columns each
+    down_columns: int = 4
+    products: int = 8192
     attention_positions: int = 64
     splits: int = 8  # programs per key/value head along the positions
     warps: int = 4
+
+    def inner(self, k: int, rows: int, columns: int) -> int:
+        """The inner dimension's step for a matmul of inner size k: a power of 2, at least 32, at most k's."""
+        return max(32, min(_pow2(k), _pow2_floor(self.products // (rows * columns))))
 
 
 def unsupported(w: DecoderWeights) -> str | None:
@@ -113,6 +121,10 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
 def _precision(dtype: torch.dtype, upcast: bool) -> str:
     """Float32 products exactly (the lossless checks run in float32, and ``upcast`` operands are float32);
     bf16 and fp16 operands ignore it."""
@@ -133,15 +145,22 @@ def decode_by_kernels(
     ``start`` [1] + 0 .. M-1: their float32 logits into ``out_logits`` [M, V], and the outputs of the layers
     ``keep`` (concatenated) into ``out_rows`` [1, M, n * hidden]. Shape-static: a CUDA graph captures it."""
     m = ids.shape[1]
+    if m > MAX_ROWS:
+        raise DflashkitError(
+            f"the decoder kernels take at most {MAX_ROWS} new tokens a step, got {m}: prefill through "
+            "slot_decoder.decode"
+        )
     k = _compiled()
     hidden = w.embed.shape[1]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     width = w.layers[0].gate_up.shape[0] // 2
-    block_m = _pow2(m)
+    block_m = _pow2(m, least=1)
     t = tiles
     # every kernel's float32 products: exact ones for a float32 target; the interpreter's in float32
+    common = dict(num_warps=t.warps)
+    # the attention's float32 products: exact ones for a float32 target; the interpreter's in float32
     upcast = interpreting()
-    common = dict(num_warps=t.warps, PRECISION=_precision(w.dtype, upcast), UPCAST=upcast)
+    dots = dict(PRECISION=_precision(w.dtype, upcast), UPCAST=upcast)
     # splits along the positions: fewer for a cache that holds fewer steps of positions (a power of 2)
     splits = min(t.splits, _pow2(triton_cdiv(cache.capacity, t.attention_positions), least=1))
     steps = triton_cdiv(cache.capacity, splits * t.attention_positions)
@@ -158,7 +177,6 @@ def decode_by_kernels(
         "out": (triton_cdiv(hidden, t.out_columns),),
         "up": (triton_cdiv(width, t.up_columns),),
         "down": (triton_cdiv(hidden, t.down_columns),),
-        "head": (triton_cdiv(w.vocab_size, t.head_columns),),
     }
     kept = []
     for i, layer in enumerate(w.layers):
@@ -168,12 +186,12 @@ def decode_by_kernels(
             x, layer.input_norm, layer.qkv, bias, w.rotary_pairs, start, q, k_cache, v_cache,
             w.eps, cache.capacity,
             M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None,
-            BLOCK_M=block_m, PAIRS=t.qkv_pairs, BLOCK_K=t.inner, **common,
+            BLOCK_M=block_m, PAIRS=t.qkv_pairs, BLOCK_K=t.inner(hidden, block_m, 2 * t.qkv_pairs), **common,
         )  # fmt: skip
         k.attention[grids["attention"]](
             q, k_cache, v_cache, start, parts, tops, totals, d**-0.5, cache.capacity,
             M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps,
-            BLOCK_R=_pow2(m * (nq // nk)), BLOCK_N=t.attention_positions, **common,
+            BLOCK_R=_pow2(m * (nq // nk)), BLOCK_N=t.attention_positions, **dots, **common,
         )  # fmt: skip
         k.out[grids["out"]](
             parts, tops, totals, layer.o, x,
@@ -183,20 +201,18 @@ def decode_by_kernels(
         k.up[grids["up"]](
             x, layer.post_norm, layer.gate_up, act, w.eps,
             M=m, H=hidden, I=width,
-            BLOCK_M=block_m, BLOCK_N=t.up_columns, BLOCK_K=t.inner, **common,
+            BLOCK_M=block_m, BLOCK_N=t.up_columns, BLOCK_K=t.inner(hidden, block_m, 2 * t.up_columns), **common,
         )  # fmt: skip
         k.down[grids["down"]](
             act, layer.down, x,
             M=m, H=hidden, K=width,
-            BLOCK_M=block_m, BLOCK_N=t.down_columns, BLOCK_K=t.inner, **common,
+            BLOCK_M=block_m, BLOCK_N=t.down_columns, BLOCK_K=t.inner(width, block_m, t.down_columns), **common,
         )  # fmt: skip
         if i in keep:
             kept.append(x.clone())  # x keeps changing in place
-    k.head[grids["head"]](
-        x, w.norm, w.lm_head, out_logits, w.eps, w.vocab_size,
-        M=m, H=hidden,
-        BLOCK_M=block_m, BLOCK_N=t.head_columns, BLOCK_K=t.inner, **common,
-    )  # fmt: skip
+    # the final norm and the head: one matrix of the vocabulary's rows, which cuBLAS reads near the memory's
+    # bandwidth (the plain forward's own head, so its logits are the plain forward's)
+    out_logits.copy_(head(w, rms_norm(x, w.norm, w.eps)))
     if keep:
         assert out_rows is not None
         out_rows.copy_(torch.cat(kept, dim=-1)[None])

@@ -1,0 +1,224 @@
+"""The decoder kernels' tiles, measured: each kernel's device time per step under several ``Tiles``, and the
+whole target step captured as a CUDA graph, beside the "graphs-layers" engine's step (one compiled decoder
+layer for all) on the same random target of the embedded target's shape.
+
+    python benchmarks/kernel_tiles.py                  # GPU: the table; --out for its JSON
+    python benchmarks/kernel_tiles.py --smoke          # CPU (Triton's interpreter), a tiny target, 2 variants
+
+For each variant and step shape (one token, a block of 8) over a cache of --context positions:
+- ``step ms``: the step captured as one CUDA graph, replayed (median of --calls);
+- ``kernel ms``: each kernel's device time per step under the torch profiler (the step uncaptured), so the
+  best tile of each kernel can be read off, and what the kernels sum to against the replay (the launches'
+  gaps).
+Timing does not depend on the weights: random ones, nothing to carry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import
+
+import torch
+
+from dflashkit.target.kernels import KERNELS, Tiles, decode_by_kernels
+from dflashkit.target.slot_decoder import DecoderWeights, SlotCache
+
+VARIANTS = {
+    "default": Tiles(),
+    "warps 2": Tiles(warps=2),
+    "warps 8": Tiles(warps=8),
+    "products 4096": Tiles(products=4096),
+    "products 16384": Tiles(products=16384),
+    "columns x2": Tiles(qkv_pairs=8, out_columns=8, up_columns=16, down_columns=8),
+    "columns /2": Tiles(qkv_pairs=2, out_columns=2, up_columns=4, down_columns=2),
+    "splits 4": Tiles(splits=4),
+    "splits 16": Tiles(splits=16),
+}
+
+
+def random_weights(smoke: bool, device: str, dtype: torch.dtype) -> DecoderWeights:
+    import transformers
+
+    shape = (
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=320, max_position_embeddings=512)
+        if smoke
+        else dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192)
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig(tie_word_embeddings=True, **shape), dtype=dtype
+        )
+    return DecoderWeights.from_hf(model, max_positions=shape["max_position_embeddings"])
+
+
+def step_fn(w, cache, m: int, context: int, tiles: Tiles):
+    """A target step of m new tokens after ``context`` cached positions, over fixed buffers."""
+    dev = w.device
+    ids = torch.randint(5, w.vocab_size - 1, (1, m), device=dev)
+    start = torch.tensor([context], device=dev)
+    out = torch.empty(m, w.vocab_size, dtype=torch.float32, device=dev)
+    return lambda: decode_by_kernels(w, cache, ids, start, out, tiles=tiles)
+
+
+def replay_ms(fn, calls: int) -> float:
+    """Median ms of the step captured as one CUDA graph (the first call compiles, the second warms)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(calls):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def kernel_ms(fn, calls: int) -> dict[str, float]:
+    """Device ms per step of each kernel (by name) under the torch profiler, the step uncaptured."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    by: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = next((k for k in KERNELS if e.name.startswith(f"{k}_kernel")), "rest")
+            by[name] = by.get(name, 0.0) + e.device_time / 1e3 / calls
+    return by
+
+
+def layers_engine_ms(w_folder: Path, capacity: int, context: int, calls: int) -> dict[int, float]:
+    """The "graphs-layers" engine's target steps [1, 1] and [1, 8], captured as it captures them."""
+    from dflashkit.infer.graph_engine import GraphEngine
+    from dflashkit.target.hf import TargetModel
+
+    target = TargetModel.load(w_folder, dtype=torch.bfloat16, device="cuda", lazy=True)
+    engine = GraphEngine(target, None, capacity=capacity, layer_ids=[1, 15, 28], compile="layers")
+    engine.block_size = 8
+    engine._ids[8] = torch.zeros(1, 8, dtype=torch.long, device="cuda")
+    engine._logits[8] = torch.zeros(8, engine.w.vocab_size, device="cuda")
+    engine._start.fill_(context)
+    out = {}
+    for t in (1, 8):
+        step = lambda t=t: engine._target_step(t)  # noqa: E731
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        times = []
+        for _ in range(calls):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        out[t] = statistics.median(times)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, default=400, help="cached positions before the step (400)")
+    p.add_argument("--capacity", type=int, default=1024, help="the cache's positions (bench's: 1024)")
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, a tiny target")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = p.parse_args()
+    names = args.variants.split(",")
+    if args.smoke:  # the kernels run, shapes and launches checked; no timings
+        w = random_weights(True, "cpu", torch.float32)
+        cache = SlotCache(w, slots=1, capacity=64)
+        for name in names[:2]:
+            for m in (1, 8):
+                step_fn(w, cache, m, 20, VARIANTS[name])()
+        print(f"smoke: {len(names[:2])} variants x 2 step shapes ran in Triton's interpreter")
+        return
+    w = random_weights(False, "cuda", torch.bfloat16)
+    cache = SlotCache(w, slots=1, capacity=args.capacity)
+    cache.keys.normal_()
+    cache.values.normal_()
+    rows = []
+    for name in names:
+        tiles = VARIANTS[name]
+        row: dict = {"variant": name, "tiles": asdict(tiles)}
+        t0 = time.perf_counter()
+        for m in (1, 8):
+            fn = step_fn(w, cache, m, args.context, tiles)
+            row[f"step_ms_{m}"] = replay_ms(fn, args.calls)
+            row[f"kernel_ms_{m}"] = kernel_ms(fn, 20)
+        row["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+        k1 = row["kernel_ms_1"]
+        print(
+            f"{name:12s} [1,1] {row['step_ms_1']:.3f} ms (kernels {sum(k1.values()):.3f}: "
+            + " ".join(f"{k} {v:.3f}" for k, v in k1.items())
+            + f")  [1,8] {row['step_ms_8']:.3f} ms  ({row['seconds']:.0f} s)",
+            flush=True,
+        )
+    # each kernel's best tile, from the profiles (the table's lower bound for a mixed Tiles)
+    best = {}
+    for m in (1, 8):
+        for k in KERNELS:
+            r = min(rows, key=lambda r: r[f"kernel_ms_{m}"].get(k, 1e9))
+            best[f"{k} [1,{m}]"] = (r["variant"], r[f"kernel_ms_{m}"].get(k))
+    print("best tile per kernel: " + "; ".join(f"{k}: {v[0]} {v[1]:.4f} ms" for k, v in best.items()))
+    # side by side: the graphs-layers engine's steps on the same shapes (a folder of the same random target)
+    import tempfile
+
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "target"
+        cfg = transformers.LlamaConfig(
+            hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+        )  # fmt: skip
+        with torch.device("cuda"):
+            transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(folder)
+        layers = layers_engine_ms(folder, args.capacity, args.context, args.calls)
+    print(
+        f"graphs-layers   [1,1] {layers[1]:.3f} ms  [1,8] {layers[8]:.3f} ms (the same shapes, side by side)"
+    )
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "context": args.context,
+        "capacity": args.capacity,
+        "variants": rows,
+        "best_per_kernel": best,
+        "graphs_layers_ms": layers,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
