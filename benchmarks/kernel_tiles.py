@@ -34,14 +34,16 @@ from dflashkit.target.slot_decoder import DecoderWeights, SlotCache
 
 VARIANTS = {
     "default": Tiles(),
-    "warps 2": Tiles(warps=2),
-    "warps 8": Tiles(warps=8),
-    "products 4096": Tiles(products=4096),
-    "products 16384": Tiles(products=16384),
-    "columns x2": Tiles(qkv_pairs=8, out_columns=8, up_columns=16, down_columns=8),
-    "columns /2": Tiles(qkv_pairs=2, out_columns=2, up_columns=4, down_columns=2),
-    "splits 4": Tiles(splits=4),
-    "splits 16": Tiles(splits=16),
+    "warps2": Tiles(warps=2),
+    "warps8": Tiles(warps=8),
+    "products8k": Tiles(products=8192),
+    "columns8": Tiles(qkv_columns=8, up_columns=8, residual_columns=8),
+    "columns2": Tiles(qkv_columns=2, up_columns=2, residual_columns=2),
+    "splits4": Tiles(splits=4),
+    "splits16": Tiles(splits=16),
+    "block32": Tiles(block_columns=32),
+    "inner64": Tiles(block_inner=64),
+    "inner256": Tiles(block_inner=256),
 }
 
 

@@ -4,11 +4,11 @@ GPU, or gives the interpreter's functions (TRITON_INTERPRET=1: the CPU tests), s
 
 Shapes: a step of M new tokens (M <= BLOCK_M, a power of 2), hidden H, query heads NQ, key/value heads NK,
 head dim D, MLP width I. A step's matmuls have a few rows and read far more weight than they compute, so each
-is written as a matrix-vector product over many programs (each a few output columns, the whole inner
-dimension in unrolled steps of BLOCK_K: products broadcast over [rows, columns, inner] and summed in float32),
-which spreads the weight's bytes over the GPU's multiprocessors; the attention's score and value products go
-through ``tl.dot`` (its rows padded to 16). Each result is rounded to the model's dtype where the plain
-forward (``slot_decoder.decoder_layer``) rounds it.
+runs over many programs of a few output columns, the inner dimension in unrolled steps of BLOCK_K: for one
+token (DOT False) as a matrix-vector product (products broadcast over [rows, columns, inner] and summed in
+float32), for a block (DOT True) through ``tl.dot`` (tensor cores; rows padded to 16, at least 16 columns).
+The attention's score and value products go through ``tl.dot`` too. Each result is rounded to the model's
+dtype where the plain forward (``slot_decoder.decoder_layer``) rounds it.
 
 (No ``from __future__ import annotations`` here: Triton reads the ``tl.constexpr`` annotations.)
 """
@@ -49,11 +49,26 @@ def normed(X, NORM, scale, rm, row_ok, rk, k_ok, H: tl.constexpr, DTYPE: tl.cons
 
 
 @triton.jit
-def rows_times(a, W, rows, rows_ok, rk, k_ok, K: tl.constexpr):
-    """a [M, BLOCK_K] (float32) times the weight rows ``rows`` [BLOCK_N] of W [*, K] at the columns rk:
-    [M, BLOCK_N] float32, summed over this step of the inner dimension."""
+def rows_times(
+    a,
+    W,
+    rows,
+    rows_ok,
+    rk,
+    k_ok,
+    K: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """a [BLOCK_M, BLOCK_K] (float32 holding model-dtype values) times the weight rows ``rows`` [BLOCK_N] of
+    W [*, K] at the columns rk: [BLOCK_M, BLOCK_N] float32, summed over this step of the inner dimension."""
     w = tl.load(W + rows[:, None] * K + rk[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-    return tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if DOT:
+        out = dot(a.to(w.dtype), tl.trans(w), PRECISION, UPCAST)
+    else:
+        out = tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return out
 
 
 @triton.jit
@@ -75,56 +90,51 @@ def qkv_kernel(
     NKD: tl.constexpr,
     D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    PAIRS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns per program, even: BLOCK_N / 2 rotary pairs
     BLOCK_K: tl.constexpr,
 ):
     """rms_norm(x) @ W.T (+ bias), each (even, odd) column pair of the queries and keys turned by its rotary
-    angle, the keys and values written into the cache: one program per PAIRS column pairs."""
+    angle, the keys and values written into the cache: one program per BLOCK_N columns."""
     pid = tl.program_id(0)
     dt = W.dtype.element_ty
+    N: tl.constexpr = NQD + 2 * NKD
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
     scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
-    rp = pid * PAIRS + tl.arange(0, PAIRS)  # column pair: columns 2 rp (even) and 2 rp + 1 (odd)
-    pair_ok = rp < (NQD + 2 * NKD) // 2
-    even = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
-    odd = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
         h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
-        even += rows_times(h, W, 2 * rp, pair_ok, rk, k_ok, H)
-        odd += rows_times(h, W, 2 * rp + 1, pair_ok, rk, k_ok, H)
+        acc += rows_times(h, W, rn, n_ok, rk, k_ok, H, DOT, PRECISION, UPCAST)
     if HAS_BIAS:
-        even += tl.load(BIAS + 2 * rp, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
-        odd += tl.load(BIAS + 2 * rp + 1, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     # the projection's output in the model's dtype, as the plain forward rounds it before the rotation
-    even = even.to(dt).to(tl.float32)
-    odd = odd.to(dt).to(tl.float32)
+    acc = acc.to(dt).to(tl.float32)
+    even, odd = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+    rp = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # the pairs' index: columns 2 rp and 2 rp + 1
     col = 2 * rp
     start = tl.load(START)
     pos = tl.minimum(start + rm, capacity - 1)  # [BLOCK_M]
-    turned = col < NQD + NKD  # queries and keys turn; values do not
     j = (col % D) // 2  # the pair's index within its head
-    rot_ok = row_ok[:, None] & (turned & pair_ok)[None, :]
+    rot_ok = (
+        row_ok[:, None] & ((col < NQD + NKD) & (col < N))[None, :]
+    )  # queries and keys turn; values do not
     cos = tl.load(ROT + pos[:, None] * D + 2 * j[None, :], mask=rot_ok, other=1.0)
     sin = tl.load(ROT + pos[:, None] * D + 2 * j[None, :] + 1, mask=rot_ok, other=0.0)
-    out_even = (even * cos - odd * sin).to(Q.dtype.element_ty)
-    out_odd = (even * sin + odd * cos).to(Q.dtype.element_ty)
-    ok = row_ok[:, None] & pair_ok[None, :]
-    is_q = (col < NQD)[None, :]
-    q_at = Q + rm[:, None] * NQD + col[None, :]
-    tl.store(q_at, out_even, mask=ok & is_q)
-    tl.store(q_at + 1, out_odd, mask=ok & is_q)
-    is_k = ((col >= NQD) & (col < NQD + NKD))[None, :]
-    k_at = KC + pos[:, None] * NKD + (col - NQD)[None, :]
-    tl.store(k_at, out_even, mask=ok & is_k)
-    tl.store(k_at + 1, out_odd, mask=ok & is_k)
-    is_v = (col >= NQD + NKD)[None, :]
-    v_at = VC + pos[:, None] * NKD + (col - NQD - NKD)[None, :]
-    tl.store(v_at, out_even, mask=ok & is_v)
-    tl.store(v_at + 1, out_odd, mask=ok & is_v)
+    turned = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [BLOCK_M, BLOCK_N])
+    turned = turned.to(Q.dtype.element_ty)
+    ok = row_ok[:, None] & n_ok[None, :]
+    tl.store(Q + rm[:, None] * NQD + rn[None, :], turned, mask=ok & (rn < NQD)[None, :])
+    at = pos[:, None] * NKD
+    tl.store(KC + at + (rn - NQD)[None, :], turned, mask=ok & ((rn >= NQD) & (rn < NQD + NKD))[None, :])
+    tl.store(VC + at + (rn - NQD - NKD)[None, :], turned, mask=ok & (rn >= NQD + NKD)[None, :])
 
 
 @triton.jit
@@ -198,55 +208,26 @@ def attention_kernel(
 
 
 @triton.jit
-def add_residual(X, acc, rm, row_ok, rn, n_ok, H: tl.constexpr, DTYPE: tl.constexpr):
-    """x[:, rn] += acc, the matmul's output rounded to the model's dtype first (as the plain forward adds it)."""
-    ok = row_ok[:, None] & n_ok[None, :]
-    x_at = X + rm[:, None] * H + rn[None, :]
-    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(x_at, (x + acc.to(DTYPE).to(tl.float32)).to(X.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def out_kernel(
+def merge_kernel(
     PO,  # [SPLITS, M*NQ, D] float32
     PM,  # [SPLITS, M*NQ]
     PL,
-    W,  # [H, NQ*D] the output projection
-    X,  # [M, H] the residual stream, updated in place: x + attention @ W.T
+    OUT,  # [M, NQ*D] out: the attention's output in the model's dtype
     M: tl.constexpr,
-    H: tl.constexpr,
     NQ: tl.constexpr,
     D: tl.constexpr,
     SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
 ):
-    """The attention's splits merged (a head at a time, as the matmul reads it), the output projection and
-    the residual add: one program per BLOCK_N columns of x."""
-    pid = tl.program_id(0)
-    dt = W.dtype.element_ty
-    rm = tl.arange(0, BLOCK_M)
-    row_ok = rm < M
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < H
+    """The attention's splits merged by their maxima and sums: one program per (new token, query head)."""
+    r = tl.program_id(0)  # m * NQ + head: its row of OUT is r * D
     rs = tl.arange(0, SPLITS)
     rd = tl.arange(0, D)
-    d_ok = rd < D
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for head in tl.static_range(0, NQ):  # unrolled: every head's loads issued at once
-        row = rm * NQ + head  # [BLOCK_M]
-        at = rs[:, None] * (M * NQ) + row[None, :]  # [SPLITS, BLOCK_M]
-        tops = tl.load(PM + at, mask=row_ok[None, :], other=float("-inf"))
-        top = tl.max(tops, axis=0)
-        top = tl.where(top == float("-inf"), 0.0, top)  # padding rows
-        weight = tl.exp(tops - top[None, :])
-        total = tl.sum(weight * tl.load(PL + at, mask=row_ok[None, :], other=0.0), axis=0)
-        total = tl.where(total > 0.0, total, 1.0)
-        parts = tl.load(PO + at[:, :, None] * D + rd[None, None, :], mask=row_ok[None, :, None], other=0.0)
-        o = tl.sum(parts * weight[:, :, None], axis=0) / total[:, None]  # [BLOCK_M, D]
-        o = o.to(dt).to(tl.float32)  # the attention's output in the model's dtype
-        acc += rows_times(o, W + head * D, rn, n_ok, rd, d_ok, NQ * D)
-    add_residual(X, acc, rm, row_ok, rn, n_ok, H, dt)
+    tops = tl.load(PM + rs * (M * NQ) + r)
+    top = tl.max(tops, axis=0)  # split 0 always holds position 0, which every token sees: finite
+    weight = tl.exp(tops - top)
+    total = tl.sum(weight * tl.load(PL + rs * (M * NQ) + r), axis=0)
+    parts = tl.load(PO + (rs[:, None] * (M * NQ) + r) * D + rd[None, :])
+    tl.store(OUT + r * D + rd, (tl.sum(parts * weight[:, None], axis=0) / total).to(OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -259,6 +240,9 @@ def up_kernel(
     M: tl.constexpr,
     H: tl.constexpr,
     I: tl.constexpr,  # noqa: E741 (the MLP's width, as the method names it)
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -277,8 +261,8 @@ def up_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
         h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
-        gate += rows_times(h, W, rn, n_ok, rk, k_ok, H)
-        up += rows_times(h, W, I + rn, n_ok, rk, k_ok, H)
+        gate += rows_times(h, W, rn, n_ok, rk, k_ok, H, DOT, PRECISION, UPCAST)
+        up += rows_times(h, W, I + rn, n_ok, rk, k_ok, H, DOT, PRECISION, UPCAST)
     gate = gate.to(dt).to(tl.float32)
     silu = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
     product = silu * up.to(dt).to(tl.float32)
@@ -290,18 +274,22 @@ def up_kernel(
 
 
 @triton.jit
-def down_kernel(
-    A,  # [M, K]
-    W,  # [H, K]
+def residual_kernel(
+    A,  # [M, K]: the attention's output (K = NQ*D) or SwiGLU's product (K = I)
+    W,  # [H, K]: the output or the down projection
     X,  # [M, H] updated in place: x + a @ W.T
     M: tl.constexpr,
     H: tl.constexpr,
     K: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The MLP's down projection and the residual add, for BLOCK_N columns of x."""
+    """A projection back to the residual stream and its add, for BLOCK_N columns of x (the matmul's output
+    rounded to the model's dtype first, as the plain forward adds it)."""
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
@@ -312,5 +300,8 @@ def down_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         a = tl.load(A + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += rows_times(a.to(tl.float32), W, rn, n_ok, rk, k_ok, K)
-    add_residual(X, acc, rm, row_ok, rn, n_ok, H, W.dtype.element_ty)
+        acc += rows_times(a.to(tl.float32), W, rn, n_ok, rk, k_ok, K, DOT, PRECISION, UPCAST)
+    ok = row_ok[:, None] & n_ok[None, :]
+    x_at = X + rm[:, None] * H + rn[None, :]
+    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_at, (x + acc.to(W.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty), mask=ok)

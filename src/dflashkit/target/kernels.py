@@ -39,29 +39,35 @@ from torch import Tensor
 from dflashkit.errors import DflashkitError
 from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, head, rms_norm
 
-KERNELS = ("qkv", "attention", "out", "up", "down")
+KERNELS = ("qkv", "attention", "merge", "up", "residual")
 MAX_ROWS = 16  # new tokens a step: a token, a block or a small tree (a prompt goes through the plain forward)
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """Each kernel's share of the work: output columns per program (the matrix-vector kernels: a few, so
-    that the weight's bytes spread over many programs), the products a program holds at once (rows x
-    columns x inner step: the inner dimension's step follows from it, the whole of it for one token), the
-    attention's splits along the positions and positions per step, and warps per program."""
+    """Each kernel's share of the work. One token: output columns per program (a few, so that the weight's
+    bytes spread over many programs) and the products a program holds at once (columns x inner step: the
+    inner step follows from it, the whole hidden size for one step). A block (more than one token, through
+    ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner``. The attention's splits along the
+    positions and positions per step; warps per program."""
 
-    qkv_pairs: int = 4  # column pairs of the fused projection per program (8 columns)
-    out_columns: int = 4
-    up_columns: int = 8  # gate and up columns each
-    down_columns: int = 4
-    products: int = 8192
+    qkv_columns: int = 4  # even: rotary pairs
+    up_columns: int = 4  # gate and up columns each
+    residual_columns: int = 4  # the output and down projections
+    products: int = 16384
+    block_columns: int = 16
+    block_inner: int = 128
     attention_positions: int = 64
     splits: int = 8  # programs per key/value head along the positions
     warps: int = 4
 
+    def columns(self, kernel: str, rows: int) -> int:
+        return self.block_columns if rows > 1 else getattr(self, f"{kernel}_columns")
+
     def inner(self, k: int, rows: int, columns: int) -> int:
         """The inner dimension's step for a matmul of inner size k: a power of 2, at least 32, at most k's."""
-        return max(32, min(_pow2(k), _pow2_floor(self.products // (rows * columns))))
+        step = self.block_inner if rows > 1 else _pow2_floor(self.products // columns)
+        return max(32, min(_pow2(k), step))
 
 
 def unsupported(w: DecoderWeights) -> str | None:
@@ -154,13 +160,14 @@ def decode_by_kernels(
     hidden = w.embed.shape[1]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     width = w.layers[0].gate_up.shape[0] // 2
-    block_m = _pow2(m, least=1)
     t = tiles
-    # every kernel's float32 products: exact ones for a float32 target; the interpreter's in float32
-    common = dict(num_warps=t.warps)
-    # the attention's float32 products: exact ones for a float32 target; the interpreter's in float32
-    upcast = interpreting()
-    dots = dict(PRECISION=_precision(w.dtype, upcast), UPCAST=upcast)
+    # one token: matrix-vector products; a block: tl.dot over rows padded to 16
+    block = m > 1
+    block_m = _pow2(m) if block else 1
+    upcast = interpreting()  # the interpreter's tl.dot takes float32 operands
+    common = dict(num_warps=t.warps, PRECISION=_precision(w.dtype, upcast), UPCAST=upcast)
+    matmul = dict(DOT=block, BLOCK_M=block_m, **common)
+    cols = {name: t.columns(name, m) for name in ("qkv", "up", "residual")}
     # splits along the positions: fewer for a cache that holds fewer steps of positions (a power of 2)
     splits = min(t.splits, _pow2(triton_cdiv(cache.capacity, t.attention_positions), least=1))
     steps = triton_cdiv(cache.capacity, splits * t.attention_positions)
@@ -169,15 +176,18 @@ def decode_by_kernels(
     parts = torch.empty(splits, m * nq, d, dtype=torch.float32, device=x.device)
     tops = torch.empty(splits, m * nq, dtype=torch.float32, device=x.device)
     totals = torch.empty_like(tops)
+    attended = torch.empty(m, nq * d, dtype=w.dtype, device=x.device)
     act = torch.empty(m, width, dtype=w.dtype, device=x.device)
     columns = nq * d + 2 * nk * d
     grids = {
-        "qkv": (triton_cdiv(columns // 2, t.qkv_pairs),),
+        "qkv": (triton_cdiv(columns, cols["qkv"]),),
         "attention": (nk, splits),
-        "out": (triton_cdiv(hidden, t.out_columns),),
-        "up": (triton_cdiv(width, t.up_columns),),
-        "down": (triton_cdiv(hidden, t.down_columns),),
+        "merge": (m * nq,),
+        "up": (triton_cdiv(width, cols["up"]),),
+        "residual": (triton_cdiv(hidden, cols["residual"]),),
     }
+    inner_qkv = t.inner(hidden, m, cols["qkv"])
+    inner_up = t.inner(hidden, m, 2 * cols["up"])
     kept = []
     for i, layer in enumerate(w.layers):
         k_cache, v_cache = cache.k[i][0], cache.v[i][0]  # [capacity, NK, D]: the engine's one slot
@@ -186,27 +196,27 @@ def decode_by_kernels(
             x, layer.input_norm, layer.qkv, bias, w.rotary_pairs, start, q, k_cache, v_cache,
             w.eps, cache.capacity,
             M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None,
-            BLOCK_M=block_m, PAIRS=t.qkv_pairs, BLOCK_K=t.inner(hidden, block_m, 2 * t.qkv_pairs), **common,
+            BLOCK_N=cols["qkv"], BLOCK_K=inner_qkv, **matmul,
         )  # fmt: skip
         k.attention[grids["attention"]](
             q, k_cache, v_cache, start, parts, tops, totals, d**-0.5, cache.capacity,
             M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps,
-            BLOCK_R=_pow2(m * (nq // nk)), BLOCK_N=t.attention_positions, **dots, **common,
+            BLOCK_R=_pow2(m * (nq // nk)), BLOCK_N=t.attention_positions, **common,
         )  # fmt: skip
-        k.out[grids["out"]](
-            parts, tops, totals, layer.o, x,
-            M=m, H=hidden, NQ=nq, D=d, SPLITS=splits,
-            BLOCK_M=block_m, BLOCK_N=t.out_columns, **common,
+        k.merge[grids["merge"]](
+            parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps
+        )  # fmt: skip
+        k.residual[grids["residual"]](
+            attended, layer.o, x, M=m, H=hidden, K=nq * d,
+            BLOCK_N=cols["residual"], BLOCK_K=t.inner(nq * d, m, cols["residual"]), **matmul,
         )  # fmt: skip
         k.up[grids["up"]](
             x, layer.post_norm, layer.gate_up, act, w.eps,
-            M=m, H=hidden, I=width,
-            BLOCK_M=block_m, BLOCK_N=t.up_columns, BLOCK_K=t.inner(hidden, block_m, 2 * t.up_columns), **common,
+            M=m, H=hidden, I=width, BLOCK_N=cols["up"], BLOCK_K=inner_up, **matmul,
         )  # fmt: skip
-        k.down[grids["down"]](
-            act, layer.down, x,
-            M=m, H=hidden, K=width,
-            BLOCK_M=block_m, BLOCK_N=t.down_columns, BLOCK_K=t.inner(width, block_m, t.down_columns), **common,
+        k.residual[grids["residual"]](
+            act, layer.down, x, M=m, H=hidden, K=width,
+            BLOCK_N=cols["residual"], BLOCK_K=t.inner(width, m, cols["residual"]), **matmul,
         )  # fmt: skip
         if i in keep:
             kept.append(x.clone())  # x keeps changing in place
