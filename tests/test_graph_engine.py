@@ -847,26 +847,35 @@ def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
     decodes_as_dynamic(tiny, d, engine, layers)
 
 
-@pytest.mark.cpu_compile
 def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path):
     """compile="kernels" (the "graphs-kernels" engine) on the CPU, its decoder kernels in Triton's interpreter:
-    the chain's target steps through the kernels (the compiled layer never runs for them), the draft step
-    compiled whole; greedy tokens and acceptance lengths, of the one-step rounds and of the separate calls,
-    equal the dynamic engine's token for token in fp32."""
+    the chain's target steps through the kernels (the compiled layer never runs for them); greedy tokens and
+    acceptance lengths, of the one-step rounds and of the separate calls, equal the dynamic engine's token for
+    token in fp32. (Its draft step is graphs-layers' compiled one, tested there: here it runs eagerly, so
+    that nothing compiles on the CPU.)"""
     pytest.importorskip("triton")
     from dflashkit.infer import graph_engine
 
     tiny, d, layers = tiny_pair(tmp_path)
     layer_graphs = graph_engine.LAYER_STEP.graphs()
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels")
+    assert engine._target_fn is graph_engine.kernel_target_step and engine._draft_fn is graph_engine.DRAFT_STEP
+    engine._draft_fn = graph_engine.draft_step
     assert list(engine.warm_up()) == CHAIN_STEPS
     assert graph_engine.LAYER_STEP.graphs() == layer_graphs, "a chain step compiled the layer"
-    decodes_as_dynamic(tiny, d, engine, layers)
-    engine.fused_rounds = False  # draft, verify and keep as separate calls
-    prompt = list(range(7, 20))
-    ours = speculative_generate(tiny, d, prompt, 12, engine=engine)
-    dyn = speculative_generate(tiny, d, prompt, 12)
-    assert ours.tokens == dyn.tokens and ours.accept_lengths == dyn.accept_lengths
+    prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()
+    ar = autoregressive_generate(tiny, prompt, 14, layer_ids=layers)
+    assert autoregressive_generate(tiny, prompt, 14, engine=engine).tokens == ar.tokens
+    for fused in (True, False):  # one-step rounds, then draft, verify and keep as separate calls
+        engine.fused_rounds = fused
+        ours, dyn = (speculative_generate(tiny, d, prompt, 14, engine=e) for e in (engine, "dynamic"))
+        assert ours.tokens == dyn.tokens == ar.tokens and ours.accept_lengths == dyn.accept_lengths
+    scripted = [
+        speculative_generate(tiny, d, prompt, 14, engine=ScriptedDrafts(e, prompt + ar.tokens))
+        for e in (DynamicEngine(tiny, d), engine)
+    ]
+    assert scripted[0].tokens == scripted[1].tokens == ar.tokens
+    assert scripted[0].accept_lengths == scripted[1].accept_lengths and len(set(scripted[1].accept_lengths)) > 2
 
 
 @pytest.mark.cpu_compile
