@@ -859,7 +859,9 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path):
     tiny, d, layers = tiny_pair(tmp_path)
     layer_graphs = graph_engine.LAYER_STEP.graphs()
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels")
-    assert engine._target_fn is graph_engine.kernel_target_step and engine._draft_fn is graph_engine.DRAFT_STEP
+    assert (
+        engine._target_fn is graph_engine.kernel_target_step and engine._draft_fn is graph_engine.DRAFT_STEP
+    )
     engine._draft_fn = graph_engine.draft_step
     assert list(engine.warm_up()) == CHAIN_STEPS
     assert graph_engine.LAYER_STEP.graphs() == layer_graphs, "a chain step compiled the layer"
@@ -875,7 +877,9 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path):
         for e in (DynamicEngine(tiny, d), engine)
     ]
     assert scripted[0].tokens == scripted[1].tokens == ar.tokens
-    assert scripted[0].accept_lengths == scripted[1].accept_lengths and len(set(scripted[1].accept_lengths)) > 2
+    assert (
+        scripted[0].accept_lengths == scripted[1].accept_lengths and len(set(scripted[1].accept_lengths)) > 2
+    )
 
 
 @pytest.mark.cpu_compile
