@@ -20,6 +20,15 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-fourth session's plan (NOTES: "The decoder kernels", the third version's prediction). Back to back:
+#   BUDGET=420 TILES_ARGS="--variants default,splits4,block32,inner64,inner256,columns8" \
+#     bash benchmarks/gpu_prepare.sh part tiles ktests        # carry .whl: no GGUF (random weights)
+#   ENGINES=graphs-layers,graphs-kernels DECODE_ARGS="--no-warm-start --profile 50" BUDGET=300 \
+#     bash benchmarks/gpu_prepare.sh decode                   # the engines side by side: AR, the round
+#   then, if graphs-kernels wins its steps: `part` [.bench/p1], [p2], [p5], [p3]; GTESTS_K=kernels
+#   ... part join heldout gtests [p4]; the bench of command 2 below with --engine graphs-kernels beside
+#   graphs-layers (BENCH_OUT=/root/work/b2), and, if it serves faster, `auto` takes it (its GPU tests passed).
+# Twenty-third session, as run: RESULTS (three machines; the kernels' first and second versions measured).
 # Twenty-third session's plan (NOTES: "A sampled round as one step", its prediction), after the four `part`s:
 #   bash benchmarks/gpu_prepare.sh part join heldout gtests   # carry .bench/p4: the engines' GPU tests (the
 #                       # warm-up now captures the one-step token: 5 chain steps)

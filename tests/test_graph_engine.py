@@ -152,7 +152,7 @@ def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafte
     layers._target_step(1)
     layers._target_step(B)
     assert {c for c in calls if c[0] in (1, B)} == {(1, True), (B, False)}
-    with pytest.raises(DflashkitError, match="choose False, True or 'layers'"):
+    with pytest.raises(DflashkitError, match="choose False, True, 'layers' or 'kernels'"):
         GraphEngine(target, drafter, capacity=24, compile="target")  # type: ignore[arg-type]
 
 

@@ -1,30 +1,33 @@
-"""The target's chain steps as hand-written kernels: a decoder layer in five launches.
+"""The target's chain steps as hand-written kernels: a decoder layer in six launches.
 
 A one-token step of the embedded target is 30 small layers. Compiled one layer at a time (the "graphs-layers"
 engine) each layer is ~9.6 kernels (the norms, the fused projection, rotary and the cache writes, FlashAttention,
 the output projection, SwiGLU, the down projection), and replayed as a CUDA graph a step costs what its 288
 kernels cost one after another, ~0.9 us between each (benchmarks/NOTES.md: 0.64 ms of kernel time, 0.84 ms a
-token). Here a layer is five Triton kernels (``kernel_source``), each doing all the work of one matmul:
+token). Here a layer is six Triton kernels (``kernel_source``), each doing all the work around one matmul or
+the attention:
 
 1. ``qkv``: the input norm, the fused query/key/value projection, rotary on the query and key pairs, the keys
    and values written into the cache;
 2. ``attention``: causal attention of the new tokens over the cache, split along the positions (flash-decoding:
-   every key/value head's positions shared among SPLITS programs, each reading its keys once for every query
-   head of the group and every new token);
-3. ``out``: the splits merged, the output projection and the residual add;
-4. ``up``: the post-attention norm, the gate and up projections and SwiGLU's product;
-5. ``down``: the down projection and the residual add;
+   every key/value head's used positions shared among up to SPLITS programs, each reading its keys once for
+   every query head of the group and every new token);
+3. ``merge``: the splits merged by their maxima and sums, the attention's output in the model's dtype;
+4. ``residual``: the output projection and the residual add;
+5. ``up``: the post-attention norm, the gate and up projections and SwiGLU's product;
+6. ``residual`` again: the down projection and the residual add;
 
 and after the last layer the plain forward's final norm and head (cuBLAS reads the vocabulary's rows near the
-memory's bandwidth). A step of M tokens (one, or a block) is 5 x layers launches, an embedding gather and the
-head's three kernels. The matmul kernels are matrix-vector products over many programs (a step has 1-16 rows;
-its weights are what it reads). The kernels round to
-the model's dtype where the plain forward (``slot_decoder.decoder_layer``) rounds, so in float32 they give its
-numbers up to summation order (tested against it, and the engine against the dynamic one token for token).
+memory's bandwidth). A step of M tokens (one, or a block) is 6 x layers launches, an embedding gather and the
+head's few kernels. One token's matmuls are matrix-vector products over many programs (a few output columns
+each: the weights are what a step reads); a block's go through ``tl.dot`` on the tensor cores. The kernels
+round to the model's dtype where the plain forward (``slot_decoder.decoder_layer``) rounds, so in float32 they
+give its numbers up to summation order (tested against it, and the engine against the dynamic one token for
+token). Measured on the H200: benchmarks/RESULTS.md (twenty-third session) and ``benchmarks/kernel_tiles.py``.
 
-On a GPU the kernels are compiled by Triton (``triton.jit``); on the CPU they run in Triton's interpreter, the
-same source in numpy: slow, for tests. ``unsupported`` says which targets they cannot run (the engine then
-compiles its layers instead).
+On a GPU the kernels are compiled by Triton (``triton.jit``); on the CPU they run in Triton's interpreter
+(TRITON_INTERPRET=1 before Triton is first imported), the same source in numpy: slow, for tests.
+``unsupported`` says which targets they cannot run (choose graphs-layers for those).
 """
 
 from __future__ import annotations
