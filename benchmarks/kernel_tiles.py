@@ -47,7 +47,8 @@ VARIANTS = {
 }
 
 
-def random_weights(smoke: bool, device: str, dtype: torch.dtype) -> DecoderWeights:
+def random_model(smoke: bool, device: str, dtype: torch.dtype):
+    """A random Llama of the embedded target's shape (``smoke``: a tiny one)."""
     import transformers
 
     shape = (
@@ -59,10 +60,9 @@ def random_weights(smoke: bool, device: str, dtype: torch.dtype) -> DecoderWeigh
     )  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(
+        return transformers.AutoModelForCausalLM.from_config(
             transformers.LlamaConfig(tie_word_embeddings=True, **shape), dtype=dtype
         )
-    return DecoderWeights.from_hf(model, max_positions=shape["max_position_embeddings"])
 
 
 def step_fn(w, cache, m: int, context: int, tiles: Tiles):
@@ -94,20 +94,14 @@ def replay_ms(fn, calls: int) -> float:
 
 
 def kernel_ms(fn, calls: int) -> dict[str, float]:
-    """Device ms per step of each kernel (by name) under the torch profiler, the step uncaptured."""
-    from torch.profiler import ProfilerActivity, profile
+    """Device ms per step of each decoder kernel (and "rest": the embedding and the head), the step
+    uncaptured under the torch profiler (``decode_steps.profile_calls``)."""
+    from decode_steps import profile_calls
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     by: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = next((k for k in KERNELS if e.name.startswith(f"{k}_kernel")), "rest")
-            by[name] = by.get(name, 0.0) + e.device_time / 1e3 / calls
+    for k in profile_calls(fn, calls)["top_kernels"]:
+        name = next((n for n in KERNELS if k["name"].startswith(f"{n}_kernel")), "rest")
+        by[name] = by.get(name, 0.0) + k["ms_per_step"]
     return by
 
 
@@ -122,25 +116,7 @@ def layers_engine_ms(w_folder: Path, capacity: int, context: int, calls: int) ->
     engine._ids[8] = torch.zeros(1, 8, dtype=torch.long, device="cuda")
     engine._logits[8] = torch.zeros(8, engine.w.vocab_size, device="cuda")
     engine._start.fill_(context)
-    out = {}
-    for t in (1, 8):
-        step = lambda t=t: engine._target_step(t)  # noqa: E731
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        times = []
-        for _ in range(calls):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        out[t] = statistics.median(times)
-    return out
+    return {t: replay_ms(lambda t=t: engine._target_step(t), calls) for t in (1, 8)}
 
 
 def main() -> None:
@@ -154,14 +130,15 @@ def main() -> None:
     args = p.parse_args()
     names = args.variants.split(",")
     if args.smoke:  # the kernels run, shapes and launches checked; no timings
-        w = random_weights(True, "cpu", torch.float32)
+        w = DecoderWeights.from_hf(random_model(True, "cpu", torch.float32))
         cache = SlotCache(w, slots=1, capacity=64)
         for name in names[:2]:
             for m in (1, 8):
                 step_fn(w, cache, m, 20, VARIANTS[name])()
         print(f"smoke: {len(names[:2])} variants x 2 step shapes ran in Triton's interpreter")
         return
-    w = random_weights(False, "cuda", torch.bfloat16)
+    model = random_model(False, "cuda", torch.bfloat16)
+    w = DecoderWeights.from_hf(model)
     cache = SlotCache(w, slots=1, capacity=args.capacity)
     cache.keys.normal_()
     cache.values.normal_()
@@ -190,20 +167,12 @@ def main() -> None:
             r = min(rows, key=lambda r: r[f"kernel_ms_{m}"].get(k, 1e9))
             best[f"{k} [1,{m}]"] = (r["variant"], r[f"kernel_ms_{m}"].get(k))
     print("best tile per kernel: " + "; ".join(f"{k}: {v[0]} {v[1]:.4f} ms" for k, v in best.items()))
-    # side by side: the graphs-layers engine's steps on the same shapes (a folder of the same random target)
+    # side by side: the graphs-layers engine's steps on the same shapes (the same random target, from a folder)
     import tempfile
 
-    import transformers
-
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "target"
-        cfg = transformers.LlamaConfig(
-            hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
-        )  # fmt: skip
-        with torch.device("cuda"):
-            transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(folder)
-        layers = layers_engine_ms(folder, args.capacity, args.context, args.calls)
+        model.save_pretrained(Path(tmp) / "target")
+        layers = layers_engine_ms(Path(tmp) / "target", args.capacity, args.context, args.calls)
     print(
         f"graphs-layers   [1,1] {layers[1]:.3f} ms  [1,8] {layers[8]:.3f} ms (the same shapes, side by side)"
     )
