@@ -118,7 +118,8 @@ def test_kernels_in_bf16_stay_near_the_plain_forward(device):
 @pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")
 def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     """Qwen3's per-head norms are not in the kernels: the reason is named (and the engine refuses with what
-    to do); without a GPU and without the interpreter the kernels refuse to start."""
+    to do); without a GPU and without the interpreter the kernels refuse to start; tiles the kernels cannot
+    take are refused when made."""
     import transformers
 
     from dflashkit.infer.graph_engine import GraphEngine
@@ -142,6 +143,10 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
         DflashkitError, match=r"cannot run this target \(per-head.*choose --engine graphs-layers"
     ):
         GraphEngine(target, None, capacity=32, graphs=False, compile="kernels")
+    with pytest.raises(ValueError, match="qkv_columns=3"):
+        Tiles(qkv_columns=3)
+    with pytest.raises(ValueError, match="block_columns at least 16"):
+        Tiles(block_columns=8)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(DflashkitError, match="run on a GPU .*choose --engine graphs-layers"):
         check_runnable(torch.device("cpu"))

@@ -64,6 +64,15 @@ class Tiles:
     splits: int = 8  # programs per key/value head along the positions
     warps: int = 4
 
+    def __post_init__(self) -> None:
+        sizes = {k: v for k, v in vars(self).items() if k != "warps"}
+        odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
+        if odd or self.qkv_columns < 2 or self.block_columns < 16:
+            raise ValueError(
+                f"Tiles: {', '.join(odd) or 'qkv_columns and block_columns'}: each a power of 2, qkv_columns "
+                "at least 2 (rotary pairs), block_columns at least 16 (tl.dot)"
+            )
+
     def columns(self, kernel: str, rows: int) -> int:
         return self.block_columns if rows > 1 else getattr(self, f"{kernel}_columns")
 
