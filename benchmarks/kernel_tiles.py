@@ -112,6 +112,8 @@ def layers_engine_ms(w_folder: Path, capacity: int, context: int, calls: int) ->
 
     target = TargetModel.load(w_folder, dtype=torch.bfloat16, device="cuda", lazy=True)
     engine = GraphEngine(target, None, capacity=capacity, layer_ids=[1, 15, 28], compile="layers")
+    # an engine without a drafter has the one-token step only: give it the [1, 8] step's buffers (no features
+    # kept: the kernels' step above keeps none either)
     engine.block_size = 8
     engine._ids[8] = torch.zeros(1, 8, dtype=torch.long, device="cuda")
     engine._logits[8] = torch.zeros(8, engine.w.vocab_size, device="cuda")

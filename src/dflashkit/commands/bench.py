@@ -409,9 +409,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and tree rounds; graphs on the CPU; dynamic for targets the fused forward does not "
         "cover), dynamic (any target), static (transformers' layers compiled per step shape), graphs (the "
         "fused target forward, one CUDA graph per step shape; llama/mistral/qwen2/qwen3 targets), "
-        "graphs-compiled (its steps compiled first: faster steps, a start of ~25-65 s) or graphs-layers (one target decoder layer compiled for every layer: "
+        "graphs-compiled (its steps compiled first: faster steps, a start of ~25-65 s), graphs-layers (one target decoder layer compiled for every layer: "
         "a start of ~16 s, the one-token step's matmuls as reductions fused with their neighbours) or "
-        "graphs-kernels (graphs-layers with the chain's target steps as five Triton kernels a layer; GPU only)",
+        "graphs-kernels (graphs-layers with the chain's target steps as six Triton kernels a layer; GPU only)",
     )
     add_tree_budget(p)
     p.add_argument(

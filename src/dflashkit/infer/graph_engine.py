@@ -167,7 +167,7 @@ def kernel_target_step(
     keep: tuple[int, ...],
     *_: Any,
 ) -> None:
-    """``target_step`` of a chain through the decoder kernels (``dflashkit.target.kernels``: five launches a
+    """``target_step`` of a chain through the decoder kernels (``dflashkit.target.kernels``: six launches a
     layer), for the engine's one slot (``slot`` is its index 0; the kernels read each step's used positions
     from ``start``, so ``kv_len`` and ``attention`` need not say)."""
     decode_by_kernels(w, cache, ids, start, out_logits, out_rows, keep)
@@ -270,7 +270,7 @@ class GraphEngine:
     matmuls written as reductions that Inductor fuses with the work around them
     (``slot_decoder.linear_as_reduction``), and the draft step whole (both compiling engines also compile a
     tree's build and walk); ``"kernels"`` (the "graphs-kernels" engine) as "layers", but the chain's target
-    steps through the decoder kernels (``dflashkit.target.kernels``: five Triton kernels a layer, compiled by
+    steps through the decoder kernels (``dflashkit.target.kernels``: six Triton kernels a layer, compiled by
     Triton on their first call; the CPU runs them only in Triton's interpreter);
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own

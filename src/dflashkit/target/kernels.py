@@ -33,6 +33,7 @@ On a GPU the kernels are compiled by Triton (``triton.jit``); on the CPU they ru
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -106,8 +107,6 @@ def triton_missing() -> str | None:
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 before Triton's first import: the CPU
     tests set it), where they take CPU tensors."""
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
