@@ -882,6 +882,43 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path):
     )
 
 
+def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypatch):
+    """compile="kernels" with a tree budget on the CPU (the kernels in Triton's interpreter): the tree step
+    goes through the decoder kernels under the tree's own mask (the compiled layer never runs); greedy tree
+    rounds, the real drafter's and scripted ones whose accepted branches move rows, decode as autoregressive
+    decoding with the dynamic engine's acceptance lengths. (The draft, build and walk steps run eagerly here:
+    their compiled forms are graphs-layers', tested there.)"""
+    pytest.importorskip("triton")
+    from dflashkit.infer import graph_engine
+
+    kernel_tree_step = graph_engine.kernel_tree_step
+    tiny, d, layers = tiny_pair(tmp_path)
+    budget = 6
+    layer_graphs = graph_engine.LAYER_STEP.graphs()
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
+    engine._draft_fn = graph_engine.draft_step
+    engine._build_fn, engine._walk_fn = graph_engine.tree_build_step, graph_engine.tree_walk_step
+    calls = []
+    monkeypatch.setattr(graph_engine, "kernel_tree_step", lambda *a: calls.append(1) or kernel_tree_step(*a))
+    prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()
+    eager = GraphEngine(tiny, d, capacity=64, graphs=False, fixed_shapes=True, tree_budget=budget)
+    for e in (engine, eager):
+        e.prefill(torch.tensor([prompt]))
+    tree = DraftTree.of([400, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])
+    ours, theirs = engine.verify_tree(tree), eager.verify_tree(tree)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours.features, theirs.features, atol=1e-4, rtol=1e-4)
+    assert calls, "the tree step did not go through the kernels"
+    ar = autoregressive_generate(tiny, prompt, 14, layer_ids=layers).tokens
+    dyn = speculative_generate(tiny, d, prompt, 14, tree_budget=budget)
+    real = speculative_generate(tiny, d, prompt, 14, engine=engine, tree_budget=budget)
+    assert real.tokens == dyn.tokens == ar and real.accept_lengths == dyn.accept_lengths
+    script = ScriptedTree(engine, prompt + ar)
+    scripted = speculative_generate(tiny, d, prompt, 14, engine=script, tree_budget=budget)
+    assert scripted.tokens == ar and any(p != list(range(len(p))) for p in script.paths)
+    assert graph_engine.LAYER_STEP.graphs() == layer_graphs, "a tree step compiled the layer"
+
+
 @pytest.mark.cpu_compile
 def test_layers_engine_tree_rounds_decode_as_autoregressive(tmp_path):
     """compile="layers" with a tree budget on the CPU: warm-up compiles the tree step's layer, the build and

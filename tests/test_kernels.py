@@ -100,6 +100,56 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("parents", "capacity"),
+    [
+        ([-1, 0, 1, 0, 3, 4, 1], 64),  # two branches: rows 1, 2, 6 and 3, 4, 5
+        ([-1] + [0] * 8 + list(range(1, 9)) + list(range(9, 17)) + [24] * 8, 128),  # 33 nodes: two row tiles
+    ],
+)
+def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parents, capacity, device):
+    """A token tree after a prompt (each node turned by the root's position + its depth, reading the prompt,
+    itself and its ancestors): the kernels' logits, kept features and cache rows equal ``slot_decoder.decode``
+    under the tree's mask in float32; a chain step after it (the tree's rows overwritten) still does."""
+    from dflashkit.infer.tree import DraftTree, ancestors
+
+    w = DecoderWeights.from_hf(tiny_model().to(device))
+    tiles = Tiles(attention_positions=16, splits=4)
+    ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(5, 300, (1, 37), generator=gen).to(device)
+    for c in (ref_cache, cache):
+        decode(w, c, prompt, zero, zero, kv_len=37)
+    tree = DraftTree.of((torch.randperm(295, generator=gen)[: len(parents)] + 5).tolist(), parents)
+    n, start = len(parents), torch.tensor([37], device=device)
+    nodes = tree.nodes.to(device)
+    seen = ancestors(nodes[2])
+    positions = start + nodes[1]
+    at = torch.arange(capacity, device=device) - start
+    mask = ((at < 0) | (seen[:, at.clamp(0, n - 1)] & (at < n)))[None]
+    ids = nodes[:1]
+    tree_args = dict(keep=(1,), positions=positions[None], mask=mask)
+    x, kept = decode(w, ref_cache, ids, zero, start, kv_len=capacity, **tree_args)
+    out = torch.full((n, w.vocab_size), float("nan"), device=device)
+    rows = torch.full((1, n, 64), float("nan"), device=device)
+    decode_by_kernels(w, cache, ids, start, out, rows, (1,), tiles, positions=positions, seen=seen)
+    torch.testing.assert_close(out, logits(w, x[0]), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(rows, kept[0], atol=2e-5, rtol=1e-5)
+    for layer in range(len(w.layers)):
+        torch.testing.assert_close(cache.k[layer][0], ref_cache.k[layer][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.v[layer][0], ref_cache.v[layer][0], atol=1e-5, rtol=1e-5)
+    ids = torch.randint(5, 300, (1, 4), generator=gen).to(device)
+    start = torch.tensor([38], device=device)
+    x, _ = decode(w, ref_cache, ids, zero, start, kv_len=42)
+    out = torch.empty(4, w.vocab_size, device=device)
+    decode_by_kernels(w, cache, ids, start, out, tiles=tiles)
+    torch.testing.assert_close(out, logits(w, x[0]), atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="both its positions and its mask"):
+        decode_by_kernels(w, cache, ids, start, out, tiles=tiles, seen=seen[:4, :4])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_kernels_in_bf16_stay_near_the_plain_forward(device):
     """bf16 weights (the served dtype): the kernels round where the plain forward rounds, so their logits
     stay within bf16's error of its and the same tokens win."""

@@ -173,6 +173,23 @@ def kernel_target_step(
     decode_by_kernels(w, cache, ids, start, out_logits, out_rows, keep)
 
 
+def kernel_tree_step(
+    w: DecoderWeights,
+    cache: SlotCache,
+    nodes: Tensor,
+    start: Tensor,
+    out_logits: Tensor,
+    out_rows: Tensor | None,
+    keep: tuple[int, ...],
+) -> None:
+    """The tree step through the decoder kernels: the tree's ``nodes`` [3, N+1] (token, depth, parent; padded
+    to the engine's budget) written at ``start``, each node turned by the root's position + its depth and
+    reading the cache before ``start``, itself and its ancestors; logits and kept features as
+    ``target_step``'s."""
+    positions, seen = start + nodes[1], ancestors(nodes[2])
+    decode_by_kernels(w, cache, nodes[:1], start, out_logits, out_rows, keep, positions=positions, seen=seen)
+
+
 def draft_step(
     drafter: DFlashDrafter,
     cache: StaticDraftCache,
@@ -269,15 +286,15 @@ class GraphEngine:
     layer serves all of them, where a whole step unrolls every layer into its graph), the one-token step's
     matmuls written as reductions that Inductor fuses with the work around them
     (``slot_decoder.linear_as_reduction``), and the draft step whole (both compiling engines also compile a
-    tree's build and walk); ``"kernels"`` (the "graphs-kernels" engine) as "layers", but the chain's target
-    steps through the decoder kernels (``dflashkit.target.kernels``: six Triton kernels a layer, compiled by
-    Triton on their first call; the CPU runs them only in Triton's interpreter);
+    tree's build and walk); ``"kernels"`` (the "graphs-kernels" engine) as "layers", but the target's steps
+    (a chain's and a tree's) through the decoder kernels (``dflashkit.target.kernels``: six Triton kernels a
+    layer, compiled by Triton on their first call; the CPU runs them only in Triton's interpreter);
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
     of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
     build and walk compiled by the compiling engines; the tree step attends through one SDPA under its
-    whole mask). Build one per (target, drafter, capacity, tree budget) and reuse it across prompts.
+    whole mask, or through the kernels' attention under the tree's own). Build one per (target, drafter, capacity, tree budget) and reuse it across prompts.
     """
 
     name = "graphs"
@@ -341,6 +358,7 @@ class GraphEngine:
         self._tree_fn: Callable[..., None] = TARGET_STEP if compile is True else target_step
         # the chain's target steps ([1, 1] and [1, B]): the same, or the decoder kernels ("kernels")
         self._target_fn: Callable[..., None] = kernel_target_step if compile == "kernels" else self._tree_fn
+        self._kernels = compile == "kernels"
         self._reduce_matmuls = compile == "layers"
         self._layer_step: LayerStep | None = LAYER_STEP if compile in ("layers", "kernels") else None
         # the draft step compiled whole by every compiling engine: a drafter has a few layers, and one layer at
@@ -439,8 +457,13 @@ class GraphEngine:
         )
 
     def _tree_step(self) -> None:
-        """The target step over the tree's nodes (compiled as the other target steps with ``compile``; one
-        compiled layer at a time for "kernels", whose kernels read no tree mask)."""
+        """The target step over the tree's nodes (compiled as the other target steps with ``compile``, or
+        through the decoder kernels)."""
+        keep = tuple(self.layer_ids) if self.drafter is not None else ()
+        if self._kernels:
+            w, cache, nodes, start = self.w, self.cache, self._tree_inputs, self._start
+            kernel_tree_step(w, cache, nodes, start, self._tree_logits, self._tree_rows, keep)
+            return
         self._tree_fn(
             self.w,
             self.cache,
@@ -451,7 +474,7 @@ class GraphEngine:
             self._tree_rows,
             self._kv_len(self._tree_inputs.shape[1]),
             "sdpa",  # a tree step attends through one SDPA under its mask (slot_decoder._tree_plan)
-            tuple(self.layer_ids) if self.drafter is not None else (),
+            keep,
             self._start + self._tree_inputs[1:2],  # positions: the root's + depth
             self._tree_mask(),  # mask (positional: a compiled region takes no keywords)
             False,  # the matmuls: a many-token step is faster with them (see _target_step)

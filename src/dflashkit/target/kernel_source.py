@@ -79,6 +79,7 @@ def qkv_kernel(
     BIAS,  # [NQ*D + 2*NK*D] or a dummy (HAS_BIAS False)
     ROT,  # [max positions, D/2, 2] float32 (cos, sin)
     START,  # [1] int64: the first new token's position
+    POS,  # [M] int64: a tree's rotary positions (the root's + each node's depth), or a dummy (TREE False)
     Q,  # [M, NQ*D] out: the turned queries
     KC,  # [capacity, NK, D] the layer's key cache (the engine's slot), written at START + m
     VC,  # the same for values
@@ -90,6 +91,7 @@ def qkv_kernel(
     NKD: tl.constexpr,
     D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    TREE: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -98,7 +100,8 @@ def qkv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """rms_norm(x) @ W.T (+ bias), each (even, odd) column pair of the queries and keys turned by its rotary
-    angle, the keys and values written into the cache: one program per BLOCK_N columns."""
+    angle, the keys and values written into the cache: one program per BLOCK_N columns. Token m is written at
+    position START + m and turned by that position's angle, or (TREE) by the angle of POS[m]."""
     pid = tl.program_id(0)
     dt = W.dtype.element_ty
     N: tl.constexpr = NQD + 2 * NKD
@@ -121,7 +124,11 @@ def qkv_kernel(
     rp = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # the pairs' index: columns 2 rp and 2 rp + 1
     col = 2 * rp
     start = tl.load(START)
-    pos = tl.minimum(start + rm, capacity - 1)  # [BLOCK_M]
+    written = tl.minimum(start + rm, capacity - 1)  # [BLOCK_M]: each token's cache row
+    if TREE:
+        pos = tl.load(POS + rm, mask=row_ok, other=0)
+    else:
+        pos = written
     j = (col % D) // 2  # the pair's index within its head
     rot_ok = (
         row_ok[:, None] & ((col < NQD + NKD) & (col < N))[None, :]
@@ -132,7 +139,7 @@ def qkv_kernel(
     turned = turned.to(Q.dtype.element_ty)
     ok = row_ok[:, None] & n_ok[None, :]
     tl.store(Q + rm[:, None] * NQD + rn[None, :], turned, mask=ok & (rn < NQD)[None, :])
-    at = pos[:, None] * NKD
+    at = written[:, None] * NKD
     tl.store(KC + at + (rn - NQD)[None, :], turned, mask=ok & ((rn >= NQD) & (rn < NQD + NKD))[None, :])
     tl.store(VC + at + (rn - NQD - NKD)[None, :], turned, mask=ok & (rn >= NQD + NKD)[None, :])
 
@@ -143,6 +150,7 @@ def attention_kernel(
     KC,  # [capacity, NK, D]
     VC,
     START,  # [1] int64
+    SEEN,  # [M, M] int8: a tree's mask among its nodes (row m: m and its ancestors), or a dummy (TREE False)
     PO,  # [SPLITS, M*NQ, D] float32 out: each split's unnormalised output
     PM,  # [SPLITS, M*NQ] float32 out: each split's score maximum
     PL,  # [SPLITS, M*NQ] float32 out: each split's sum of exp(score - maximum)
@@ -154,15 +162,18 @@ def attention_kernel(
     D: tl.constexpr,
     SPLITS: tl.constexpr,
     STEPS: tl.constexpr,  # cdiv(capacity, SPLITS * BLOCK_N): the most steps of BLOCK_N positions a split takes
+    TREE: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Causal attention of the M new tokens over the cache, split along the positions (as flash-decoding
-    does): program (g, s) reads key/value head g over its share s of the used positions, for every query
-    head of g's group and every new token at once (rows r = m * G + head within the group), and writes its
-    partial output, maximum and sum; ``out_kernel`` merges the splits."""
+    """Attention of the M new tokens over the cache, split along the positions (as flash-decoding does):
+    program (g, s, t) reads key/value head g over its share s of the used positions, for BLOCK_R rows of
+    every query head of g's group and every new token (rows r = m * G + head within the group; t: the rows'
+    tile, one unless a tree makes them many), and writes its partial output, maximum and sum;
+    ``merge_kernel`` merges the splits. Token m reads the positions before START and, among the new ones,
+    those up to its own (causal), or (TREE) those SEEN[m] marks: its own and its ancestors'."""
     g = tl.program_id(0)
     s = tl.program_id(1)
     G: tl.constexpr = NQ // NK
@@ -171,7 +182,7 @@ def attention_kernel(
     share = tl.cdiv(tl.cdiv(used, SPLITS), BLOCK_N) * BLOCK_N
     lo = s * share
     hi = tl.minimum(lo + share, used)
-    rr = tl.arange(0, BLOCK_R)
+    rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     m = rr // G
     head = g * G + rr % G
     row_ok = rr < M * G
@@ -191,7 +202,17 @@ def attention_kernel(
             at = rn[:, None] * (NK * D) + g * D + rd[None, :]
             k = tl.load(KC + at, mask=n_ok[:, None], other=0.0)
             scores = dot(q, tl.trans(k), PRECISION, UPCAST) * sm_scale
-            seen = n_ok[None, :] & (rn[None, :] <= q_pos[:, None])
+            if TREE:
+                new = rn - start  # the node written at that position, where it is one
+                is_new = (new >= 0) & (new < M)
+                marked = tl.load(
+                    SEEN + m[:, None] * M + new[None, :],
+                    mask=row_ok[:, None] & (is_new & n_ok)[None, :],
+                    other=0,
+                )
+                seen = n_ok[None, :] & ((new < 0)[None, :] | (marked != 0))
+            else:
+                seen = n_ok[None, :] & (rn[None, :] <= q_pos[:, None])
             scores = tl.where(seen, scores, float("-inf"))
             new_top = tl.maximum(top, tl.max(scores, axis=1))
             safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # a row that has seen nothing yet

@@ -44,7 +44,8 @@ from dflashkit.errors import DflashkitError
 from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, head, rms_norm
 
 KERNELS = ("qkv", "attention", "merge", "up", "residual")
-MAX_ROWS = 16  # new tokens a step: a token, a block or a small tree (a prompt goes through the plain forward)
+MAX_ROWS = 128  # new tokens a step: a token, a block or a tree (a prompt goes through the plain forward)
+ATTENTION_ROWS = 64  # an attention program's rows (new tokens x query heads of a group) at most
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,9 @@ class Tiles:
     """Each kernel's share of the work. One token: output columns per program (a few, so that the weight's
     bytes spread over many programs) and the products a program holds at once (columns x inner step: the
     inner step follows from it, the whole hidden size for one step). A block (more than one token, through
-    ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner``. The attention's splits along the
-    positions and positions per step; warps per program."""
+    ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner`` for up to 16 rows (fewer for more
+    rows: a tree's, so that a step's tile stays the same size). The attention's splits along the positions
+    and positions per step; warps per program."""
 
     qkv_columns: int = 4  # even: rotary pairs
     up_columns: int = 4  # gate and up columns each
@@ -79,7 +81,7 @@ class Tiles:
 
     def inner(self, k: int, rows: int, columns: int) -> int:
         """The inner dimension's step for a matmul of inner size k: a power of 2, at least 32, at most k's."""
-        step = self.block_inner if rows > 1 else _pow2_floor(self.products // columns)
+        step = self.block_inner * 16 // _pow2(rows) if rows > 1 else _pow2_floor(self.products // columns)
         return max(32, min(_pow2(k), step))
 
 
@@ -157,16 +159,24 @@ def decode_by_kernels(
     out_rows: Tensor | None = None,
     keep: tuple[int, ...] = (),
     tiles: Tiles = Tiles(),
+    positions: Tensor | None = None,
+    seen: Tensor | None = None,
 ) -> None:
     """The target over the new tokens ``ids`` [1, M] of the cache's first slot, written at positions
     ``start`` [1] + 0 .. M-1: their float32 logits into ``out_logits`` [M, V], and the outputs of the layers
-    ``keep`` (concatenated) into ``out_rows`` [1, M, n * hidden]. Shape-static: a CUDA graph captures it."""
+    ``keep`` (concatenated) into ``out_rows`` [1, M, n * hidden]. A token tree (``dflashkit.infer.tree``)
+    gives its nodes' rotary ``positions`` [M] (the root's + the depth) and ``seen`` [M, M] (bool: node i
+    reads node j, itself and its ancestors) in place of the causal rule among the new tokens. Shape-static:
+    a CUDA graph captures it."""
     m = ids.shape[1]
     if m > MAX_ROWS:
         raise DflashkitError(
             f"the decoder kernels take at most {MAX_ROWS} new tokens a step, got {m}: prefill through "
             "slot_decoder.decode"
         )
+    tree = seen is not None
+    if tree != (positions is not None):
+        raise ValueError("decode_by_kernels: a tree gives both its positions and its mask, a chain neither")
     k = _compiled()
     hidden = w.embed.shape[1]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
@@ -182,6 +192,11 @@ def decode_by_kernels(
     # splits along the positions: fewer for a cache that holds fewer steps of positions (a power of 2)
     splits = min(t.splits, _pow2(triton_cdiv(cache.capacity, t.attention_positions), least=1))
     steps = triton_cdiv(cache.capacity, splits * t.attention_positions)
+    attention_rows = _pow2(m * (nq // nk))
+    row_tiles = triton_cdiv(attention_rows, ATTENTION_ROWS)
+    # a tree's mask as bytes, and its positions (a chain's kernels take a dummy for each: start)
+    seen_bytes = seen.to(torch.int8) if seen is not None else start
+    tree_positions = positions if positions is not None else start
     x = w.embed[ids[0]]  # [M, H]: a new tensor, updated in place layer by layer
     q = torch.empty(m, nq * d, dtype=w.dtype, device=x.device)
     parts = torch.empty(splits, m * nq, d, dtype=torch.float32, device=x.device)
@@ -192,7 +207,7 @@ def decode_by_kernels(
     columns = nq * d + 2 * nk * d
     grids = {
         "qkv": (triton_cdiv(columns, cols["qkv"]),),
-        "attention": (nk, splits),
+        "attention": (nk, splits, row_tiles),
         "merge": (m * nq,),
         "up": (triton_cdiv(width, cols["up"]),),
         "residual": (triton_cdiv(hidden, cols["residual"]),),
@@ -204,15 +219,15 @@ def decode_by_kernels(
         k_cache, v_cache = cache.k[i][0], cache.v[i][0]  # [capacity, NK, D]: the engine's one slot
         bias = layer.qkv_bias if layer.qkv_bias is not None else layer.input_norm
         k.qkv[grids["qkv"]](
-            x, layer.input_norm, layer.qkv, bias, w.rotary_pairs, start, q, k_cache, v_cache,
+            x, layer.input_norm, layer.qkv, bias, w.rotary_pairs, start, tree_positions, q, k_cache, v_cache,
             w.eps, cache.capacity,
-            M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None,
+            M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None, TREE=tree,
             BLOCK_N=cols["qkv"], BLOCK_K=inner_qkv, **matmul,
         )  # fmt: skip
         k.attention[grids["attention"]](
-            q, k_cache, v_cache, start, parts, tops, totals, d**-0.5, cache.capacity,
-            M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps,
-            BLOCK_R=_pow2(m * (nq // nk)), BLOCK_N=t.attention_positions, **common,
+            q, k_cache, v_cache, start, seen_bytes, parts, tops, totals, d**-0.5, cache.capacity,
+            M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps, TREE=tree,
+            BLOCK_R=min(attention_rows, ATTENTION_ROWS), BLOCK_N=t.attention_positions, **common,
         )  # fmt: skip
         k.merge[grids["merge"]](
             parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps
