@@ -5,7 +5,8 @@ layer for all) on the same random target of the embedded target's shape.
     python benchmarks/kernel_tiles.py                  # GPU: the table; --out for its JSON
     python benchmarks/kernel_tiles.py --smoke          # CPU (Triton's interpreter), a tiny target, 2 variants
 
-For each variant and step shape (one token, a block of 8) over a cache of --context positions:
+For each variant and step shape (one token, a block of 8, a token tree of --tree-nodes nodes past its root,
+as a tree round verifies it) over a cache of --context positions:
 - ``step ms``: the step captured as one CUDA graph, replayed (median of --calls);
 - ``kernel ms``: each kernel's device time per step under the torch profiler (the step uncaptured), so the
   best tile of each kernel can be read off, and what the kernels sum to against the replay (the launches'
@@ -29,6 +30,7 @@ if "--smoke" in sys.argv:
 
 import torch
 
+from dflashkit.infer.tree import ancestors, build_tree
 from dflashkit.target.kernels import KERNELS, Tiles, decode_by_kernels
 from dflashkit.target.slot_decoder import DecoderWeights, SlotCache
 
@@ -44,6 +46,8 @@ VARIANTS = {
     "block32": Tiles(block_columns=32),
     "inner64": Tiles(block_inner=64),
     "inner256": Tiles(block_inner=256),
+    "ksplit2": Tiles(residual_splits=2),
+    "ksplit4": Tiles(residual_splits=4),
 }
 
 
@@ -65,13 +69,25 @@ def random_model(smoke: bool, device: str, dtype: torch.dtype):
         )
 
 
-def step_fn(w, cache, m: int, context: int, tiles: Tiles):
-    """A target step of m new tokens after ``context`` cached positions, over fixed buffers."""
+def tree_nodes(vocab: int, nodes: int, device: str) -> torch.Tensor:
+    """[3, nodes + 1] (token, depth, parent): the tree a round would build from a drafter's 7 slots of
+    fairly confident guesses (random), as the engine's tree step takes it."""
+    probs = torch.softmax(torch.randn(7, vocab, generator=torch.Generator().manual_seed(0)) * 4, dim=-1)
+    return build_tree(5, probs, nodes).nodes.to(device)
+
+
+def step_fn(w, cache, m: int, context: int, tiles: Tiles, tree: torch.Tensor | None = None):
+    """A target step of m new tokens (or of the ``tree``'s nodes) after ``context`` cached positions, over
+    fixed buffers."""
     dev = w.device
-    ids = torch.randint(5, w.vocab_size - 1, (1, m), device=dev)
     start = torch.tensor([context], device=dev)
+    if tree is not None:
+        ids, m = tree[:1], tree.shape[1]
+        shape = dict(positions=start + tree[1], seen=ancestors(tree[2]))
+    else:
+        ids, shape = torch.randint(5, w.vocab_size - 1, (1, m), device=dev), {}
     out = torch.empty(m, w.vocab_size, dtype=torch.float32, device=dev)
-    return lambda: decode_by_kernels(w, cache, ids, start, out, tiles=tiles)
+    return lambda: decode_by_kernels(w, cache, ids, start, out, tiles=tiles, **shape)
 
 
 def replay_ms(fn, calls: int) -> float:
@@ -105,20 +121,29 @@ def kernel_ms(fn, calls: int) -> dict[str, float]:
     return by
 
 
-def layers_engine_ms(w_folder: Path, capacity: int, context: int, calls: int) -> dict[int, float]:
-    """The "graphs-layers" engine's target steps [1, 1] and [1, 8], captured as it captures them."""
+def layers_engine_ms(
+    w_folder: Path, capacity: int, context: int, calls: int, tree: torch.Tensor
+) -> dict[str, float]:
+    """The "graphs-layers" engine's target steps [1, 1] and [1, 8] and its tree step over ``tree``, captured
+    as it captures them."""
     from dflashkit.infer.graph_engine import GraphEngine
     from dflashkit.target.hf import TargetModel
 
     target = TargetModel.load(w_folder, dtype=torch.bfloat16, device="cuda", lazy=True)
-    engine = GraphEngine(target, None, capacity=capacity, layer_ids=[1, 15, 28], compile="layers")
+    nodes = tree.shape[1] - 1
+    engine = GraphEngine(
+        target, None, capacity=capacity, layer_ids=[1, 15, 28], compile="layers", tree_budget=nodes
+    )
     # an engine without a drafter has the one-token step only: give it the [1, 8] step's buffers (no features
     # kept: the kernels' step above keeps none either)
     engine.block_size = 8
     engine._ids[8] = torch.zeros(1, 8, dtype=torch.long, device="cuda")
     engine._logits[8] = torch.zeros(8, engine.w.vocab_size, device="cuda")
     engine._start.fill_(context)
-    return {t: replay_ms(lambda t=t: engine._target_step(t), calls) for t in (1, 8)}
+    engine._tree_inputs.copy_(tree)
+    ms = {str(t): replay_ms(lambda t=t: engine._target_step(t), calls) for t in (1, 8)}
+    ms["tree"] = replay_ms(engine._tree_step, calls)
+    return ms
 
 
 def main() -> None:
@@ -126,6 +151,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=400, help="cached positions before the step (400)")
     p.add_argument("--capacity", type=int, default=1024, help="the cache's positions (bench's: 1024)")
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--tree-nodes", type=int, default=32, help="a tree step's nodes past its root (32)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, a tiny target")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -134,23 +160,30 @@ def main() -> None:
     if args.smoke:  # the kernels run, shapes and launches checked; no timings
         w = DecoderWeights.from_hf(random_model(True, "cpu", torch.float32))
         cache = SlotCache(w, slots=1, capacity=64)
+        tree = tree_nodes(w.vocab_size, 8, "cpu")
         for name in names[:2]:
             for m in (1, 8):
                 step_fn(w, cache, m, 20, VARIANTS[name])()
-        print(f"smoke: {len(names[:2])} variants x 2 step shapes ran in Triton's interpreter")
+            step_fn(w, cache, 0, 20, VARIANTS[name], tree)()
+        print(f"smoke: {len(names[:2])} variants x 3 step shapes ran in Triton's interpreter")
         return
     model = random_model(False, "cuda", torch.bfloat16)
     w = DecoderWeights.from_hf(model)
     cache = SlotCache(w, slots=1, capacity=args.capacity)
     cache.keys.normal_()
     cache.values.normal_()
+    tree = tree_nodes(w.vocab_size, args.tree_nodes, "cuda")
     rows = []
     for name in names:
         tiles = VARIANTS[name]
         row: dict = {"variant": name, "tiles": asdict(tiles)}
         t0 = time.perf_counter()
-        for m in (1, 8):
-            fn = step_fn(w, cache, m, args.context, tiles)
+        for m in (1, 8, "tree"):
+            fn = (
+                step_fn(w, cache, 0, args.context, tiles, tree)
+                if m == "tree"
+                else step_fn(w, cache, m, args.context, tiles)
+            )
             row[f"step_ms_{m}"] = replay_ms(fn, args.calls)
             row[f"kernel_ms_{m}"] = kernel_ms(fn, 20)
         row["seconds"] = time.perf_counter() - t0
@@ -159,12 +192,13 @@ def main() -> None:
         print(
             f"{name:12s} [1,1] {row['step_ms_1']:.3f} ms (kernels {sum(k1.values()):.3f}: "
             + " ".join(f"{k} {v:.3f}" for k, v in k1.items())
-            + f")  [1,8] {row['step_ms_8']:.3f} ms  ({row['seconds']:.0f} s)",
+            + f")  [1,8] {row['step_ms_8']:.3f} ms  tree [1,{tree.shape[1]}] {row['step_ms_tree']:.3f} ms"
+            + f"  ({row['seconds']:.0f} s)",
             flush=True,
         )
     # each kernel's best tile, from the profiles (the table's lower bound for a mixed Tiles)
     best = {}
-    for m in (1, 8):
+    for m in (1, 8, "tree"):
         for k in KERNELS:
             r = min(rows, key=lambda r: r[f"kernel_ms_{m}"].get(k, 1e9))
             best[f"{k} [1,{m}]"] = (r["variant"], r[f"kernel_ms_{m}"].get(k))
@@ -174,15 +208,17 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(Path(tmp) / "target")
-        layers = layers_engine_ms(Path(tmp) / "target", args.capacity, args.context, args.calls)
+        layers = layers_engine_ms(Path(tmp) / "target", args.capacity, args.context, args.calls, tree)
     print(
-        f"graphs-layers   [1,1] {layers[1]:.3f} ms  [1,8] {layers[8]:.3f} ms (the same shapes, side by side)"
+        f"graphs-layers   [1,1] {layers['1']:.3f} ms  [1,8] {layers['8']:.3f} ms  tree [1,{tree.shape[1]}] "
+        f"{layers['tree']:.3f} ms (the same shapes, side by side)"
     )
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "context": args.context,
         "capacity": args.capacity,
+        "tree_nodes": args.tree_nodes,
         "variants": rows,
         "best_per_kernel": best,
         "graphs_layers_ms": layers,

@@ -69,7 +69,12 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, device):
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
     (up to summation order); a step of more rows than the kernels take is refused."""
     w = DecoderWeights.from_hf(tiny_model(kind).to(device))
-    tiles = Tiles(attention_positions=16, splits=4) if capacity > 64 else Tiles()
+    # several attention splits for the long context; split-K in the residual kernels for the Qwen2 steps
+    tiles = (
+        Tiles(attention_positions=16, splits=4)
+        if capacity > 64
+        else Tiles(residual_splits=2 if kind == "qwen2" else 1)
+    )
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero, pos = torch.zeros(1, dtype=torch.long, device=device), 0
     gen = torch.Generator().manual_seed(1)
@@ -200,3 +205,22 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(DflashkitError, match="run on a GPU .*choose --engine graphs-layers"):
         check_runnable(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")
+def test_the_tile_benchmark_runs_its_step_shapes():
+    """benchmarks/kernel_tiles.py --smoke: every step shape the GPU run measures (a token, a block, a tree)
+    goes through the kernels, so that a GPU session does not spend its time on a broken script."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_tiles.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--variants", "default,ksplit2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "2 variants x 3 step shapes" in run.stdout

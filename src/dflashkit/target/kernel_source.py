@@ -299,9 +299,13 @@ def residual_kernel(
     A,  # [M, K]: the attention's output (K = NQ*D) or SwiGLU's product (K = I)
     W,  # [H, K]: the output or the down projection
     X,  # [M, H] updated in place: x + a @ W.T
+    PARTS,  # [SPLIT_K, M, H] float32: each share's sum (SPLIT_K > 1), or a dummy
+    ARRIVED,  # [cdiv(H, BLOCK_N)] int32, zero: the shares done per column tile (SPLIT_K > 1), or a dummy
     M: tl.constexpr,
     H: tl.constexpr,
     K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SHARE: tl.constexpr,  # the inner dimension's share a program sums: cdiv(K, SPLIT_K) in steps of BLOCK_K
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -310,19 +314,37 @@ def residual_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """A projection back to the residual stream and its add, for BLOCK_N columns of x (the matmul's output
-    rounded to the model's dtype first, as the plain forward adds it)."""
+    rounded to the model's dtype first, as the plain forward adds it). SPLIT_K > 1: program (n, s) sums the
+    s-th share of the inner dimension (split-K: more programs for a matmul of few columns) and writes it to
+    PARTS; the share that arrives last adds them up in order (the same sum whichever arrives last), does the
+    residual add and sets its tile's count back to zero for the next launch."""
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < H
+    ok = row_ok[:, None] & n_ok[None, :]
+    k_lo = tl.program_id(1) * SHARE
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+    for k0 in tl.static_range(0, SHARE, BLOCK_K):
+        rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         a = tl.load(A + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += rows_times(a.to(tl.float32), W, rn, n_ok, rk, k_ok, K, DOT, PRECISION, UPCAST)
-    ok = row_ok[:, None] & n_ok[None, :]
-    x_at = X + rm[:, None] * H + rn[None, :]
-    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(x_at, (x + acc.to(W.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty), mask=ok)
+    last = True
+    if SPLIT_K > 1:
+        at = rm[:, None] * H + rn[None, :]
+        tl.store(PARTS + tl.program_id(1) * (M * H) + at, acc, mask=ok)
+        # every thread's part of this share written (the barrier) before the count says so (release); the
+        # last share's program reads them all after it (acquire), past the multiprocessor's own cache (.cg)
+        tl.debug_barrier()
+        last = tl.atomic_add(ARRIVED + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(0, SPLIT_K):
+                acc += tl.load(PARTS + s * (M * H) + at, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(ARRIVED + pid, 0)
+    if last:
+        x_at = X + rm[:, None] * H + rn[None, :]
+        x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+        tl.store(x_at, (x + acc.to(W.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty), mask=ok)

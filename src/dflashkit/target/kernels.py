@@ -55,7 +55,8 @@ class Tiles:
     inner step follows from it, the whole hidden size for one step). A block (more than one token, through
     ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner`` for up to 16 rows (fewer for more
     rows: a tree's, so that a step's tile stays the same size). The attention's splits along the positions
-    and positions per step; warps per program."""
+    and positions per step; the residual kernels' split of the inner dimension (split-K: more programs
+    for their few output columns); warps per program."""
 
     qkv_columns: int = 4  # even: rotary pairs
     up_columns: int = 4  # gate and up columns each
@@ -65,6 +66,7 @@ class Tiles:
     block_inner: int = 128
     attention_positions: int = 64
     splits: int = 8  # programs per key/value head along the positions
+    residual_splits: int = 1  # the output and down projections' inner dimension among this many programs
     warps: int = 4
 
     def __post_init__(self) -> None:
@@ -204,15 +206,34 @@ def decode_by_kernels(
     totals = torch.empty_like(tops)
     attended = torch.empty(m, nq * d, dtype=w.dtype, device=x.device)
     act = torch.empty(m, width, dtype=w.dtype, device=x.device)
+    # split-K's sums and counts (zero; each launch leaves them zero), or dummies
+    split_k = t.residual_splits
+    partials = torch.empty(split_k, m, hidden, dtype=torch.float32, device=x.device) if split_k > 1 else x
+    arrived = (
+        torch.zeros(triton_cdiv(hidden, cols["residual"]), dtype=torch.int32, device=x.device)
+        if split_k > 1
+        else start
+    )
     columns = nq * d + 2 * nk * d
     grids = {
         "qkv": (triton_cdiv(columns, cols["qkv"]),),
         "attention": (nk, splits, row_tiles),
         "merge": (m * nq,),
         "up": (triton_cdiv(width, cols["up"]),),
-        "residual": (triton_cdiv(hidden, cols["residual"]),),
     }
     inner_qkv = t.inner(hidden, m, cols["qkv"])
+
+    def residual(inner: int) -> tuple[tuple[int, int], dict]:
+        """The residual kernel's grid and sizes for a projection from ``inner`` columns (split-K: each
+        program's share of them, in whole steps; as many shares as that takes, at most ``split_k``)."""
+        step = t.inner(triton_cdiv(inner, split_k), m, cols["residual"])
+        share = triton_cdiv(triton_cdiv(inner, split_k), step) * step
+        n = triton_cdiv(inner, share)
+        sizes = dict(M=m, H=hidden, K=inner, SPLIT_K=n, SHARE=share, BLOCK_N=cols["residual"])
+        return (triton_cdiv(hidden, cols["residual"]), n), dict(BLOCK_K=step, **sizes, **matmul)
+
+    o_grid, o_sizes = residual(nq * d)
+    down_grid, down_sizes = residual(width)
     inner_up = t.inner(hidden, m, 2 * cols["up"])
     kept = []
     for i, layer in enumerate(w.layers):
@@ -232,18 +253,12 @@ def decode_by_kernels(
         k.merge[grids["merge"]](
             parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps
         )  # fmt: skip
-        k.residual[grids["residual"]](
-            attended, layer.o, x, M=m, H=hidden, K=nq * d,
-            BLOCK_N=cols["residual"], BLOCK_K=t.inner(nq * d, m, cols["residual"]), **matmul,
-        )  # fmt: skip
+        k.residual[o_grid](attended, layer.o, x, partials, arrived, **o_sizes)
         k.up[grids["up"]](
             x, layer.post_norm, layer.gate_up, act, w.eps,
             M=m, H=hidden, I=width, BLOCK_N=cols["up"], BLOCK_K=inner_up, **matmul,
         )  # fmt: skip
-        k.residual[grids["residual"]](
-            act, layer.down, x, M=m, H=hidden, K=width,
-            BLOCK_N=cols["residual"], BLOCK_K=t.inner(width, m, cols["residual"]), **matmul,
-        )  # fmt: skip
+        k.residual[down_grid](act, layer.down, x, partials, arrived, **down_sizes)
         if i in keep:
             kept.append(x.clone())  # x keeps changing in place
     # the final norm and the head: one matrix of the vocabulary's rows, which cuBLAS reads near the memory's
