@@ -884,10 +884,10 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path):
 
 def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypatch):
     """compile="kernels" with a tree budget on the CPU (the kernels in Triton's interpreter): the tree step
-    goes through the decoder kernels under the tree's own mask (the compiled layer never runs); greedy tree
-    rounds, the real drafter's and scripted ones whose accepted branches move rows, decode as autoregressive
-    decoding with the dynamic engine's acceptance lengths. (The draft, build and walk steps run eagerly here:
-    their compiled forms are graphs-layers', tested there.)"""
+    goes through the decoder kernels under the tree's own mask (the compiled layer never runs), the walk
+    through its one kernel; greedy tree rounds, the real drafter's and scripted ones whose accepted branches
+    move rows, decode as autoregressive decoding with the dynamic engine's acceptance lengths. (The draft and
+    build steps run eagerly here: their compiled forms are graphs-layers', tested there.)"""
     pytest.importorskip("triton")
     from dflashkit.infer import graph_engine
 
@@ -897,7 +897,8 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     layer_graphs = graph_engine.LAYER_STEP.graphs()
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
     engine._draft_fn = graph_engine.draft_step
-    engine._build_fn, engine._walk_fn = graph_engine.tree_build_step, graph_engine.tree_walk_step
+    assert engine._walk_fn is graph_engine.kernel_walk_step
+    engine._build_fn = graph_engine.tree_build_step
     calls = []
     monkeypatch.setattr(graph_engine, "kernel_tree_step", lambda *a: calls.append(1) or kernel_tree_step(*a))
     prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()

@@ -185,9 +185,20 @@ def kernel_tree_step(
     """The tree step through the decoder kernels: the tree's ``nodes`` [3, N+1] (token, depth, parent; padded
     to the engine's budget) written at ``start``, each node turned by the root's position + its depth and
     reading the cache before ``start``, itself and its ancestors; logits and kept features as
-    ``target_step``'s."""
-    positions, seen = start + nodes[1], ancestors(nodes[2])
+    ``target_step``'s. The mask in one launch (``tree_kernels.ancestors``)."""
+    from dflashkit.infer import tree_kernels  # Triton: the kernels engine checked for it
+
+    positions, seen = start + nodes[1], tree_kernels.ancestors(nodes[2])
     decode_by_kernels(w, cache, nodes[:1], start, out_logits, out_rows, keep, positions=positions, seen=seen)
+
+
+def kernel_walk_step(
+    nodes: Tensor, choices: Tensor, start: Tensor, out_walk: Tensor, out_moves: Tensor
+) -> None:
+    """``tree_walk_step`` in one launch (``tree_kernels.walk``), for the "graphs-kernels" engine."""
+    from dflashkit.infer import tree_kernels
+
+    tree_kernels.walk(nodes, choices, start, out_walk, out_moves)
 
 
 def draft_step(
@@ -293,7 +304,7 @@ class GraphEngine:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
     of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
-    build and walk compiled by the compiling engines; the tree step attends through one SDPA under its
+    build and walk compiled by the compiling engines, the walk one kernel with "kernels"; the tree step attends through one SDPA under its
     whole mask, or through the kernels' attention under the tree's own). Build one per (target, drafter, capacity, tree budget) and reuse it across prompts.
     """
 
@@ -365,9 +376,11 @@ class GraphEngine:
         # a time (its prologue and head eager around them) took 0.263 ms against 0.207 (H200, bf16, RESULTS:
         # seventeenth session)
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
-        # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers)
+        # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers); the walk
+        # one kernel with the decoder kernels ("kernels")
         self._build_fn: Callable[..., None] = TREE_BUILD_STEP if compile else tree_build_step
-        self._walk_fn: Callable[..., None] = TREE_WALK_STEP if compile else tree_walk_step
+        walk_fn = kernel_walk_step if compile == "kernels" else TREE_WALK_STEP
+        self._walk_fn: Callable[..., None] = walk_fn if compile else tree_walk_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
         self._tree_open = False  # the last verify was a tree's

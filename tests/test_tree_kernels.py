@@ -1,0 +1,68 @@
+"""The tree round's kernels (``dflashkit.infer.tree_kernels``; on the CPU in Triton's interpreter, which conftest
+turns on): the mask and the walk give the torch functions' outputs exactly, on built trees (padded and not)
+and hand-made ones, with the target's choices along random paths."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dflashkit.infer import tree_kernels  # noqa: E402
+from dflashkit.infer.tree import DraftTree, ancestors, build_tree, path_moves, walk_outputs  # noqa: E402
+from dflashkit.target.kernels import interpreting  # noqa: E402
+
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)"),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+def trees(device: str) -> list[torch.Tensor]:
+    """Nodes [3, n] of trees of several shapes: built from drafted slots (confident and flat, so some are
+    deep and some wide; one over a tiny vocabulary, so padded), and hand-made."""
+    out = []
+    for seed, (slots, vocab, budget, sharp) in enumerate(
+        [(7, 200, 8, 4.0), (7, 200, 32, 1.0), (7, 200, 32, 8.0), (15, 300, 64, 3.0), (3, 4, 20, 1.0)]
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        probs = torch.softmax(torch.randn(slots, vocab, generator=gen) * sharp, dim=-1)
+        out.append(build_tree(5, probs, budget).nodes)
+    out.append(DraftTree.of([9, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4]).nodes)
+    out.append(DraftTree.of([9], [-1]).nodes)
+    return [n.to(device) for n in out]
+
+
+def choices_along(nodes: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The target's choice after each node: for most nodes the token of one of its children (so that paths
+    are accepted to several depths), else a token no child holds."""
+    n = nodes.shape[1]
+    choices = torch.full((n,), 10_000, dtype=torch.long)
+    tokens, _, parents = nodes.cpu()
+    for i in range(n):
+        children = [j for j in range(1, n) if parents[j] == i and j != i]
+        if children and torch.rand(1, generator=gen).item() < 0.8:
+            choices[i] = tokens[children[torch.randint(len(children), (1,), generator=gen).item()]]
+    return choices.to(nodes.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_tree_kernels_give_the_torch_functions_outputs(device):
+    gen = torch.Generator().manual_seed(0)
+    deepest = []
+    for nodes in trees(device):
+        n = nodes.shape[1]
+        assert torch.equal(tree_kernels.ancestors(nodes[2]).bool(), ancestors(nodes[2]))
+        for _ in range(6):
+            choices = choices_along(nodes, gen)
+            start = torch.tensor([17 + n], device=device)
+            ref = walk_outputs(nodes, choices)
+            walked = torch.full((2 * n + 1,), -7, dtype=torch.long, device=device)
+            moves = torch.full((2, n), -7, dtype=torch.long, device=device)
+            tree_kernels.walk(nodes, choices, start, walked, moves)
+            assert torch.equal(walked, ref)
+            assert torch.equal(moves, path_moves(ref[:n].bool(), start))
+            deepest.append(int(ref[:n].sum()))
+    assert max(deepest) >= 4 and min(deepest) == 1, "paths of several lengths were walked"
