@@ -20,14 +20,18 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Twenty-fourth session's plan (NOTES: "The decoder kernels", the third version's prediction). Back to back:
-#   BUDGET=420 TILES_ARGS="--variants default,splits4,block32,inner64,inner256,columns8" \
+# Twenty-fifth session's plan (the twenty-fourth had no machine; it built, CPU-tested: tree steps, the tree's
+# mask and walk through kernels; split-K for the residual kernels. NOTES: "The decoder kernels" and "Trees through
+# the kernels", the predictions). Back to back, issued at once:
+#   BUDGET=480 TILES_ARGS="--variants default,splits4,block32,inner64,inner256,columns8,ksplit2,ksplit4" \
 #     bash benchmarks/gpu_prepare.sh part tiles ktests        # carry .whl: no GGUF (random weights)
-#   ENGINES=graphs-layers,graphs-kernels DECODE_ARGS="--no-warm-start --profile 50" BUDGET=300 \
-#     bash benchmarks/gpu_prepare.sh decode                   # the engines side by side: AR, the round
+#   ENGINES=graphs-layers,graphs-kernels BUDGETS=8,31 BUDGET=360 bash benchmarks/gpu_prepare.sh trees
+#                       # AR, the chain round and tree rounds on both engines, profiled (decode_steps-trees.json)
 #   then, if graphs-kernels wins its steps: `part` [.bench/p1], [p2], [p5], [p3]; GTESTS_K=kernels
-#   ... part join heldout gtests [p4]; the bench of command 2 below with --engine graphs-kernels beside
-#   graphs-layers (BENCH_OUT=/root/work/b2), and, if it serves faster, `auto` takes it (its GPU tests passed).
+#   ... part join heldout gtests [p4]; the bench of the twenty-third session's command 2 with --engine
+#   graphs-kernels beside graphs-layers (BENCH_OUT=/root/work/b2; with --tree-budget 31 if its trees pay), and,
+#   if it serves faster, `auto` takes it (its GPU tests passed).
+# Twenty-fourth session: no machine was lent (its plan, as above, moved to the twenty-fifth).
 # Twenty-third session, as run: RESULTS (three machines; the kernels' first and second versions measured).
 # Twenty-third session's plan (NOTES: "A sampled round as one step", its prediction), after the four `part`s:
 #   bash benchmarks/gpu_prepare.sh part join heldout gtests   # carry .bench/p4: the engines' GPU tests (the
@@ -386,7 +390,7 @@ for s in "$@"; do
     ktests)
       # the decoder kernels against the plain forward on a random target (no GGUF needed)
       stage ktests
-      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_kernels.py 2>&1 | tee "$OUT/pytest-ktests.log" | tail -15 ;;
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_tree_kernels.py 2>&1 | tee "$OUT/pytest-ktests.log" | tail -15 ;;
     drafter)
       # the newest GPU drafter, kept in git (benchmarks/drafters/, travels with the working tree; a drafter kept
       # outside git was lost with the eighth session's checkout), into $W/drafter0/best: a warm start

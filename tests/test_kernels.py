@@ -33,8 +33,12 @@ DEVICES = [
 def tiny_model(kind: str = "llama", **extra):
     import transformers
 
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
-    config = config_class(
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[kind]
+    shape = dict(
         hidden_size=64,
         intermediate_size=96,  # not a multiple of the kernels' column tiles: the masked edges
         num_hidden_layers=2,
@@ -43,15 +47,21 @@ def tiny_model(kind: str = "llama", **extra):
         vocab_size=320,
         tie_word_embeddings=True,
         max_position_embeddings=512,
-        **extra,
     )
+    shape.update(extra)
+    if kind == "qwen3":  # its config's head dim is its own (128 by default)
+        shape.setdefault("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    config = config_class(**shape)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if kind == "qwen2":  # biases that are not zero, so that a kernel that dropped them would show it
-        with torch.no_grad():
-            for layer in model.model.layers:
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if kind == "qwen2":  # biases that are not zero, so that a kernel that dropped them would show it
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+            if kind == "qwen3":  # per-head norms that differ, so that one read for the other would show it
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(-1.5, -0.5)
     return model
 
 
@@ -61,6 +71,7 @@ def tiny_model(kind: str = "llama", **extra):
     [
         ("llama", 64, (5, 1, 4, 1)),  # one split
         ("qwen2", 64, (3, 4, 1)),
+        ("qwen3", 64, (3, 4, 1)),  # per-head query and key norms
         ("llama", 320, (150, 4, 1, 4)),  # a context of several splits of 16 positions (prefilled)
     ],
 )
@@ -172,30 +183,19 @@ def test_kernels_in_bf16_stay_near_the_plain_forward(device):
 
 @pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")
 def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
-    """Qwen3's per-head norms are not in the kernels: the reason is named (and the engine refuses with what
-    to do); without a GPU and without the interpreter the kernels refuse to start; tiles the kernels cannot
-    take are refused when made."""
-    import transformers
-
+    """A head dim the kernels do not take is named (and the engine refuses with what to do); without a GPU
+    and without the interpreter the kernels refuse to start; tiles the kernels cannot take are refused when
+    made."""
     from dflashkit.infer.graph_engine import GraphEngine
     from dflashkit.target.hf import TargetModel
 
-    config = transformers.Qwen3Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=320,
-        max_position_embeddings=128,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    assert "Qwen3" in (unsupported(DecoderWeights.from_hf(model)) or "")
+    model = tiny_model(hidden_size=96, num_attention_heads=4)  # head dim 24
+    assert "head dim of 24" in (unsupported(DecoderWeights.from_hf(model)) or "")
     assert unsupported(DecoderWeights.from_hf(tiny_model())) is None
-    target = TargetModel(model, name="qwen3-tiny")
+    assert unsupported(DecoderWeights.from_hf(tiny_model("qwen3"))) is None
+    target = TargetModel(model, name="odd-heads")
     with pytest.raises(
-        DflashkitError, match=r"cannot run this target \(per-head.*choose --engine graphs-layers"
+        DflashkitError, match=r"cannot run this target \(a head dim.*choose --engine graphs-layers"
     ):
         GraphEngine(target, None, capacity=32, graphs=False, compile="kernels")
     with pytest.raises(ValueError, match="qkv_columns=3"):

@@ -77,6 +77,8 @@ def qkv_kernel(
     NORM,  # [H] the layer's input norm
     W,  # [NQ*D + 2*NK*D, H] the fused projection, q and k rows in side-by-side rotary order
     BIAS,  # [NQ*D + 2*NK*D] or a dummy (HAS_BIAS False)
+    QN,  # [D] the per-head query norm (Qwen3, in the rows' rotary order), or a dummy (HEAD_NORM False)
+    KN,  # [D] the per-head key norm, or a dummy
     ROT,  # [max positions, D/2, 2] float32 (cos, sin)
     START,  # [1] int64: the first new token's position
     POS,  # [M] int64: a tree's rotary positions (the root's + each node's depth), or a dummy (TREE False)
@@ -91,6 +93,7 @@ def qkv_kernel(
     NKD: tl.constexpr,
     D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HEAD_NORM: tl.constexpr,  # each query and key head normalised before the rotation (BLOCK_N == D)
     TREE: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -120,6 +123,13 @@ def qkv_kernel(
         acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     # the projection's output in the model's dtype, as the plain forward rounds it before the rotation
     acc = acc.to(dt).to(tl.float32)
+    if HEAD_NORM:  # this program's columns are one head: a query's or a key's normalised by its own norm
+        j_head = rn % D
+        is_q = pid * BLOCK_N < NQD
+        g = tl.where(is_q, tl.load(QN + j_head), tl.load(KN + j_head)).to(tl.float32)
+        head_scale = tl.rsqrt(tl.sum(acc * acc, axis=1) / D + eps)
+        normed_head = (acc * head_scale[:, None] * g[None, :]).to(dt).to(tl.float32)
+        acc = tl.where(pid * BLOCK_N < NQD + NKD, normed_head, acc)  # values are not normalised
     even, odd = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
     rp = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # the pairs' index: columns 2 rp and 2 rp + 1
     col = 2 * rp

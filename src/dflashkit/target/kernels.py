@@ -7,9 +7,10 @@ kernels cost one after another, ~0.9 us between each (benchmarks/NOTES.md: 0.64 
 token). Here a layer is six Triton kernels (``kernel_source``), each doing all the work around one matmul or
 the attention:
 
-1. ``qkv``: the input norm, the fused query/key/value projection, rotary on the query and key pairs, the keys
-   and values written into the cache;
-2. ``attention``: causal attention of the new tokens over the cache, split along the positions (flash-decoding:
+1. ``qkv``: the input norm, the fused query/key/value projection (Qwen3: each query and key head normalised,
+   a program's columns then one head), rotary on the query and key pairs, the keys and values written into
+   the cache (a tree's nodes turned by their own positions);
+2. ``attention``: attention of the new tokens over the cache (causal, or under a tree's mask), split along the positions (flash-decoding:
    every key/value head's used positions shared among up to SPLITS programs, each reading its keys once for
    every query head of the group and every new token);
 3. ``merge``: the splits merged by their maxima and sums, the attention's output in the model's dtype;
@@ -90,8 +91,6 @@ class Tiles:
 def unsupported(w: DecoderWeights) -> str | None:
     """Why the kernels cannot run this target's layers (None: they can)."""
     d = w.head_dim
-    if any(layer.q_norm is not None for layer in w.layers):
-        return "per-head query and key norms (Qwen3)"
     if d < 16 or d & (d - 1):
         return f"a head dim of {d} (the kernels take powers of 2 from 16)"
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -191,6 +190,9 @@ def decode_by_kernels(
     common = dict(num_warps=t.warps, PRECISION=_precision(w.dtype, upcast), UPCAST=upcast)
     matmul = dict(DOT=block, BLOCK_M=block_m, **common)
     cols = {name: t.columns(name, m) for name in ("qkv", "up", "residual")}
+    head_norm = w.layers[0].q_norm is not None  # Qwen3: a qkv program's columns are one head
+    if head_norm:
+        cols["qkv"] = d
     # splits along the positions: fewer for a cache that holds fewer steps of positions (a power of 2)
     splits = min(t.splits, _pow2(triton_cdiv(cache.capacity, t.attention_positions), least=1))
     steps = triton_cdiv(cache.capacity, splits * t.attention_positions)
@@ -239,10 +241,13 @@ def decode_by_kernels(
     for i, layer in enumerate(w.layers):
         k_cache, v_cache = cache.k[i][0], cache.v[i][0]  # [capacity, NK, D]: the engine's one slot
         bias = layer.qkv_bias if layer.qkv_bias is not None else layer.input_norm
+        q_norm = layer.q_norm if layer.q_norm is not None else layer.input_norm
+        k_norm = layer.k_norm if layer.k_norm is not None else layer.input_norm
         k.qkv[grids["qkv"]](
-            x, layer.input_norm, layer.qkv, bias, w.rotary_pairs, start, tree_positions, q, k_cache, v_cache,
-            w.eps, cache.capacity,
-            M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None, TREE=tree,
+            x, layer.input_norm, layer.qkv, bias, q_norm, k_norm, w.rotary_pairs, start, tree_positions, q,
+            k_cache, v_cache, w.eps, cache.capacity,
+            M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None,
+            HEAD_NORM=head_norm, TREE=tree,
             BLOCK_N=cols["qkv"], BLOCK_K=inner_qkv, **matmul,
         )  # fmt: skip
         k.attention[grids["attention"]](
