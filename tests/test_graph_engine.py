@@ -849,22 +849,21 @@ def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
 
 def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path):
     """compile="kernels" (the "graphs-kernels" engine) on the CPU, its decoder kernels in Triton's interpreter:
-    the chain's target steps through the kernels (the compiled layer never runs for them); greedy tokens and
+    the chain's target steps and the draft step through the kernels (nothing compiles); greedy tokens and
     acceptance lengths, of the one-step rounds and of the separate calls, equal the dynamic engine's token for
-    token in fp32. (Its draft step is graphs-layers' compiled one, tested there: here it runs eagerly, so
-    that nothing compiles on the CPU.)"""
+    token in fp32."""
     pytest.importorskip("triton")
     from dflashkit.infer import graph_engine
 
     tiny, d, layers = tiny_pair(tmp_path)
     layer_graphs = graph_engine.LAYER_STEP.graphs()
+    draft_graphs = graph_engine.DRAFT_STEP.graphs()
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels")
-    assert (
-        engine._target_fn is graph_engine.kernel_target_step and engine._draft_fn is graph_engine.DRAFT_STEP
-    )
-    engine._draft_fn = graph_engine.draft_step
+    assert engine._target_fn is graph_engine.kernel_target_step
+    assert engine._draft_fn is graph_engine.kernel_draft_step and engine._dcache is None
     assert list(engine.warm_up()) == CHAIN_STEPS
     assert graph_engine.LAYER_STEP.graphs() == layer_graphs, "a chain step compiled the layer"
+    assert graph_engine.DRAFT_STEP.graphs() == draft_graphs, "the draft step compiled"
     prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()
     ar = autoregressive_generate(tiny, prompt, 14, layer_ids=layers)
     assert autoregressive_generate(tiny, prompt, 14, engine=engine).tokens == ar.tokens
@@ -886,8 +885,8 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     """compile="kernels" with a tree budget on the CPU (the kernels in Triton's interpreter): the tree step
     goes through the decoder kernels under the tree's own mask (the compiled layer never runs), the walk
     through its one kernel; greedy tree rounds, the real drafter's and scripted ones whose accepted branches
-    move rows, decode as autoregressive decoding with the dynamic engine's acceptance lengths. (The draft and
-    build steps run eagerly here: their compiled forms are graphs-layers', tested there.)"""
+    move rows, decode as autoregressive decoding with the dynamic engine's acceptance lengths. (The build step
+    runs eagerly here: its compiled form is graphs-layers', tested there.)"""
     pytest.importorskip("triton")
     from dflashkit.infer import graph_engine
 
@@ -896,7 +895,6 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     budget = 6
     layer_graphs = graph_engine.LAYER_STEP.graphs()
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
-    engine._draft_fn = graph_engine.draft_step
     assert engine._walk_fn is graph_engine.kernel_walk_step
     engine._build_fn = graph_engine.tree_build_step
     calls = []

@@ -80,6 +80,13 @@ from torch import Tensor
 
 from dflashkit.data.generator import Steps
 from dflashkit.errors import DflashkitError
+from dflashkit.infer.draft_kernels import (
+    DraftKernels,
+    draft_kernels,
+    kernel_draft_step,
+    unsupported_drafter,
+    write_context,
+)
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
 from dflashkit.infer.sampling import Sampling, accept_sampled, probabilities, race, rejection_noise
 from dflashkit.infer.tree import (
@@ -298,7 +305,8 @@ class GraphEngine:
     matmuls written as reductions that Inductor fuses with the work around them
     (``slot_decoder.linear_as_reduction``), and the draft step whole (both compiling engines also compile a
     tree's build and walk); ``"kernels"`` (the "graphs-kernels" engine) as "layers", but the target's steps
-    (a chain's and a tree's) through the decoder kernels (``dflashkit.target.kernels``: six Triton kernels a
+    (a chain's and a tree's) and the draft step (``infer.draft_kernels``; a drafter with sliding-window layers
+    keeps the compiled one) through the decoder kernels (``dflashkit.target.kernels``: six Triton kernels a
     layer, compiled by Triton on their first call; the CPU runs them only in Triton's interpreter);
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
@@ -376,6 +384,11 @@ class GraphEngine:
         # a time (its prologue and head eager around them) took 0.263 ms against 0.207 (H200, bf16, RESULTS:
         # seventeenth session)
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
+        # "kernels": the draft step through the decoder kernels too, where they can run the drafter
+        self._dk: DraftKernels | None = None
+        if compile == "kernels" and drafter is not None and unsupported_drafter(drafter) is None:
+            self._dk = draft_kernels(drafter, self.w, capacity)
+            self._draft_fn = kernel_draft_step
         # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers); the walk
         # one kernel with the decoder kernels ("kernels")
         self._build_fn: Callable[..., None] = TREE_BUILD_STEP if compile else tree_build_step
@@ -389,7 +402,8 @@ class GraphEngine:
         self._start = torch.zeros(1, **long)  # type: ignore[arg-type]  # where a target step writes
         self._ids = {t: torch.zeros(1, t, **long) for t in {1, B}}  # type: ignore[arg-type]
         self._logits = {t: torch.zeros(t, V, dtype=torch.float32, device=dev) for t in {1, B}}
-        self._dcache = drafter.new_static_cache(capacity) if drafter is not None else None
+        # the drafter's keys and values (the draft kernels keep their own)
+        self._dcache = drafter.new_static_cache(capacity) if drafter is not None and not self._dk else None
         if drafter is not None:
             width = len(self.layer_ids) * target.hidden_size
             self._rows = torch.zeros(1, B, width, dtype=self.w.dtype, device=dev)  # the last block's features
@@ -525,6 +539,8 @@ class GraphEngine:
         self._precompiled.get(("draft",), self._draft_fn)(*self._draft_args())
 
     def _draft_args(self) -> tuple[Any, ...]:
+        if self._dk is not None:
+            return (self._dk, self._rows, self._row_start, self._block, self._block_start, self._draft_logits)
         drafter, cache = self._need_drafter(), self._dcache
         assert cache is not None
         return (
@@ -663,9 +679,13 @@ class GraphEngine:
         )
         self._length = P
         if self.drafter is not None:
-            assert self._dcache is not None
-            positions = torch.arange(P, device=prompt.device)[None]
-            self.drafter.write_context(torch.cat(kept, dim=-1), positions, self._dcache)
+            features = torch.cat(kept, dim=-1)
+            if self._dk is not None:
+                write_context(self._dk, features, start)
+            else:
+                assert self._dcache is not None
+                positions = torch.arange(P, device=prompt.device)[None]
+                self.drafter.write_context(features, positions, self._dcache)
             self._rows.zero_()  # the first draft step's rows sit at the anchor and beyond: masked
         self._open = None
         empty = torch.zeros(1, 0, len(self.layer_ids) * self.target.hidden_size, device=prompt.device)

@@ -95,6 +95,7 @@ def qkv_kernel(
     HAS_BIAS: tl.constexpr,
     HEAD_NORM: tl.constexpr,  # each query and key head normalised before the rotation (BLOCK_N == D)
     TREE: tl.constexpr,
+    COL0: tl.constexpr,  # the first column (NQD: keys and values only), a multiple of BLOCK_N
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -103,15 +104,16 @@ def qkv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """rms_norm(x) @ W.T (+ bias), each (even, odd) column pair of the queries and keys turned by its rotary
-    angle, the keys and values written into the cache: one program per BLOCK_N columns. Token m is written at
-    position START + m and turned by that position's angle, or (TREE) by the angle of POS[m]."""
+    angle, the keys and values written into the cache: one program per BLOCK_N columns from COL0. Token m is
+    written at position START + m and turned by that position's angle, or (TREE) by the angle of POS[m]."""
     pid = tl.program_id(0)
     dt = W.dtype.element_ty
     N: tl.constexpr = NQD + 2 * NKD
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
     scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = COL0 + pid * BLOCK_N  # this program's first column
+    rn = n0 + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, H, BLOCK_K):
@@ -125,13 +127,13 @@ def qkv_kernel(
     acc = acc.to(dt).to(tl.float32)
     if HEAD_NORM:  # this program's columns are one head: a query's or a key's normalised by its own norm
         j_head = rn % D
-        is_q = pid * BLOCK_N < NQD
+        is_q = n0 < NQD
         g = tl.where(is_q, tl.load(QN + j_head), tl.load(KN + j_head)).to(tl.float32)
         head_scale = tl.rsqrt(tl.sum(acc * acc, axis=1) / D + eps)
         normed_head = (acc * head_scale[:, None] * g[None, :]).to(dt).to(tl.float32)
-        acc = tl.where(pid * BLOCK_N < NQD + NKD, normed_head, acc)  # values are not normalised
+        acc = tl.where(n0 < NQD + NKD, normed_head, acc)  # values are not normalised
     even, odd = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-    rp = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # the pairs' index: columns 2 rp and 2 rp + 1
+    rp = n0 // 2 + tl.arange(0, BLOCK_N // 2)  # the pairs' index: columns 2 rp and 2 rp + 1
     col = 2 * rp
     start = tl.load(START)
     written = tl.minimum(start + rm, capacity - 1)  # [BLOCK_M]: each token's cache row

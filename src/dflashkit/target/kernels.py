@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.errors import DflashkitError
-from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, head, rms_norm
+from dflashkit.target.slot_decoder import DecoderWeights, LayerWeights, SlotCache, head, rms_norm
 
 KERNELS = ("qkv", "attention", "merge", "up", "residual")
 MAX_ROWS = 128  # new tokens a step: a token, a block or a tree (a prompt goes through the plain forward)
@@ -151,6 +151,66 @@ def _precision(dtype: torch.dtype, upcast: bool) -> str:
     return "ieee" if dtype == torch.float32 or upcast else "tf32"
 
 
+def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
+    """The launch arguments every kernel of a step of m rows takes (``common``), and those of its matmuls:
+    one token through matrix-vector products, a block through ``tl.dot`` over rows padded to 16."""
+    block = m > 1
+    upcast = interpreting()  # the interpreter's tl.dot takes float32 operands
+    common = dict(num_warps=tiles.warps, PRECISION=_precision(w.dtype, upcast), UPCAST=upcast)
+    return common, dict(DOT=block, BLOCK_M=_pow2(m) if block else 1, **common)
+
+
+def _launch_qkv(
+    w: DecoderWeights,
+    layer: LayerWeights,
+    norm: Tensor,
+    x: Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    start: Tensor,
+    positions: Tensor | None,
+    tiles: Tiles,
+    col0: int = 0,
+) -> None:
+    """The qkv kernel over rows x [M, H] after ``norm``: the columns from ``col0`` (0: queries, keys and
+    values; the queries' count: keys and values only), the queries into q, the keys and values into the
+    layer's cache [capacity, NK, D] at ``start`` + m, turned by those positions or by ``positions``."""
+    m, hidden = x.shape
+    nq, nk, d = w.heads, w.kv_heads, w.head_dim
+    _, matmul = _launch_args(w, m, tiles)
+    head_norm = layer.q_norm is not None  # Qwen3: a program's columns are one head
+    cols = d if head_norm else tiles.columns("qkv", m)
+    assert col0 % cols == 0
+    grid = (triton_cdiv((nq + 2 * nk) * d - col0, cols),)
+    dummy = layer.input_norm
+    _compiled().qkv[grid](
+        x, norm, layer.qkv, dummy if layer.qkv_bias is None else layer.qkv_bias,
+        dummy if layer.q_norm is None else layer.q_norm, dummy if layer.k_norm is None else layer.k_norm,
+        w.rotary_pairs, start, start if positions is None else positions, q, k_cache, v_cache,
+        w.eps, k_cache.shape[0],
+        M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None,
+        HEAD_NORM=head_norm, TREE=positions is not None, COL0=col0,
+        BLOCK_N=cols, BLOCK_K=tiles.inner(hidden, m, cols), **matmul,
+    )  # fmt: skip
+
+
+def write_keys_values(
+    w: DecoderWeights, cache: SlotCache, x: Tensor, norm: Tensor, start: Tensor, tiles: Tiles = Tiles()
+) -> None:
+    """Every layer's keys and values of rows x [M, H] after ``norm`` (no layer runs over them: a drafter's
+    context rows), turned and written at positions ``start`` [1] + 0 .. M-1 of the cache's first slot; in
+    launches of at most MAX_ROWS rows. Shape-static: a CUDA graph captures it."""
+    for a in range(0, x.shape[0], MAX_ROWS):
+        rows = x[a : a + MAX_ROWS]
+        at = start + a
+        for i, layer in enumerate(w.layers):
+            k_cache, v_cache = cache.k[i][0], cache.v[i][0]
+            _launch_qkv(
+                w, layer, norm, rows, k_cache, k_cache, v_cache, at, None, tiles, w.heads * w.head_dim
+            )
+
+
 def decode_by_kernels(
     w: DecoderWeights,
     cache: SlotCache,
@@ -162,13 +222,15 @@ def decode_by_kernels(
     tiles: Tiles = Tiles(),
     positions: Tensor | None = None,
     seen: Tensor | None = None,
+    head_from: int = 0,
 ) -> None:
     """The target over the new tokens ``ids`` [1, M] of the cache's first slot, written at positions
     ``start`` [1] + 0 .. M-1: their float32 logits into ``out_logits`` [M, V], and the outputs of the layers
     ``keep`` (concatenated) into ``out_rows`` [1, M, n * hidden]. A token tree (``dflashkit.infer.tree``)
     gives its nodes' rotary ``positions`` [M] (the root's + the depth) and ``seen`` [M, M] (bool: node i
-    reads node j, itself and its ancestors) in place of the causal rule among the new tokens. Shape-static:
-    a CUDA graph captures it."""
+    reads node j, itself and its ancestors) in place of the causal rule among the new tokens. ``head_from``:
+    the logits of the rows from there only (``out_logits`` [M - head_from, V]). Shape-static: a CUDA graph
+    captures it."""
     m = ids.shape[1]
     if m > MAX_ROWS:
         raise DflashkitError(
@@ -183,16 +245,8 @@ def decode_by_kernels(
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     width = w.layers[0].gate_up.shape[0] // 2
     t = tiles
-    # one token: matrix-vector products; a block: tl.dot over rows padded to 16
-    block = m > 1
-    block_m = _pow2(m) if block else 1
-    upcast = interpreting()  # the interpreter's tl.dot takes float32 operands
-    common = dict(num_warps=t.warps, PRECISION=_precision(w.dtype, upcast), UPCAST=upcast)
-    matmul = dict(DOT=block, BLOCK_M=block_m, **common)
-    cols = {name: t.columns(name, m) for name in ("qkv", "up", "residual")}
-    head_norm = w.layers[0].q_norm is not None  # Qwen3: a qkv program's columns are one head
-    if head_norm:
-        cols["qkv"] = d
+    common, matmul = _launch_args(w, m, t)
+    cols = {name: t.columns(name, m) for name in ("up", "residual")}
     # splits along the positions: fewer for a cache that holds fewer steps of positions (a power of 2)
     splits = min(t.splits, _pow2(triton_cdiv(cache.capacity, t.attention_positions), least=1))
     steps = triton_cdiv(cache.capacity, splits * t.attention_positions)
@@ -200,7 +254,6 @@ def decode_by_kernels(
     row_tiles = triton_cdiv(attention_rows, ATTENTION_ROWS)
     # a tree's mask as bytes, and its positions (a chain's kernels take a dummy for each: start)
     seen_bytes = seen.to(torch.int8) if seen is not None else start
-    tree_positions = positions if positions is not None else start
     x = w.embed[ids[0]]  # [M, H]: a new tensor, updated in place layer by layer
     q = torch.empty(m, nq * d, dtype=w.dtype, device=x.device)
     parts = torch.empty(splits, m * nq, d, dtype=torch.float32, device=x.device)
@@ -216,14 +269,11 @@ def decode_by_kernels(
         if split_k > 1
         else start
     )
-    columns = nq * d + 2 * nk * d
     grids = {
-        "qkv": (triton_cdiv(columns, cols["qkv"]),),
         "attention": (nk, splits, row_tiles),
         "merge": (m * nq,),
         "up": (triton_cdiv(width, cols["up"]),),
     }
-    inner_qkv = t.inner(hidden, m, cols["qkv"])
 
     def residual(inner: int) -> tuple[tuple[int, int], dict]:
         """The residual kernel's grid and sizes for a projection from ``inner`` columns (split-K: each
@@ -240,16 +290,7 @@ def decode_by_kernels(
     kept = []
     for i, layer in enumerate(w.layers):
         k_cache, v_cache = cache.k[i][0], cache.v[i][0]  # [capacity, NK, D]: the engine's one slot
-        bias = layer.qkv_bias if layer.qkv_bias is not None else layer.input_norm
-        q_norm = layer.q_norm if layer.q_norm is not None else layer.input_norm
-        k_norm = layer.k_norm if layer.k_norm is not None else layer.input_norm
-        k.qkv[grids["qkv"]](
-            x, layer.input_norm, layer.qkv, bias, q_norm, k_norm, w.rotary_pairs, start, tree_positions, q,
-            k_cache, v_cache, w.eps, cache.capacity,
-            M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None,
-            HEAD_NORM=head_norm, TREE=tree,
-            BLOCK_N=cols["qkv"], BLOCK_K=inner_qkv, **matmul,
-        )  # fmt: skip
+        _launch_qkv(w, layer, layer.input_norm, x, q, k_cache, v_cache, start, positions, t)
         k.attention[grids["attention"]](
             q, k_cache, v_cache, start, seen_bytes, parts, tops, totals, d**-0.5, cache.capacity,
             M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps, TREE=tree,
@@ -268,7 +309,7 @@ def decode_by_kernels(
             kept.append(x.clone())  # x keeps changing in place
     # the final norm and the head: one matrix of the vocabulary's rows, which cuBLAS reads near the memory's
     # bandwidth (the plain forward's own head, so its logits are the plain forward's)
-    out_logits.copy_(head(w, rms_norm(x, w.norm, w.eps)))
+    out_logits.copy_(head(w, rms_norm(x[head_from:], w.norm, w.eps)))
     if keep:
         assert out_rows is not None
         out_rows.copy_(torch.cat(kept, dim=-1)[None])
