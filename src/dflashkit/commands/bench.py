@@ -411,7 +411,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "fused target forward, one CUDA graph per step shape; llama/mistral/qwen2/qwen3 targets), "
         "graphs-compiled (its steps compiled first: faster steps, a start of ~25-65 s), graphs-layers (one target decoder layer compiled for every layer: "
         "a start of ~16 s, the one-token step's matmuls as reductions fused with their neighbours) or "
-        "graphs-kernels (graphs-layers with the chain's target steps as six Triton kernels a layer; GPU only)",
+        "graphs-kernels (graphs-layers with the target and draft steps as six Triton kernels a layer; GPU only)",
     )
     add_tree_budget(p)
     p.add_argument(

@@ -454,8 +454,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "step shape; starts in a second), graphs-compiled (the same steps compiled first: faster steps, a "
         "start of ~25-65 s), "
         "graphs-layers (one target decoder layer compiled for every layer: a start of ~16 s, the one-token step's "
-        "matmuls as reductions fused with their neighbours) or graphs-kernels (graphs-layers with the chain's "
-        "target steps as six hand-written Triton kernels a layer; GPU only)",
+        "matmuls as reductions fused with their neighbours) or graphs-kernels (graphs-layers with the target and "
+        "draft steps as six hand-written Triton kernels a layer; GPU only)",
     )
     add_tree_budget(p)
 

@@ -52,8 +52,8 @@ Engines:
   "graphs-fused"): a token 1.05 ms (1.03), the eight-token step 1.38 ms (1.44), the engine to its first
   token 16 s cold instead of 60 (benchmarks/RESULTS.md, seventeenth session; graphs-compiled's token: 1.43
   ms).
-- ``"graphs-kernels"``: graphs-layers with the chain's target steps through hand-written Triton kernels, six a
-  layer (``dflashkit.target.kernels``); GPU only (the CPU runs them in Triton's interpreter, for tests). Its
+- ``"graphs-kernels"``: graphs-layers with the target's steps (a chain's and a tree's) and the draft step through
+  hand-written Triton kernels, six a layer (``dflashkit.target.kernels``, ``infer.draft_kernels``); GPU only (the CPU runs them in Triton's interpreter, for tests). Its
   second version's one-token step was at par with graphs-layers' on the H200, its block step slower
   (benchmarks/RESULTS.md, twenty-third session): not ``auto``'s choice.
 
