@@ -85,3 +85,27 @@ def test_drafters_the_kernels_cannot_run_are_named():
     assert unsupported_drafter(sliding) == "sliding-window layers"
     with pytest.raises(ValueError, match=r"cannot run this drafter \(sliding-window layers\)"):
         draft_kernels(sliding, DecoderWeights.from_hf(model), 32)
+
+
+@pytest.mark.gpu
+def test_prompts_of_any_length_share_the_context_writes_compiled_kernel():
+    """The context rows of a prompt come in any count: the qkv kernel takes the count at run time, so prompts
+    of many lengths compile it once per row tile (16, 32, ...), not once per length."""
+    from dflashkit.target import kernel_source
+
+    model = tiny_model().to("cuda")
+    w = DecoderWeights.from_hf(model)
+    dk = draft_kernels(drafter_of(model).to("cuda"), w, 256)
+    zero = torch.zeros(1, dtype=torch.long, device="cuda")
+    caches = getattr(kernel_source.qkv_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+
+    def compiled() -> int:
+        return sum(len(c[0]) for c in caches.values())
+
+    write_context(dk, torch.randn(1, 17, 2 * w.embed.shape[1], device="cuda"), zero)
+    before = compiled()
+    for n in (18, 19, 23, 29, 31):  # one row tile (17-32 rows)
+        write_context(dk, torch.randn(1, n, 2 * w.embed.shape[1], device="cuda"), zero)
+    assert compiled() == before

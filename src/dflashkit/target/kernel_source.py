@@ -87,7 +87,7 @@ def qkv_kernel(
     VC,  # the same for values
     eps,
     capacity,
-    M: tl.constexpr,
+    M,  # rows: a runtime value (a drafter's prompt context comes in any count; BLOCK_M is the compile's)
     H: tl.constexpr,
     NQD: tl.constexpr,
     NKD: tl.constexpr,
