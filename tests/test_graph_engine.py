@@ -883,10 +883,10 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path):
 
 def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypatch):
     """compile="kernels" with a tree budget on the CPU (the kernels in Triton's interpreter): the tree step
-    goes through the decoder kernels under the tree's own mask (the compiled layer never runs), the walk
-    through its one kernel; greedy tree rounds, the real drafter's and scripted ones whose accepted branches
-    move rows, decode as autoregressive decoding with the dynamic engine's acceptance lengths. (The build step
-    runs eagerly here: its compiled form is graphs-layers', tested there.)"""
+    goes through the decoder kernels under the tree's own mask (the compiled layer never runs), the build and
+    the walk through a kernel each; greedy tree rounds, the real drafter's and scripted ones whose accepted
+    branches move rows, decode as autoregressive decoding with the dynamic engine's acceptance lengths
+    (nothing compiles)."""
     pytest.importorskip("triton")
     from dflashkit.infer import graph_engine
 
@@ -896,7 +896,7 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     layer_graphs = graph_engine.LAYER_STEP.graphs()
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
     assert engine._walk_fn is graph_engine.kernel_walk_step
-    engine._build_fn = graph_engine.tree_build_step
+    assert engine._build_fn is graph_engine.kernel_build_step
     calls = []
     monkeypatch.setattr(graph_engine, "kernel_tree_step", lambda *a: calls.append(1) or kernel_tree_step(*a))
     prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()

@@ -66,3 +66,28 @@ def test_the_tree_kernels_give_the_torch_functions_outputs(device):
             assert torch.equal(moves, path_moves(ref[:n].bool(), start))
             deepest.append(int(ref[:n].sum()))
     assert max(deepest) >= 4 and min(deepest) == 1, "paths of several lengths were walked"
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log")  # the zero probabilities' log
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_build_kernel_builds_the_torch_build_trees(device):
+    """``tree_kernels.build`` (torch's top-k, then one launch) writes ``build_tree``'s nodes: confident and
+    flat slots, budgets from 1 to 64, a tiny vocabulary (padding), and tokens of probability 0 among the top
+    ones (more padding, which must land where the torch build puts it)."""
+    from dflashkit.infer.tree import tree_candidates
+
+    cases = [(7, 200, 1, 0.5), (7, 200, 8, 3.0), (7, 200, 31, 9.0), (7, 200, 32, 0.5), (7, 200, 32, 3.0)]
+    cases += [(7, 200, 64, 2.0), (15, 300, 16, 3.0), (3, 4, 20, 1.0), (2, 12, 16, "zeros")]
+    for seed, (slots, vocab, budget, sharp) in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed)
+        if sharp == "zeros":  # 10 of the 12 tokens impossible in every slot: 6 branches for 16 nodes
+            probs = torch.softmax(torch.randn(slots, vocab, generator=gen), dim=-1)
+            probs[:, torch.randperm(vocab, generator=gen)[:10]] = 0.0
+            probs = probs / probs.sum(-1, keepdim=True)
+        else:
+            probs = torch.softmax(torch.randn(slots, vocab, generator=gen) * sharp, dim=-1)
+        probs = probs.to(device)
+        anchor = torch.tensor([77], device=device)
+        out = torch.full((3, budget + 1), -5, dtype=torch.long, device=device)
+        tree_kernels.build(anchor, probs, tree_candidates(slots, vocab, budget, device), out)
+        assert torch.equal(out, build_tree(anchor, probs, budget).nodes), (slots, vocab, budget, sharp)

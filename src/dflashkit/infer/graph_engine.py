@@ -199,6 +199,13 @@ def kernel_tree_step(
     decode_by_kernels(w, cache, nodes[:1], start, out_logits, out_rows, keep, positions=positions, seen=seen)
 
 
+def kernel_build_step(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
+    """``tree_build_step`` as torch's top-k and one launch (``tree_kernels.build``), for "graphs-kernels"."""
+    from dflashkit.infer import tree_kernels
+
+    tree_kernels.build(anchor, probs, candidates, out_nodes)
+
+
 def kernel_walk_step(
     nodes: Tensor, choices: Tensor, start: Tensor, out_walk: Tensor, out_moves: Tensor
 ) -> None:
@@ -312,7 +319,7 @@ class GraphEngine:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
     Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
     of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
-    build and walk compiled by the compiling engines, the walk one kernel with "kernels"; the tree step attends through one SDPA under its
+    build and walk compiled by the compiling engines, a kernel each with "kernels"; the tree step attends through one SDPA under its
     whole mask, or through the kernels' attention under the tree's own). Build one per (target, drafter, capacity, tree budget) and reuse it across prompts.
     """
 
@@ -389,10 +396,13 @@ class GraphEngine:
         if compile == "kernels" and drafter is not None and unsupported_drafter(drafter) is None:
             self._dk = draft_kernels(drafter, self.w, capacity)
             self._draft_fn = kernel_draft_step
-        # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers); the walk
-        # one kernel with the decoder kernels ("kernels")
-        self._build_fn: Callable[..., None] = TREE_BUILD_STEP if compile else tree_build_step
-        walk_fn = kernel_walk_step if compile == "kernels" else TREE_WALK_STEP
+        # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers), or a
+        # kernel each (the build after torch's top-k) with the decoder kernels ("kernels")
+        kernels = compile == "kernels"
+        build_fn, walk_fn = (
+            (kernel_build_step, kernel_walk_step) if kernels else (TREE_BUILD_STEP, TREE_WALK_STEP)
+        )
+        self._build_fn: Callable[..., None] = build_fn if compile else tree_build_step
         self._walk_fn: Callable[..., None] = walk_fn if compile else tree_walk_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches

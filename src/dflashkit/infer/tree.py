@@ -183,8 +183,8 @@ def build_tree(
     made here), so the build scores them all at once and keeps the budget's best: a fixed number of kernels,
     whatever the depth. A parent scores at least as high as its child, so the best form a tree. Ties go to
     the shallower node, so a parent always ranks before its child. Nodes are numbered depth by depth, best
-    first within a depth. Always budget + 1 nodes: where the slots hold fewer branches (a tiny vocabulary),
-    the rest is padding."""
+    first within a depth. Always budget + 1 nodes: where the slots hold fewer branches (a tiny vocabulary, or
+    tokens of probability 0), the rest is padding, after them."""
     if budget < 1:
         raise ValueError(f"a tree needs a node budget of at least 1, got {budget}")
     depth, dev, n = probs.shape[0], probs.device, budget
@@ -202,7 +202,10 @@ def build_tree(
     logp = torch.cat([top_p.log(), torch.zeros(depth, 1, device=dev)], dim=1)  # -inf: probability 0
     score = logp.gather(1, ranks).sum(0).masked_fill(pad.bool(), -math.inf)  # [C]
     best = (score - 1e-4 * d_of).topk(n).indices  # ties go to the shallower node
-    chosen = best[d_of[best].sort(stable=True).indices]  # depth by depth, best first within a depth
+    # depth by depth, best first within a depth; padding (and branches of probability 0) last, so that
+    # which of them the top-k took (all tie at -inf) does not move a node
+    last = torch.where(score[best] > -math.inf, d_of[best], depth)
+    chosen = best[last.sort(stable=True).indices]
     valid = score[chosen] > -math.inf
     d = d_of[chosen]
     token = top_ids[d, ranks[d, chosen].clamp(max=t - 1)]  # its last rank (padding: any, dropped)

@@ -1,12 +1,15 @@
 """A tree round's small steps as one Triton kernel each, for the "graphs-kernels" engine.
 
-Between the draft and the next round a tree round has two steps of its own around the target's tree step: the
-tree's mask (``tree.ancestors``: each node and its ancestors) and the walk (``tree.walk_outputs`` and
+Around the target's tree step a tree round has three steps of its own: the build (``tree.build_tree``: after
+a top-k of each drafted slot, every candidate branch scored, the budget's best kept and numbered), the tree's
+mask (``tree.ancestors``: each node and its ancestors) and the walk (``tree.walk_outputs`` and
 ``tree.path_moves``: the accepted path and the cache rows that keep it as a chain). In torch they are a few
-dozen tiny kernels (the mask by repeated squaring, the walk by masks, reductions and a scatter); each is a
-walk up at most n - 1 parents over n <= 128 nodes, which one program does with the parents in registers
-(``tl.gather``), in one launch. Same outputs as the torch functions, for any tree (tested against them; on
-the CPU in Triton's interpreter). Imported only where Triton is (``target.kernels.triton_missing``).
+dozen tiny kernels; here the build is torch's top-k and one launch (the candidates scored and sorted in one
+program, as integers that order as their float keys), and the mask and the walk one launch each (a walk up
+at most n - 1 parents over n <= 128 nodes, the parents in registers, ``tl.gather``). Same outputs as the
+torch functions (tested against them; on the CPU in Triton's interpreter; a tie between two branches' exact
+scores may be broken otherwise than torch's top-k breaks it). Imported only where Triton is
+(``target.kernels.triton_missing``).
 
 (No ``from __future__ import annotations`` here: Triton reads the ``tl.constexpr`` annotations.)
 """
@@ -68,6 +71,73 @@ def walk_kernel(NODES, CHOICES, START, WALK, MOVES, N: tl.constexpr, BLOCK: tl.c
     tl.store(MOVES + N + i, start + i, mask=ok)
 
 
+@triton.jit
+def build_kernel(
+    TOP_P,  # [D, T] float32: each drafted slot's T most likely tokens' probabilities, descending
+    TOP_IDS,  # [D, T] int64: their tokens
+    CAND,  # [D + 3, C] int64: ``tree.tree_candidates``' table
+    ANCHOR,  # [1] int64: the root's token
+    ORDER,  # [BLOCK_C] int64 scratch: the candidates in score order
+    NUMBER,  # [C] int64 scratch: each chosen candidate's node number
+    NODES,  # [3, N + 1] int64 out: token, depth, parent
+    D: tl.constexpr,
+    T: tl.constexpr,
+    C: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``tree.build_tree`` after its top-k: every candidate branch scored (the sum of its ranks' log
+    probabilities), the N best kept (ties to the shallower, then to the earlier column), numbered depth by
+    depth (best first; padding and branches of probability 0 last), with each node's token and parent."""
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    score = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for s in tl.static_range(D):
+        r = tl.load(CAND + s * C + c, mask=c_ok, other=T)
+        score += tl.log(tl.load(TOP_P + s * T + r, mask=c_ok & (r < T), other=1.0))  # past its depth: 0
+    pad = tl.load(CAND + (D + 2) * C + c, mask=c_ok, other=1)
+    score = tl.where(pad != 0, float("-inf"), score)
+    depth = tl.load(CAND + D * C + c, mask=c_ok, other=0)
+    key = score - depth.to(tl.float32) * 1e-4  # ties go to the shallower node
+    # the N best: the keys as integers in float order, the column below them (the earlier first), sorted
+    bits = key.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    lowest = tl.full([BLOCK_C], -(2**63), dtype=tl.int64)  # below every key (-inf included): past C
+    packed = tl.where(c_ok, (ordered << 32) | (BLOCK_C - 1 - c).to(tl.int64), lowest)
+    tl.store(ORDER + c, BLOCK_C - 1 - (tl.sort(packed, descending=True) & 0xFFFFFFFF))
+    tl.debug_barrier()
+    i = tl.arange(0, BLOCK_N)
+    i_ok = i < N
+    best = tl.load(ORDER + i, mask=i_ok, other=0)  # the i-th best column
+    valid = tl.zeros([BLOCK_N], dtype=tl.int32) == 0
+    for s in tl.static_range(D):
+        r = tl.load(CAND + s * C + best, mask=i_ok, other=T)
+        p = tl.load(TOP_P + s * T + r, mask=i_ok & (r < T), other=1.0)
+        valid = valid & (p > 0.0)
+    valid = valid & (tl.load(CAND + (D + 2) * C + best, mask=i_ok, other=1) == 0)
+    d = tl.load(CAND + D * C + best, mask=i_ok, other=0)
+    # depth by depth (padding last), the best first within a depth
+    by_depth = (tl.where(valid, d, D) << 32) | i.to(tl.int64)
+    at = (tl.sort(tl.where(i_ok, by_depth, 2**62)) & 0xFFFFFFFF).to(tl.int32)
+    chosen = tl.gather(best, at, 0)
+    d = tl.gather(d, at, 0)
+    valid = tl.gather(valid.to(tl.int32), at, 0) != 0
+    tl.store(NUMBER + chosen, i.to(tl.int64) + 1, mask=i_ok)
+    tl.debug_barrier()
+    rank = tl.load(CAND + d * C + chosen, mask=i_ok, other=0)
+    token = tl.load(TOP_IDS + d * T + tl.minimum(rank, T - 1), mask=i_ok, other=0)
+    parent_column = tl.load(CAND + (D + 1) * C + chosen, mask=i_ok, other=0)
+    parent = tl.where(d == 0, 0, tl.load(NUMBER + parent_column, mask=i_ok & (d > 0), other=0))
+    node = i.to(tl.int64) + 1
+    tl.store(NODES + node, tl.where(valid, token, 0), mask=i_ok)
+    tl.store(NODES + (N + 1) + node, tl.where(valid, d + 1, 0), mask=i_ok)
+    tl.store(NODES + 2 * (N + 1) + node, tl.where(valid, parent, node), mask=i_ok)
+    tl.store(NODES, tl.load(ANCHOR))
+    tl.store(NODES + (N + 1), 0)
+    tl.store(NODES + 2 * (N + 1), 0)
+
+
 def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
@@ -85,3 +155,20 @@ def walk(nodes: Tensor, choices: Tensor, start: Tensor, out_walk: Tensor, out_mo
     [2n + 1] and the row moves of its path from ``start`` into ``out_moves`` [2, n]."""
     n = nodes.shape[1]
     walk_kernel[(1,)](nodes, choices, start, out_walk, out_moves, N=n, BLOCK=_block(n), num_warps=4)
+
+
+def build(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
+    """``graph_engine.tree_build_step`` as torch's top-k and one launch: the tree of ``out_nodes``' width less
+    the root from the drafted slots' ``probs`` [D, V] below ``anchor`` [1], written into ``out_nodes``
+    [3, N+1] (``tree.build_tree``'s nodes)."""
+    depth, n = probs.shape[0], out_nodes.shape[1] - 1
+    t = min(n, probs.shape[-1])
+    top_p, top_ids = probs.float().topk(t, dim=-1)
+    c = candidates.shape[1]
+    block_c = _block(c)
+    order = torch.empty(block_c, dtype=torch.long, device=probs.device)
+    number = torch.empty(c, dtype=torch.long, device=probs.device)
+    build_kernel[(1,)](
+        top_p, top_ids, candidates, anchor, order, number, out_nodes,
+        D=depth, T=t, C=c, N=n, BLOCK_C=block_c, BLOCK_N=_block(n), num_warps=4 if block_c <= 2048 else 8,
+    )  # fmt: skip
