@@ -74,7 +74,7 @@ def test_the_draft_step_through_the_kernels_gives_the_draft_steps_logits(device)
         ref = torch.full((B - 1, w.vocab_size), float("nan"), device=device)
         draft_step(drafter, cache, w.embed, w.lm_head, rows, at[0], block, at[1], offsets, ref)
         out = torch.full_like(ref, float("nan"))
-        kernel_draft_step(dk, rows, at[0], block, at[1], out)
+        kernel_draft_step(dk, rows, at[0], block, at[1], offsets, out)
         torch.testing.assert_close(out, ref, atol=5e-5, rtol=1e-5)
 
 

@@ -203,7 +203,7 @@ def write_keys_values(
     launches of at most MAX_ROWS rows. Shape-static: a CUDA graph captures it."""
     for a in range(0, x.shape[0], MAX_ROWS):
         rows = x[a : a + MAX_ROWS]
-        at = start + a
+        at = start + a if a else start  # (no launch for the first, or only, piece)
         for i, layer in enumerate(w.layers):
             k_cache, v_cache = cache.k[i][0], cache.v[i][0]
             _launch_qkv(
