@@ -213,7 +213,8 @@ def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
     """On CUDA in fp32: warm-up captures the tree step [1, N+1] (compiled first with ``compile``, as the
     graphs-compiled engine does) and the keep step beside the chain's steps; the replayed tree step gives the
     eager step's logits and features, and tree rounds (scripted: rows moved; and the real drafter) decode as
-    autoregressive decoding with the eager engine's acceptance lengths; nothing is captured after warm-up."""
+    autoregressive decoding with the eager engine's acceptance lengths; nothing is captured after warm-up but
+    a sampled tree round (at T > 0, on its first call), which commits the eager engine's tokens for a seed."""
     gpu, d = on_gpu()
     budget = 10
     engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget, compile=compiled)
@@ -245,6 +246,14 @@ def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
             runs[name] = (scripted.accept_lengths, real.accept_lengths)
         assert runs["graphs"] == runs["eager"]
     assert len(engine.steps) == 10, "a step was captured after warm-up"
+    # at T > 0: the sampled tree round, captured on its first call, commits the eager engine's tokens for a seed
+    s = Sampling(temperature=0.7, seed=5)
+    prompt = prompts(40)[0]
+    sampled = [
+        speculative_generate(gpu, d, prompt, 32, s, engine=e, tree_budget=budget) for e in (engine, eager)
+    ]
+    assert sampled[0].tokens == sampled[1].tokens and sampled[0].accept_lengths == sampled[1].accept_lengths
+    assert len(engine.steps) == 11, "the sampled tree round: one step more"
 
 
 @pytest.mark.gpu
@@ -432,6 +441,39 @@ def test_sampled_rounds_as_one_step_equal_the_separate_calls(target, drafter, to
     engine.fused_rounds = True
     with pytest.raises(DflashkitError, match="rejection rule"):
         engine.sampled_round(None, Sampling(temperature=1.0, rule="exact"), None)
+
+
+def test_sampled_tree_rounds_as_one_step_equal_the_separate_calls(target, drafter, monkeypatch):
+    """At T > 0 a tree round as one step (draft, the tree built from the drafter's distributions at that
+    temperature, verify, the target's draw at every node, walk, keep, the next round's state, on the device)
+    commits, for a seed, the tokens of the draft, build, verify, walk and keep calls: both draw the target's
+    noise at every node from the seed's generator, in one order (`sampling.choose`'s). Scripted drafts (the
+    greedy continuation ranked second in the first slots) at a low temperature, so that branches are taken.
+    The exact rule a tree takes is held to the target's distribution by test_speculative's tests."""
+    budget = 8
+    accepted = 0
+    for prompt in prompts(11, 6):
+        ar = autoregressive_generate(target, prompt, 17, layer_ids=LAYERS).tokens
+        for seed in (0, 1):
+            out = {}
+            for fused in (True, False):
+                engine = GraphEngine(
+                    target, drafter, capacity=64, graphs=False, fixed_shapes=True, tree_budget=budget
+                )
+                engine.fused_rounds = fused
+                keys = record_step_keys(engine, monkeypatch)
+                script_fused_drafts(engine, prompt + ar)
+                s = Sampling(temperature=0.3, seed=seed)
+                out[fused] = speculative_generate(
+                    target, drafter, prompt, 17, s, engine=engine, tree_budget=budget
+                )
+                assert ("sampled tree round" in keys) == fused and ("draft" in keys) != fused
+            assert out[True].tokens == out[False].tokens
+            assert out[True].accept_lengths == out[False].accept_lengths
+            accepted += sum(t - 1 for t in out[True].accept_lengths)
+    assert accepted > 0, "the test must exercise accepted nodes"
+    with pytest.raises(DflashkitError, match="sampled tree round as one step at T > 0"):
+        engine.sampled_round(None, Sampling(), None, tree=True)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -461,6 +461,9 @@ class GraphEngine:
             self._tree_probs = torch.zeros(self.block_size - 1, self.w.vocab_size, device=dev)
             # the rank branches the build scores: made here, once (a copy from the host cannot be captured)
             self._tree_candidates = tree_candidates(self.block_size - 1, self.w.vocab_size, n - 1, dev)
+            # a sampled tree round's noise: the target's draw at every node (`sampling.choose`'s), written
+            # before each replay
+            self._tree_noise = torch.ones(n, self.w.vocab_size, dtype=torch.float32, device=dev)
 
     # --- the steps (fixed shapes; one CUDA graph each with graphs) ----------------------------------
 
@@ -619,14 +622,28 @@ class GraphEngine:
         left the caches, and leave the next round's state (its context rows: the path's features, from the
         root; its block after the path, anchored at the target's token at the path's end). Writes [accepted
         n, the path's B-1 tokens after the root (the first n valid), the target's token] to ``_round_out``."""
-        B, n = self.block_size, self._tree_inputs.shape[1]
+        self._tree_round(sampled=False)
+
+    def _sampled_tree_round_step(self) -> None:
+        """A sampled tree round on the device under the exact rule (the target draws its own token at every
+        node, from ``_tree_noise`` and the temperature and top-p of ``_step_sampling``, and the walk follows its
+        draws), the tree built from the drafter's distributions at that temperature; otherwise as
+        ``_tree_round_step``."""
+        self._tree_round(sampled=True)
+
+    def _tree_round(self, sampled: bool) -> None:
+        B, n, s = self.block_size, self._tree_inputs.shape[1], self._step_sampling
         self._draft_step()
-        self._tree_probs.copy_(torch.softmax(self._draft_logits, dim=-1))
+        probs = probabilities(self._draft_logits, s) if sampled else torch.softmax(self._draft_logits, dim=-1)
+        self._tree_probs.copy_(probs)
         self._anchor.copy_(self._block[0, :1])
         self._build_step()
         self._start.copy_(self._block_start)
         self._tree_step()
-        self._choices.copy_(self._tree_logits.argmax(-1))
+        if sampled:
+            self._choices.copy_(race(probabilities(self._tree_logits, s), self._tree_noise))
+        else:
+            self._choices.copy_(self._tree_logits.argmax(-1))
         self._walk_step()
         self._keep_step()
         accepted = self._walked_out[:n].sum().view(1) - 1  # the path's nodes after the root
@@ -792,12 +809,30 @@ class GraphEngine:
         return self._committed()
 
     @torch.no_grad()
-    def sampled_round(self, anchor: int | None, s: Sampling, gen: torch.Generator | None) -> list[int]:
+    def sampled_round(
+        self, anchor: int | None, s: Sampling, gen: torch.Generator | None, tree: bool = False
+    ) -> list[int]:
         """One sampled chain round under the rejection rule as one step (`_sampled_round_step`: one replay of
         the step captured for this temperature and top-p, one copy to the host), from noise ``gen`` draws
         first, in the order the separate calls draw it (`sampling.rejection_noise`): for a seed, the tokens
-        the draft, verify and keep calls commit. ``anchor`` as for `greedy_round`."""
+        the draft, verify and keep calls commit. ``anchor`` as for `greedy_round`. ``tree``: a sampled tree
+        round of the engine's budget (`_sampled_tree_round_step`; a tree always takes the exact rule), its
+        noise the target's draw at every node, as `sampling.choose` draws it in the separate calls."""
         self._need_drafter()
+        if tree:
+            if s.greedy or not self.fuses_rounds(self.tree_budget):
+                raise DflashkitError(
+                    f"this graphs engine runs a sampled tree round as one step at T > 0 only, with a tree "
+                    f"budget (temperature {s.temperature}, tree budget {self.tree_budget}, fused_rounds "
+                    f"{self.fused_rounds})"
+                )
+            n = self._tree_inputs.shape[1]
+            self._check_room(n)
+            self._start_rounds(anchor)
+            self._tree_noise.exponential_(generator=gen)
+            self._step_sampling = s
+            self._run(("sampled tree round", n, s.temperature, s.top_p), self._sampled_tree_round_step)
+            return self._committed()
         if s.greedy or s.rule != "rejection" or not self.fuses_rounds():
             raise DflashkitError(
                 f"this graphs engine runs a sampled chain round as one step under the rejection rule at T > 0 "

@@ -143,8 +143,8 @@ def speculative_generate(
     out.prefill_seconds = time.perf_counter() - t0
 
     stopped = stopper.check(new, 0)[1] if stopper else None
-    # the graphs engine runs a greedy round, chain or tree, and a sampled chain round under the rejection rule
-    # as one step (the four stages below, on the device)
+    # the graphs engine runs a greedy round, chain or tree, a sampled chain round under the rejection rule and
+    # a sampled tree round as one step (the four stages below, on the device)
     fused = isinstance(dec, GraphEngine) and dec.fuses_rounds(tree_budget) and fuses(s, tree_budget)
     while stopped is None and len(new) < max_new_tokens:
         if fused:
@@ -153,7 +153,7 @@ def speculative_generate(
             if s.greedy:
                 committed = dec.greedy_round(anchor, bool(tree_budget))
             else:
-                committed = dec.sampled_round(anchor, s, gen)
+                committed = dec.sampled_round(anchor, s, gen, tree=bool(tree_budget))
             path: list[int] = list(range(len(committed)))
         else:
             # 1. draft: the drafter reads the new context rows and fills [anchor, MASK x (B-1)]
@@ -181,8 +181,8 @@ def speculative_generate(
 
 def fuses(s: Sampling, tree_budget: int | None) -> bool:
     """Whether a round of these settings runs as one step on an engine that fuses rounds: a greedy chain or
-    tree, or a sampled chain under the rejection rule."""
-    return s.greedy or (not tree_budget and s.rule == "rejection")
+    tree, a sampled chain under the rejection rule, or a sampled tree (a tree always takes the exact rule)."""
+    return s.greedy or bool(tree_budget) or s.rule == "rejection"
 
 
 def _chain_round(
