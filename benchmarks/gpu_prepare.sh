@@ -27,10 +27,11 @@
 #     bash benchmarks/gpu_prepare.sh part tiles ktests        # carry .whl: no GGUF (random weights)
 #   ENGINES=graphs-layers,graphs-kernels BUDGETS=8,31 BUDGET=360 bash benchmarks/gpu_prepare.sh trees
 #                       # AR, the chain round and tree rounds on both engines, profiled (decode_steps-trees.json)
-#   then, if graphs-kernels wins its steps: `part` [.bench/p1], [p2], [p5], [p3]; GTESTS_K=kernels
-#   ... part join heldout gtests [p4]; the bench of the twenty-third session's command 2 with --engine
-#   graphs-kernels beside graphs-layers (BENCH_OUT=/root/work/b2; with --tree-budget 31 if its trees pay), and,
-#   if it serves faster, `auto` takes it (its GPU tests passed).
+#   then `part` [.bench/p1], [p2], [p5], [p3]; GTESTS_K="kernels or tree" ... part join heldout gtests [p4];
+#   the bench of the twenty-third session's command 2 (24 prompts, held-out and MT-Bench, T = 0 and 1) with
+#   BENCH_ARGS+=" --tree-budget 31" (NOTES: "A sampled tree round as one step": the T = 1 tree) on the engine
+#   that won, and on graphs-kernels beside graphs-layers if it won its steps (BENCH_OUT=/root/work/b2); if it
+#   serves faster, `auto` takes it (its GPU tests passed).
 # Twenty-fourth session: no machine was lent (its plan, as above, moved to the twenty-fifth).
 # Twenty-third session, as run: RESULTS (three machines; the kernels' first and second versions measured).
 # Twenty-third session's plan (NOTES: "A sampled round as one step", its prediction), after the four `part`s:
