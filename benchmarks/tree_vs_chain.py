@@ -78,11 +78,15 @@ def summarise(rows: list[dict[str, Any]], configs: list[tuple[str, int]]) -> dic
     return out
 
 
-def report_from_bench(chain: dict[str, Any], tree: dict[str, Any]) -> dict[str, Any]:
+def report_from_bench(
+    chain: dict[str, Any], tree: dict[str, Any], temperature: float = 0.0
+) -> dict[str, Any]:
     """This script's report from two ``dflashkit bench`` results of one drafter: ``chain`` (chain rounds) and
-    ``tree`` (``--tree-budget N``), over the sets both measured at T=0. Each command's speedup is against its
-    own autoregressive baseline, so the round costs (in AR tokens) compare across the two commands; the greedy
-    outputs were not compared with the autoregressive ones here (bench checks fp32 losslessness instead)."""
+    ``tree`` (``--tree-budget N``), over the sets both measured at ``temperature`` (0: greedy; at T > 0 the
+    chain's rounds take bench's rule, the tree's the exact rule). Each command's speedup is against its own
+    autoregressive baseline, so the round costs (in AR tokens) compare across the two commands; the outputs
+    were not compared with the autoregressive ones here (bench checks fp32 losslessness instead)."""
+    at = f"{temperature:g}"  # bench's key for the temperature
     budget = tree["settings"].get("tree_budget")
     if chain["settings"].get("tree_budget") or not budget:
         sys.exit("--from-bench: the first file must hold chain rounds and the second tree rounds")
@@ -92,7 +96,7 @@ def report_from_bench(chain: dict[str, Any], tree: dict[str, Any]) -> dict[str, 
     configs = [(CHAIN, 0, chain), (f"tree-{budget}", budget, tree)]
     sets: dict[str, Any] = {}
     for name in chain["sets"]:
-        runs = [(c, b, r["sets"].get(name, {}).get("temperatures", {}).get("0")) for c, b, r in configs]
+        runs = [(c, b, r["sets"].get(name, {}).get("temperatures", {}).get(at)) for c, b, r in configs]
         if any(t is None for _, _, t in runs):
             continue
         out: dict[str, Any] = {"replies": runs[0][2]["responses"], "configs": {}}
@@ -116,15 +120,18 @@ def report_from_bench(chain: dict[str, Any], tree: dict[str, Any]) -> dict[str, 
             out["configs"][config] = fig
         sets[name] = out
     if not sets:
-        sys.exit("--from-bench: no set measured at T=0 by both benches")
-    return {"settings": {**chain["settings"], "tree_budget": None}, "budgets": [budget], "sets": sets}
+        sys.exit(f"--from-bench: no set measured at T={at} by both benches")
+    settings = {**chain["settings"], "tree_budget": None, "temperature": temperature}
+    return {"settings": settings, "budgets": [budget], "sets": sets}
 
 
 def markdown(result: dict[str, Any]) -> str:
     s = result["settings"]
+    temperature = s.get("temperature") or 0
+    drawn = f"T = {temperature:g} (trees: the exact rule)" if temperature else "greedy"
     lines = [
         f"{s['drafter']} (B={s['block_size']}) on {s['target']}: {s['engine']} engine, {s['dtype']}, {s['device']}, "
-        f"greedy, {s['max_new_tokens']} new tokens per reply",
+        f"{drawn}, {s['max_new_tokens']} new tokens per reply",
         "",
         f"`{result['command']}`",
         "",
@@ -177,8 +184,14 @@ def main() -> None:
         nargs=2,
         metavar=("CHAIN", "TREE"),
         help="two bench.json files of one drafter, chain rounds and tree rounds (`dflashkit bench "
-        "--tree-budget N`): their T=0 sets as one report, measure nothing (each speedup against its own "
-        "command's autoregressive baseline)",
+        "--tree-budget N`): their sets at --temperature as one report, measure nothing (each speedup against "
+        "its own command's autoregressive baseline)",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="with --from-bench: the benches' temperature to report (0)",
     )
     ap.add_argument(
         "--update-results",
@@ -188,7 +201,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.from_bench:
-        report = report_from_bench(*(json.loads(Path(f).read_text()) for f in args.from_bench))
+        chain, tree = (json.loads(Path(f).read_text()) for f in args.from_bench)
+        report = report_from_bench(chain, tree, args.temperature)
+        if args.update_results and args.temperature:
+            sys.exit("--update-results takes the T=0 report (the issue's tree_tau_gain is greedy)")
         report["command"] = " ".join(sys.argv)
         print(markdown(report))
         if args.out:

@@ -16,11 +16,16 @@ import tree_vs_chain  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def _bench(sets: dict[str, tuple[float, float]], tree_budget: int = 0) -> dict:
-    """A bench.json with T=0 figures per set: (tau, speedup), at an AR rate of 1,000 tokens/s."""
+def _bench(sets: dict[str, tuple[float, float]], tree_budget: int = 0, temperature: str = "0") -> dict:
+    """A bench.json with figures per set at one temperature: (tau, speedup), at an AR rate of 1,000
+    tokens/s."""
     return {
         "settings": {
             "drafter_weights": "w",
+            "drafter": "d",
+            "block_size": 8,
+            "target": "t",
+            "device": "cuda",
             "engine": "graphs",
             "dtype": "bfloat16",
             "max_new_tokens": 8,
@@ -29,7 +34,7 @@ def _bench(sets: dict[str, tuple[float, float]], tree_budget: int = 0) -> dict:
         "sets": {
             name: {
                 "temperatures": {
-                    "0": {
+                    temperature: {
                         "tau": tau,
                         "speedup": speedup,
                         "responses": 2,
@@ -55,6 +60,18 @@ def test_a_bench_pair_gives_tau_gain_and_round_cost_against_the_chain():
     assert report["sets"]["mtbench"]["configs"]["chain"]["round_cost_ar_tokens"] == pytest.approx(1.5)
     assert fig["round_cost_ar_tokens"] == pytest.approx(2.0)
     assert fig["round_cost_vs_chain"] == pytest.approx(2.0 / 1.5 - 1)
+
+
+def test_a_bench_pair_at_t1_reports_its_t1_sets_only():
+    chain = _bench({"mtbench": (1.7, 0.97)}, temperature="1")
+    tree = _bench({"mtbench": (2.4, 1.2)}, tree_budget=31, temperature="1")
+    report = tree_vs_chain.report_from_bench(chain, tree, 1.0)
+    assert report["sets"]["mtbench"]["configs"]["tree-31"]["tau_gain_vs_chain"] == pytest.approx(
+        2.4 / 1.7 - 1
+    )
+    assert "T = 1 (trees: the exact rule)" in tree_vs_chain.markdown({**report, "command": "c"})
+    with pytest.raises(SystemExit, match="no set measured at T=0"):
+        tree_vs_chain.report_from_bench(chain, tree)
 
 
 def test_the_pair_must_be_chain_then_tree_of_one_drafter_on_one_engine():
