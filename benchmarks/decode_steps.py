@@ -662,7 +662,10 @@ def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache
         str(args.target_layers),
     ]
     cmd += ["--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--calls", str(args.calls)]
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="decode-steps-warm-")}
+    # a fresh machine's caches: Inductor's, and Triton's for the decoder kernels (graphs-kernels), so that what
+    # serves the child is the portable file (and its .triton sibling) alone
+    fresh = tempfile.mkdtemp(prefix="decode-steps-warm-")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": fresh, "TRITON_CACHE_DIR": os.path.join(fresh, "triton")}
     out = run_child([*cmd, "--spawned-at", repr(time.time())], env, 540)
     print(f"{dtype_name} {engine_name} warm start (second process): {json.dumps(out)}")
     return {

@@ -100,12 +100,13 @@ from dflashkit.infer.tree import (
     walk_outputs,
 )
 from dflashkit.model.drafter import DFlashDrafter, StaticDraftCache
+from dflashkit.runtime import triton_cache
 from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
-from dflashkit.runtime.compile_cache import CacheUse, portable_cache
+from dflashkit.runtime.compile_cache import CacheUse, CompileCacheError, portable_cache
 from dflashkit.runtime.compiled_region import CompiledRegion
 from dflashkit.runtime.precompiled import compile_step, guarded, step_path
 from dflashkit.target.hf import TargetModel
-from dflashkit.target.kernels import check_runnable, decode_by_kernels, unsupported
+from dflashkit.target.kernels import KERNELS, check_runnable, decode_by_kernels, unsupported
 from dflashkit.target.slot_decoder import (
     Attention,
     DecoderWeights,
@@ -287,7 +288,8 @@ class WarmUp(dict[str, float]):
     cache_loaded: bool = False
     precompiled_loaded: int = 0  # steps loaded whole from their precompiled files (`runtime.precompiled`)
     precompiled_built: int = 0  # steps precompiled now and written
-    notes: list[str]  # why a step was not precompiled, a line each
+    kernels_loaded: int = 0  # the decoder kernels' binaries unpacked from the portable file's sibling
+    notes: list[str]  # why a step was not precompiled, or a cache not used, a line each
 
     def __init__(self) -> None:
         super().__init__()
@@ -317,7 +319,7 @@ class GraphEngine:
     layer, compiled by Triton on their first call; the CPU runs them only in Triton's interpreter);
     ``compile_cache``:
     the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
-    Inductor cache). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
+    Inductor cache; "kernels": the decoder kernels' binaries in its ``.triton`` sibling, ``runtime.triton_cache``). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
     of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
     build and walk compiled by the compiling engines, a kernel each with "kernels"; the tree step attends through one SDPA under its
     whole mask, or through the kernels' attention under the tree's own). Build one per (target, drafter, capacity, tree budget) and reuse it across prompts.
@@ -970,7 +972,7 @@ class GraphEngine:
         }
         if self.drafter is not None:
             steps[f"draft [1, {B}]"] = (("draft",), self._draft_step)
-        with COMPILE_LOCK, self._cache() as use:
+        with COMPILE_LOCK, self._cache() as use, self._kernel_cache(seconds):
             check_not_frozen("the graphs engine's warm-up")
             self._start.zero_()
             if self.drafter is not None:
@@ -1044,6 +1046,29 @@ class GraphEngine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
         return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _kernel_cache(self, seconds: WarmUp) -> Iterator[None]:
+        """The decoder kernels' compiled binaries ("kernels", with a compile cache): unpacked from the
+        portable file's Triton sibling before the warm-up, packed into it after (``runtime.triton_cache``);
+        what failed is a note, never an error."""
+        if not (self._kernels and self.compile_cache is not None):
+            yield
+            return
+        from dflashkit.infer import tree_kernels
+
+        path = triton_cache.sibling(self.compile_cache)
+        names = [f"{k}_kernel" for k in KERNELS] + list(tree_kernels.KERNELS)
+        if path.is_file():
+            try:
+                seconds.kernels_loaded = triton_cache.load(path)
+            except CompileCacheError as e:
+                seconds.notes.append(f"the kernels' cache not used: {e}")
+        yield
+        try:
+            triton_cache.save(path, names)
+        except (CompileCacheError, OSError) as e:
+            seconds.notes.append(f"the kernels' cache not written: {e}")
 
     @contextlib.contextmanager
     def _cache(self) -> Iterator[CacheUse]:

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+KERNELS = ("ancestors_kernel", "walk_kernel", "build_kernel")  # their names in Triton's cache folder
+
 
 @triton.jit
 def ancestors_kernel(PARENTS, SEEN, N: tl.constexpr, BLOCK: tl.constexpr):

@@ -1,0 +1,97 @@
+"""The decoder kernels' compiled binaries in the portable compile cache, beside torch.compile's.
+
+Triton compiles each hand-written kernel (``dflashkit.target.kernels``, ``dflashkit.infer.tree_kernels``) once
+per set of its compile-time sizes, on its first call, and keeps the binary in its own cache folder
+(``triton.knobs.cache.dir``, ``~/.triton/cache`` by default): a warm start on the same machine, a cold one
+(~30 variants for the "graphs-kernels" engine) on a fresh one. torch.compile's cache artifacts do not hold
+them, so the graphs engine's portable compile cache ``FILE`` gets a sibling, ``FILE.triton``: the cache
+entries of the named kernels, packed, keyed by the environment as the compile cache is (the same torch build,
+CUDA, Triton and GPU type, or it is refused in one line), and unpacked into Triton's folder before a warm-up
+(an entry already there is kept). For speed only: one that does not fit or cannot be read or written is
+reported, never fatal.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from dflashkit.runtime.compile_cache import CompileCacheError, check_environment, read_keyed, write_keyed
+
+FORMAT = "dflashkit-triton-cache-1"
+
+
+def sibling(compile_cache: str | os.PathLike[str]) -> Path:
+    """The Triton file beside a portable compile cache file."""
+    return Path(f"{os.fspath(compile_cache)}.triton")
+
+
+def cache_dir() -> Path:
+    """Triton's cache folder for kernels compiled in this process (TRITON_CACHE_DIR, else ~/.triton/cache)."""
+    try:
+        import triton
+
+        return Path(triton.knobs.cache.dir)
+    except (ImportError, AttributeError):  # an older Triton: its documented default
+        return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+
+
+def entries(names: Iterable[str], folder: Path | None = None) -> list[Path]:
+    """The cache entries (one folder per compiled variant) of the kernels ``names``: those holding a
+    ``<name>.json`` (Triton's metadata for it)."""
+    folder = folder or cache_dir()
+    wanted = {f"{n}.json" for n in names}
+    if not folder.is_dir():
+        return []
+    return sorted(d for d in folder.iterdir() if d.is_dir() and any(f.name in wanted for f in d.iterdir()))
+
+
+def save(path: str | os.PathLike[str], names: Iterable[str]) -> int:
+    """Pack the cache entries of the kernels ``names`` into ``path`` (keyed by this environment; written
+    atomically). Returns how many; CompileCacheError when there are none."""
+    found = entries(names)
+    if not found:
+        raise CompileCacheError("no compiled kernel of the engine's in Triton's cache folder")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for d in found:
+            tar.add(d, arcname=d.name)
+    write_keyed(path, FORMAT, buffer.getvalue())
+    return len(found)
+
+
+def load(path: str | os.PathLike[str]) -> int:
+    """Unpack ``path`` into Triton's cache folder after checking its environment (CompileCacheError in one
+    line otherwise); an entry already there is kept. Returns how many entries it added."""
+    header, data = read_keyed(
+        path, FORMAT, "a dflashkit Triton cache", "a warm-up of graphs-kernels writes one"
+    )
+    check_environment(Path(path), header, None)
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    added = 0
+    try:
+        with (
+            tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar,
+            tempfile.TemporaryDirectory(dir=folder, prefix=".dflashkit-") as tmp,
+        ):
+            members = tar.getmembers()
+            for m in members:  # plain files and folders, each inside its entry
+                parts = Path(m.name).parts
+                if not (m.isfile() or m.isdir()) or Path(m.name).is_absolute() or ".." in parts:
+                    raise CompileCacheError(f"{path} holds {m.name!r}, which is no Triton cache file")
+            new = sorted({Path(m.name).parts[0] for m in members} - {d.name for d in folder.iterdir()})
+            tar.extractall(tmp, members=[m for m in members if Path(m.name).parts[0] in new])
+            for name in new:  # each entry whole, as Triton itself writes one
+                try:
+                    os.rename(Path(tmp) / name, folder / name)
+                    added += 1
+                except OSError:  # written meanwhile by another process: keep that one
+                    pass
+    except (tarfile.TarError, OSError) as e:
+        raise CompileCacheError(f"{path} could not be unpacked ({type(e).__name__}: {e})") from None
+    return added

@@ -1,0 +1,67 @@
+"""The decoder kernels' compiled binaries in the portable compile cache's sibling (``runtime.triton_cache``):
+the named kernels' entries of Triton's cache folder are packed, unpacked into another machine's folder (an
+entry already there kept), refused when built by another environment or holding anything but plain files,
+and a warm-up of the kernels engine with a compile cache says when it had nothing to write."""
+
+import io
+import json
+import tarfile
+
+import pytest
+
+from dflashkit.runtime import triton_cache
+from dflashkit.runtime.compile_cache import CompileCacheError
+
+
+def fake_entry(folder, entry: str, kernel: str) -> None:
+    """A Triton cache entry as Triton writes one: a folder of the kernel's metadata and binary."""
+    d = folder / entry
+    d.mkdir(parents=True)
+    (d / f"{kernel}.json").write_text(json.dumps({"name": kernel}))
+    (d / f"{kernel}.cubin").write_bytes(entry.encode() * 10)
+
+
+def test_the_named_kernels_entries_travel_to_another_cache_folder(tmp_path, monkeypatch):
+    here, there = tmp_path / "here", tmp_path / "there"
+    fake_entry(here, "AAA", "qkv_kernel")
+    fake_entry(here, "BBB", "walk_kernel")
+    fake_entry(here, "CCC", "triton_poi_fused_add_0")  # Inductor's, not the engine's
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(here))
+    file = triton_cache.sibling(tmp_path / "engine.compile-cache")
+    assert file.name == "engine.compile-cache.triton"
+    assert triton_cache.save(file, ["qkv_kernel", "walk_kernel", "merge_kernel"]) == 2
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(there))
+    fake_entry(there, "BBB", "walk_kernel")
+    (there / "BBB" / "walk_kernel.cubin").write_bytes(b"its own")
+    assert triton_cache.load(file) == 1  # AAA; BBB was there already and is kept
+    assert (there / "AAA" / "qkv_kernel.cubin").read_bytes() == b"AAA" * 10
+    assert (there / "BBB" / "walk_kernel.cubin").read_bytes() == b"its own"
+    assert not (there / "CCC").exists()
+    assert sorted(p.name for p in there.iterdir()) == ["AAA", "BBB"], "no temporary folder left"
+    assert triton_cache.load(file) == 0
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "empty"))
+    with pytest.raises(CompileCacheError, match="no compiled kernel"):
+        triton_cache.save(file, ["qkv_kernel"])
+
+
+def test_a_foreign_or_unsafe_file_is_refused(tmp_path, monkeypatch):
+    here = tmp_path / "here"
+    fake_entry(here, "AAA", "qkv_kernel")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(here))
+    file = tmp_path / "c.triton"
+    triton_cache.save(file, ["qkv_kernel"])
+    first, data = file.read_bytes().split(b"\n", 1)
+    header = json.loads(first)
+    header["key"]["torch.version"] = "0.0.0-elsewhere"
+    file.write_bytes(json.dumps(header).encode() + b"\n" + data)
+    with pytest.raises(CompileCacheError, match="another environment"):
+        triton_cache.load(file)
+    buffer = io.BytesIO()  # a payload reaching outside the cache folder
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("../escape")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    triton_cache.write_keyed(file, triton_cache.FORMAT, buffer.getvalue())
+    with pytest.raises(CompileCacheError, match="no Triton cache file"):
+        triton_cache.load(file)
+    assert not (tmp_path / "escape").exists()
