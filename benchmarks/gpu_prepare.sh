@@ -27,6 +27,9 @@
 #     bash benchmarks/gpu_prepare.sh part tiles ktests        # carry .whl: no GGUF (random weights)
 #   ENGINES=graphs-layers,graphs-kernels BUDGETS=8,31 BUDGET=360 bash benchmarks/gpu_prepare.sh trees
 #                       # AR, the chain round and tree rounds on both engines, profiled (decode_steps-trees.json)
+#   ENGINES=graphs-kernels DECODE_ARGS="" BUDGET=240 bash benchmarks/gpu_prepare.sh decode
+#                       # its cold start and its warm start from the portable file (NOTES: "The kernels engine's
+#                       # start"); decode_steps.json is then the kernels engine's row
 #   then `part` [.bench/p1], [p2], [p5], [p3]; GTESTS_K="kernels or tree" ... part join heldout gtests [p4];
 #   the bench of the twenty-third session's command 2 (24 prompts, held-out and MT-Bench, T = 0 and 1) with
 #   BENCH_ARGS+=" --tree-budget 31" (NOTES: "A sampled tree round as one step": the T = 1 tree) on the engine
