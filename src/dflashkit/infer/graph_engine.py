@@ -317,12 +317,13 @@ class GraphEngine:
     (a chain's and a tree's) and the draft step (``infer.draft_kernels``; a drafter with sliding-window layers
     keeps the compiled one) through the decoder kernels (``dflashkit.target.kernels``: six Triton kernels a
     layer, compiled by Triton on their first call; the CPU runs them only in Triton's interpreter);
-    ``compile_cache``:
-    the portable compile cache file ``warm_up`` loads first and writes after (None: only this machine's own
-    Inductor cache; "kernels": the decoder kernels' binaries in its ``.triton`` sibling, ``runtime.triton_cache``). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in one step
-    of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
-    build and walk compiled by the compiling engines, a kernel each with "kernels"; the tree step attends through one SDPA under its
-    whole mask, or through the kernels' attention under the tree's own). Build one per (target, drafter, capacity, tree budget) and reuse it across prompts.
+    ``compile_cache``: the portable compile cache file ``warm_up`` loads first and writes after (None: only
+    this machine's own Inductor cache; "kernels": the decoder kernels' binaries in its ``.triton`` sibling,
+    ``runtime.triton_cache``). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in
+    one step of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
+    build and walk compiled by the compiling engines, a kernel each with "kernels"; the tree step attends
+    through one SDPA under its whole mask, or through the kernels' attention under the tree's own). Build
+    one per (target, drafter, capacity, tree budget) and reuse it across prompts.
     """
 
     name = "graphs"
@@ -395,14 +396,13 @@ class GraphEngine:
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
         # "kernels": the draft step through the decoder kernels too, where they can run the drafter
         self._dk: DraftKernels | None = None
-        if compile == "kernels" and drafter is not None and unsupported_drafter(drafter) is None:
+        if self._kernels and drafter is not None and unsupported_drafter(drafter) is None:
             self._dk = draft_kernels(drafter, self.w, capacity)
             self._draft_fn = kernel_draft_step
         # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers), or a
         # kernel each (the build after torch's top-k) with the decoder kernels ("kernels")
-        kernels = compile == "kernels"
         build_fn, walk_fn = (
-            (kernel_build_step, kernel_walk_step) if kernels else (TREE_BUILD_STEP, TREE_WALK_STEP)
+            (kernel_build_step, kernel_walk_step) if self._kernels else (TREE_BUILD_STEP, TREE_WALK_STEP)
         )
         self._build_fn: Callable[..., None] = build_fn if compile else tree_build_step
         self._walk_fn: Callable[..., None] = walk_fn if compile else tree_walk_step
@@ -634,6 +634,8 @@ class GraphEngine:
         self._tree_round(sampled=True)
 
     def _tree_round(self, sampled: bool) -> None:
+        """The body of both tree rounds: the target's choice at every node its argmax, or (``sampled``) its
+        draw at ``_step_sampling``'s temperature from ``_tree_noise``."""
         B, n, s = self.block_size, self._tree_inputs.shape[1], self._step_sampling
         self._draft_step()
         probs = probabilities(self._draft_logits, s) if sampled else torch.softmax(self._draft_logits, dim=-1)
