@@ -109,3 +109,30 @@ def test_prompts_of_any_length_share_the_context_writes_compiled_kernel():
     for n in (18, 19, 23, 29, 31):  # one row tile (17-32 rows)
         write_context(dk, torch.randn(1, n, 2 * w.embed.shape[1], device="cuda"), zero)
     assert compiled() == before
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_draft_step_through_the_kernels_in_bf16_stays_near_the_draft_step(device):
+    """bf16 (the served dtype): the kernels round where the drafter's forward rounds, up to the rotation (in
+    float32 there, in bf16 with bf16 angles in the drafter's forward), so the drafted slots' logits stay
+    within bf16's error and the same tokens win: the tree and chain rounds draft what they would."""
+    model = tiny_model().to(device, torch.bfloat16)
+    w = DecoderWeights.from_hf(model)
+    drafter = drafter_of(model).to(device, torch.bfloat16)
+    dk = draft_kernels(drafter, w, 64)
+    cache = drafter.new_static_cache(64)
+    gen = torch.Generator().manual_seed(6)
+    features = torch.randn(1, 24, 2 * w.embed.shape[1], generator=gen).to(device, torch.bfloat16)
+    drafter.write_context(features, torch.arange(24, device=device)[None], cache)
+    write_context(dk, features, torch.zeros(1, dtype=torch.long, device=device))
+    rows = torch.randn(1, B, features.shape[-1], generator=gen).to(device, torch.bfloat16)
+    block = torch.full((1, B), 300, device=device)
+    block[0, 0] = 17
+    at = torch.tensor([24], device=device)
+    offsets = torch.arange(B, device=device)[None]
+    ref = torch.empty(B - 1, w.vocab_size, device=device)
+    draft_step(drafter, cache, w.embed, w.lm_head, rows, at, block, at, offsets, ref)
+    out = torch.empty_like(ref)
+    kernel_draft_step(dk, rows, at, block, at, offsets, out)
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 6 / 7
