@@ -122,17 +122,17 @@ def test_the_draft_step_through_the_kernels_in_bf16_stays_near_the_draft_step(de
     dk = draft_kernels(drafter, w, 64)
     cache = drafter.new_static_cache(64)
     gen = torch.Generator().manual_seed(6)
-    features = torch.randn(1, 24, 2 * w.embed.shape[1], generator=gen).to(device, torch.bfloat16)
-    drafter.write_context(features, torch.arange(24, device=device)[None], cache)
+    features = torch.randn(1, 20, 2 * w.embed.shape[1], generator=gen).to(device, torch.bfloat16)
+    drafter.write_context(features, torch.arange(20, device=device)[None], cache)
     write_context(dk, features, torch.zeros(1, dtype=torch.long, device=device))
     rows = torch.randn(1, B, features.shape[-1], generator=gen).to(device, torch.bfloat16)
     block = torch.full((1, B), 300, device=device)
     block[0, 0] = 17
-    at = torch.tensor([24], device=device)
+    at = torch.tensor([20], device=device), torch.tensor([24], device=device)  # rows from 20, block from 24
     offsets = torch.arange(B, device=device)[None]
     ref = torch.empty(B - 1, w.vocab_size, device=device)
-    draft_step(drafter, cache, w.embed, w.lm_head, rows, at, block, at, offsets, ref)
+    draft_step(drafter, cache, w.embed, w.lm_head, rows, at[0], block, at[1], offsets, ref)
     out = torch.empty_like(ref)
-    kernel_draft_step(dk, rows, at, block, at, offsets, out)
+    kernel_draft_step(dk, rows, at[0], block, at[1], offsets, out)
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 6 / 7
