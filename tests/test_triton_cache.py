@@ -30,6 +30,8 @@ def test_the_named_kernels_entries_travel_to_another_cache_folder(tmp_path, monk
     file = triton_cache.sibling(tmp_path / "engine.compile-cache")
     assert file.name == "engine.compile-cache.triton"
     assert triton_cache.save(file, ["qkv_kernel", "walk_kernel", "merge_kernel"]) == 2
+    assert triton_cache.held(file) == {"AAA", "BBB"}
+    assert triton_cache.held(tmp_path / "missing.triton") == set()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(there))
     fake_entry(there, "BBB", "walk_kernel")
     (there / "BBB" / "walk_kernel.cubin").write_bytes(b"its own")

@@ -52,6 +52,8 @@ def draft_kernels(drafter: DFlashDrafter, target: DecoderWeights, capacity: int)
     """The drafter's weights for the kernels (copies of its projections, fused and reordered) and an empty
     cache of ``capacity`` positions. Raises ValueError for a drafter or shape the kernels cannot run."""
     why = unsupported_drafter(drafter)
+    if why:
+        raise ValueError(f"the decoder kernels cannot run this drafter ({why})")
     cfg = drafter.config
     dtype = target.dtype  # the engine's: a drafter loaded in another is cast, as its compiled step casts
     layers = []
@@ -89,7 +91,7 @@ def draft_kernels(drafter: DFlashDrafter, target: DecoderWeights, capacity: int)
         head_dim=cfg.head_dim,
         eps=float(cfg.rms_norm_eps),
     )
-    why = why or unsupported(weights)
+    why = unsupported(weights)
     if why:
         raise ValueError(f"the decoder kernels cannot run this drafter ({why})")
     B = cfg.block_size

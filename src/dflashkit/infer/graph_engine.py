@@ -383,13 +383,13 @@ class GraphEngine:
         self._precompiled: dict[tuple[Any, ...], Callable[..., None]] = {}
         self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
         # the tree step: compiled whole (True), or one decoder layer at a time through its compiled region
-        # ("layers", "kernels"), or eager
+        # ("layers"), or eager ("kernels" goes through the decoder kernels instead: `_tree_step`)
         self._tree_fn: Callable[..., None] = TARGET_STEP if compile is True else target_step
         # the chain's target steps ([1, 1] and [1, B]): the same, or the decoder kernels ("kernels")
         self._target_fn: Callable[..., None] = kernel_target_step if compile == "kernels" else self._tree_fn
         self._kernels = compile == "kernels"
         self._reduce_matmuls = compile == "layers"
-        self._layer_step: LayerStep | None = LAYER_STEP if compile in ("layers", "kernels") else None
+        self._layer_step: LayerStep | None = LAYER_STEP if compile == "layers" else None
         # the draft step compiled whole by every compiling engine: a drafter has a few layers, and one layer at
         # a time (its prologue and head eager around them) took 0.263 ms against 0.207 (H200, bf16, RESULTS:
         # seventeenth session)
@@ -1053,7 +1053,7 @@ class GraphEngine:
     def _kernel_cache(self, seconds: WarmUp) -> Iterator[None]:
         """The decoder kernels' compiled binaries ("kernels", with a compile cache): unpacked from the
         portable file's Triton sibling before the warm-up, packed into it after (``runtime.triton_cache``);
-        what failed is a note, never an error."""
+        what failed is a note, never an error. Written only when the warm-up compiled a kernel it lacks."""
         if not (self._kernels and self.compile_cache is not None):
             yield
             return
@@ -1067,6 +1067,8 @@ class GraphEngine:
             except CompileCacheError as e:
                 seconds.notes.append(f"the kernels' cache not used: {e}")
         yield
+        if path.is_file() and {d.name for d in triton_cache.entries(names)} <= triton_cache.held(path):
+            return
         try:
             triton_cache.save(path, names)
         except (CompileCacheError, OSError) as e:

@@ -64,6 +64,18 @@ def save(path: str | os.PathLike[str], names: Iterable[str]) -> int:
     return len(found)
 
 
+def held(path: str | os.PathLike[str]) -> set[str]:
+    """The cache entries a file ``save`` wrote holds, by name (empty for one that cannot be read)."""
+    try:
+        _, data = read_keyed(
+            path, FORMAT, "a dflashkit Triton cache", "a warm-up of graphs-kernels writes one"
+        )
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+            return {Path(m.name).parts[0] for m in tar.getmembers()}
+    except (CompileCacheError, tarfile.TarError, OSError):
+        return set()
+
+
 def load(path: str | os.PathLike[str]) -> int:
     """Unpack ``path`` into Triton's cache folder after checking its environment (CompileCacheError in one
     line otherwise); an entry already there is kept. Returns how many entries it added."""
