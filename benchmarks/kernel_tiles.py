@@ -44,10 +44,13 @@ VARIANTS = {
     "splits4": Tiles(splits=4),
     "splits16": Tiles(splits=16),
     "block32": Tiles(block_columns=32),
-    "inner64": Tiles(block_inner=64),
-    "inner256": Tiles(block_inner=256),
+    "inner128": Tiles(block_inner=128),
+    "inner512": Tiles(block_inner=512),
+    "inner1024": Tiles(block_inner=1024),
+    "ksplit1": Tiles(residual_splits=1),
     "ksplit2": Tiles(residual_splits=2),
-    "ksplit4": Tiles(residual_splits=4),
+    "ksplit8": Tiles(residual_splits=8),
+    "inner512-ksplit2": Tiles(block_inner=512, residual_splits=2),
 }
 
 

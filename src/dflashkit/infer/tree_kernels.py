@@ -57,9 +57,9 @@ def walk_kernel(NODES, CHOICES, START, WALK, MOVES, N: tl.constexpr, BLOCK: tl.c
         accepted = accepted & tl.gather(matched, at, 0)
     last = tl.argmax(tl.where(accepted != 0, depths, -1), 0)  # the first of the deepest accepted nodes
     on_path = i == last
-    node = last
+    node = last.to(tl.int32)
     for _ in range(N - 1):  # the path: the last node and its ancestors
-        node = tl.load(NODES + 2 * N + node)
+        node = tl.load(NODES + 2 * N + node).to(tl.int32)
         on_path = on_path | (i == node)
     tl.store(WALK + i, on_path.to(tl.int64), mask=ok)
     tl.store(WALK + N + i, tokens, mask=ok)

@@ -56,18 +56,19 @@ class Tiles:
     inner step follows from it, the whole hidden size for one step). A block (more than one token, through
     ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner`` for up to 16 rows (fewer for more
     rows: a tree's, so that a step's tile stays the same size). The attention's splits along the positions
-    and positions per step; the residual kernels' split of the inner dimension (split-K: more programs
-    for their few output columns); warps per program."""
+    and positions per step; a block's residual kernels' split of the inner dimension (split-K: more
+    programs for their few output columns); warps per program."""
 
     qkv_columns: int = 4  # even: rotary pairs
     up_columns: int = 4  # gate and up columns each
     residual_columns: int = 4  # the output and down projections
     products: int = 16384
     block_columns: int = 16
-    block_inner: int = 128
+    block_inner: int = 256  # measured best of 64-256 for [1,8] and a tree of 33 (kernel_tiles, 2026-12-05)
     attention_positions: int = 64
     splits: int = 8  # programs per key/value head along the positions
-    residual_splits: int = 1  # the output and down projections' inner dimension among this many programs
+    residual_splits: int = 4  # a block's output and down projections' inner dimension among this many
+    # programs (one token takes none: its many programs of few columns already fill the GPU)
     warps: int = 4
 
     def __post_init__(self) -> None:
@@ -262,7 +263,7 @@ def decode_by_kernels(
     attended = torch.empty(m, nq * d, dtype=w.dtype, device=x.device)
     act = torch.empty(m, width, dtype=w.dtype, device=x.device)
     # split-K's sums and counts (zero; each launch leaves them zero), or dummies
-    split_k = t.residual_splits
+    split_k = t.residual_splits if m > 1 else 1
     partials = torch.empty(split_k, m, hidden, dtype=torch.float32, device=x.device) if split_k > 1 else x
     arrived = (
         torch.zeros(triton_cdiv(hidden, cols["residual"]), dtype=torch.int32, device=x.device)
