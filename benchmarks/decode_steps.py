@@ -48,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -175,7 +176,9 @@ def cache_report(warm) -> dict:
     }
 
 
-def measure(target, drafter, engine_name: str, args, device, cache: Path | None = None) -> dict:
+def measure(
+    target, drafter, engine_name: str, args, device, cache: Path | None = None, later: list | None = None
+) -> dict:
     import torch
 
     from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
@@ -236,13 +239,8 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
         calls[f"target [1, {B}]"] = timed(lambda: verify(block), args.calls, device)
         context = after_prompt()
         calls[f"draft [1, {B}]"] = timed(lambda: engine.draft(context, prompt[-1]), args.calls, device)
-        trees = tree_rounds(target, drafter, engine_name, args, prompt, round_ms, token_ms)
-        try:
-            profile = step_profile(target, drafter, engine_name, args, prompt)
-        except Exception as e:  # a profiler that fails must not cost the run's other figures
-            print(f"profile of {engine_name} failed: {type(e).__name__}: {e}")
-            profile = {}
-    return {
+        trees = tree_rounds(target, drafter, engine_name, args, prompt, round_ms, token_ms, later)
+    row = {
         "engine": engine_name,
         "warmup_seconds": dict(warm),
         "start_seconds": start_seconds,
@@ -256,8 +254,27 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None 
         "break_even_tau": round_ms / token_ms,
         "speedup_at_tau": {str(t): t * token_ms / round_ms for t in (*TAUS, float(B))},
         **({"tree_rounds": trees} if trees else {}),
-        **({"one_token_profile": profile} if profile else {}),
     }
+
+    def profile() -> None:
+        try:
+            if out := step_profile(target, drafter, engine_name, args, prompt):
+                row["one_token_profile"] = out
+        except Exception as e:  # a profiler that fails must not cost the run's other figures
+            print(f"profile of {engine_name} failed: {type(e).__name__}: {e}")
+
+    defer(profile, later)
+    return row
+
+
+def defer(call: Callable[[], None], later: list | None) -> None:
+    """Run ``call`` now, or append it to ``later``: the torch profiler, once run, leaves every later launch
+    of the process slower (measured 2026-12-05: a captured step +0.1 ms over its kernels' sum after a profile,
+    equal to it before), so the profiles run after every engine's timings."""
+    if later is None:
+        call()
+    else:
+        later.append(call)
 
 
 def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
@@ -352,7 +369,16 @@ def print_profile(label: str, out: dict) -> None:
         print(f"  {k['ms_per_step']:.4f} ms  x{k['calls_per_step']:.0f}  {k['name']}")
 
 
-def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float, token_ms: float) -> dict:
+def tree_rounds(
+    target,
+    drafter,
+    engine_name: str,
+    args,
+    prompt,
+    chain_ms: float,
+    token_ms: float,
+    later: list | None = None,
+) -> dict:
     """A tree round of each budget (``--tree-budgets``) on this graphs engine, timed as the chain's
     round beside it: ms per round, in AR tokens, and against the chain. The random drafter's trees are
     rejected at the first node, so the keep step moves no rows (a trained drafter's rounds add that copy)."""
@@ -405,12 +431,16 @@ def tree_rounds(target, drafter, engine_name: str, args, prompt, chain_ms: float
             "calls_ms": calls,
         }
         if args.profile and n == args.tree_budgets[0] and target.device.type == "cuda":
-            try:
-                out[str(n)]["tree_step_profile"] = tree_step_profile(
-                    target, drafter, engine_name, args, prompt, n
-                )
-            except Exception as e:  # a profiler that fails must not cost the run's other figures
-                print(f"profile of the tree step failed: {type(e).__name__}: {e}")
+
+            def profile(into: dict = out[str(n)], n: int = n) -> None:
+                try:
+                    into["tree_step_profile"] = tree_step_profile(
+                        target, drafter, engine_name, args, prompt, n
+                    )
+                except Exception as e:  # a profiler that fails must not cost the run's other figures
+                    print(f"profile of the tree step failed: {type(e).__name__}: {e}")
+
+            defer(profile, later)
         print(
             f"tree of {n} nodes: {ms:.3f} ms a round, {ms / token_ms:.2f} AR tokens, {ms / chain_ms - 1:+.1%} "
             f"vs chain (separate calls {separate_ms:.3f} ms); calls (ms): "
@@ -537,8 +567,11 @@ def main() -> None:
             target, drafter = load_models(folder, dtype_name, args, device)
             weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
             compiled_here = False  # once an engine compiled in this process, a later one's start is not cold
+            later: list = []  # the profiles, after every engine's timings (``defer``)
+            measured_rows = []
             for engine_name in engines:
                 cache = Path(tmp) / f"{dtype_name}-{engine_name}.compile-cache"
+                measured = measure(target, drafter, engine_name, args, device, cache, later)
                 row = {
                     "dtype": dtype_name,
                     "device": device.type,
@@ -550,7 +583,7 @@ def main() -> None:
                     "steps_compiled": graph_engines().get(
                         engine_name, engine_name == "static" and args.compile
                     ),
-                    **measure(target, drafter, engine_name, args, device, cache),
+                    **measured,
                     "target_weight_bytes": weight_bytes,
                     "memory_floor_ms": weight_bytes / bandwidth * 1e3 if bandwidth else None,
                 }
@@ -558,10 +591,15 @@ def main() -> None:
                 row["start_is_cold"] = not (compiled_here and row["steps_compiled"])
                 compiled_here = compiled_here or bool(row["steps_compiled"])
                 rows.append(row)
+                measured_rows.append((row, measured))
                 print(
                     f"{dtype_name} {engine_name}: start {row['start_seconds']:.1f} s; warm-up "
                     + ", ".join(f"{k} {v:.1f} s" for k, v in row["warmup_seconds"].items())
                 )
+            for call in later:  # the profiles, now that every engine is timed
+                call()
+            for row, measured in measured_rows:
+                row.update(measured)  # the one-token profiles
             del target, drafter
             if device.type == "cuda":
                 torch.cuda.empty_cache()
