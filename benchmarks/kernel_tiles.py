@@ -51,6 +51,7 @@ VARIANTS = {
     "ksplit2": Tiles(residual_splits=2),
     "ksplit8": Tiles(residual_splits=8),
     "inner512-ksplit2": Tiles(block_inner=512, residual_splits=2),
+    "nopdl": Tiles(pdl=False),  # every kernel launched after the one before it has finished
 }
 
 

@@ -16,6 +16,7 @@ from dflashkit.target.kernels import (  # noqa: E402
     check_runnable,
     decode_by_kernels,
     interpreting,
+    pdl_args,
     unsupported,
 )
 from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, decode, logits  # noqa: E402
@@ -205,6 +206,54 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(DflashkitError, match="run on a GPU .*choose --engine graphs-layers"):
         check_runnable(torch.device("cpu"))
+
+
+def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
+    """Each kernel launched while the one before it runs (``pdl_args``): on a GPU of compute capability 9 or
+    more, unless the tiles turn it off; never on the CPU, in the interpreter or on an older GPU."""
+    from dflashkit.target import kernels
+
+    cuda = torch.device("cuda", 0)
+    assert pdl_args(torch.device("cpu")) == {"GDC": False}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl_args(cuda) == {"GDC": False}  # the interpreter runs no griddepcontrol
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(kernels, "_has_pdl", lambda index: True)
+    assert pdl_args(cuda) == {"GDC": True, "launch_pdl": True}
+    assert pdl_args(cuda, Tiles(pdl=False).pdl) == {"GDC": False}
+    monkeypatch.setattr(kernels, "_has_pdl", lambda index: False)  # an A100
+    assert pdl_args(cuda) == {"GDC": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 33])
+def test_dependent_launches_give_the_serial_launches_numbers_replay_after_replay(m):
+    """A step captured with programmatic dependent launch (each kernel reads its first weight tile before it
+    waits for the kernel before it) gives, replay after replay, exactly what the step launched kernel after
+    kernel gives: a read of an activation before its wait would race, and show as a difference."""
+    if not pdl_args(torch.device("cuda")).get("GDC"):
+        pytest.skip("this GPU has no programmatic dependent launch")
+    w = DecoderWeights.from_hf(tiny_model(hidden_size=256, intermediate_size=704).to("cuda", torch.bfloat16))
+    cache = SlotCache(w, slots=1, capacity=256)
+    cache.keys.normal_()
+    cache.values.normal_()
+    start = torch.tensor([100], device="cuda")
+    ids = torch.randint(5, 300, (1, m), device="cuda")
+    outs, graphs = {}, {}
+    for pdl in (False, True):  # both captured (the head's cuBLAS call the same in both)
+        outs[pdl] = torch.empty(m, w.vocab_size, device="cuda")
+        decode_by_kernels(w, cache, ids, start, outs[pdl], tiles=Tiles(pdl=pdl))  # compiled
+        graphs[pdl] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[pdl]):
+            decode_by_kernels(w, cache, ids, start, outs[pdl], tiles=Tiles(pdl=pdl))
+    graphs[False].replay()
+    torch.cuda.synchronize()
+    assert outs[False].isfinite().all()
+    for _ in range(200):
+        outs[True].zero_()
+        graphs[True].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[True], outs[False])
 
 
 @pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")

@@ -49,21 +49,25 @@ def normed(X, NORM, scale, rm, row_ok, rk, k_ok, H: tl.constexpr, DTYPE: tl.cons
 
 
 @triton.jit
-def rows_times(
-    a,
-    W,
-    rows,
-    rows_ok,
-    rk,
-    k_ok,
-    K: tl.constexpr,
-    DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """a [BLOCK_M, BLOCK_K] (float32 holding model-dtype values) times the weight rows ``rows`` [BLOCK_N] of
-    W [*, K] at the columns rk: [BLOCK_M, BLOCK_N] float32, summed over this step of the inner dimension."""
-    w = tl.load(W + rows[:, None] * K + rk[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+def wait_for_inputs(GDC: tl.constexpr):
+    """Programmatic dependent launch (GDC): wait until the kernel before this one has finished and its writes
+    are seen, then let the next kernel launch (it waits here in turn). Before this, a kernel reads only
+    weights, which no kernel writes; every read of an activation or a cache and every write comes after."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def weight_tile(W, rows, rows_ok, rk, k_ok, K: tl.constexpr):
+    """The weight rows ``rows`` [BLOCK_N] of W [*, K] at the columns rk: [BLOCK_N, BLOCK_K]."""
+    return tl.load(W + rows[:, None] * K + rk[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def rows_times(a, w, DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] (float32 holding model-dtype values) times a weight tile w [BLOCK_N, BLOCK_K]:
+    [BLOCK_M, BLOCK_N] float32, summed over this step of the inner dimension."""
     if DOT:
         out = dot(a.to(w.dtype), tl.trans(w), PRECISION, UPCAST)
     else:
@@ -102,6 +106,7 @@ def qkv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns per program, even: BLOCK_N / 2 rotary pairs
     BLOCK_K: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """rms_norm(x) @ W.T (+ bias), each (even, odd) column pair of the queries and keys turned by its rotary
     angle, the keys and values written into the cache: one program per BLOCK_N columns from COL0. Token m is
@@ -111,16 +116,19 @@ def qkv_kernel(
     N: tl.constexpr = NQD + 2 * NKD
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
-    scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     n0 = COL0 + pid * BLOCK_N  # this program's first column
     rn = n0 + tl.arange(0, BLOCK_N)
     n_ok = rn < N
+    first = weight_tile(W, rn, n_ok, tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K) < H, H)
+    wait_for_inputs(GDC)
+    scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
         h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
-        acc += rows_times(h, W, rn, n_ok, rk, k_ok, H, DOT, PRECISION, UPCAST)
+        w = first if k0 == 0 else weight_tile(W, rn, n_ok, rk, k_ok, H)
+        acc += rows_times(h, w, DOT, PRECISION, UPCAST)
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     # the projection's output in the model's dtype, as the plain forward rounds it before the rotation
@@ -179,6 +187,7 @@ def attention_kernel(
     UPCAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """Attention of the M new tokens over the cache, split along the positions (as flash-decoding does):
     program (g, s, t) reads key/value head g over its share s of the used positions, for BLOCK_R rows of
@@ -189,6 +198,7 @@ def attention_kernel(
     g = tl.program_id(0)
     s = tl.program_id(1)
     G: tl.constexpr = NQ // NK
+    wait_for_inputs(GDC)
     start = tl.load(START)
     used = tl.minimum(start + M, capacity)  # positions 0 .. used - 1 hold keys
     share = tl.cdiv(tl.cdiv(used, SPLITS), BLOCK_N) * BLOCK_N
@@ -250,11 +260,13 @@ def merge_kernel(
     NQ: tl.constexpr,
     D: tl.constexpr,
     SPLITS: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """The attention's splits merged by their maxima and sums: one program per (new token, query head)."""
     r = tl.program_id(0)  # m * NQ + head: its row of OUT is r * D
     rs = tl.arange(0, SPLITS)
     rd = tl.arange(0, D)
+    wait_for_inputs(GDC)
     tops = tl.load(PM + rs * (M * NQ) + r)
     top = tl.max(tops, axis=0)  # split 0 always holds position 0, which every token sees: finite
     weight = tl.exp(tops - top)
@@ -279,23 +291,30 @@ def up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """rms_norm(x), its gate and up projections for BLOCK_N columns, and SwiGLU's product."""
     pid = tl.program_id(0)
     dt = W.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
-    scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
+    rk0 = tl.arange(0, BLOCK_K)
+    first_gate = weight_tile(W, rn, n_ok, rk0, rk0 < H, H)
+    first_up = weight_tile(W, I + rn, n_ok, rk0, rk0 < H, H)
+    wait_for_inputs(GDC)
+    scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
         h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
-        gate += rows_times(h, W, rn, n_ok, rk, k_ok, H, DOT, PRECISION, UPCAST)
-        up += rows_times(h, W, I + rn, n_ok, rk, k_ok, H, DOT, PRECISION, UPCAST)
+        w_gate = first_gate if k0 == 0 else weight_tile(W, rn, n_ok, rk, k_ok, H)
+        w_up = first_up if k0 == 0 else weight_tile(W, I + rn, n_ok, rk, k_ok, H)
+        gate += rows_times(h, w_gate, DOT, PRECISION, UPCAST)
+        up += rows_times(h, w_up, DOT, PRECISION, UPCAST)
     gate = gate.to(dt).to(tl.float32)
     silu = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
     product = silu * up.to(dt).to(tl.float32)
@@ -324,6 +343,7 @@ def residual_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """A projection back to the residual stream and its add, for BLOCK_N columns of x (the matmul's output
     rounded to the model's dtype first, as the plain forward adds it). SPLIT_K > 1: program (n, s) sums the
@@ -337,12 +357,16 @@ def residual_kernel(
     n_ok = rn < H
     ok = row_ok[:, None] & n_ok[None, :]
     k_lo = tl.program_id(1) * SHARE
+    rk0 = k_lo + tl.arange(0, BLOCK_K)
+    first = weight_tile(W, rn, n_ok, rk0, rk0 < K, K)
+    wait_for_inputs(GDC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, SHARE, BLOCK_K):
         rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         a = tl.load(A + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += rows_times(a.to(tl.float32), W, rn, n_ok, rk, k_ok, K, DOT, PRECISION, UPCAST)
+        w = first if k0 == 0 else weight_tile(W, rn, n_ok, rk, k_ok, K)
+        acc += rows_times(a.to(tl.float32), w, DOT, PRECISION, UPCAST)
     last = True
     if SPLIT_K > 1:
         at = rm[:, None] * H + rn[None, :]

@@ -70,9 +70,10 @@ class Tiles:
     residual_splits: int = 4  # a block's output and down projections' inner dimension among this many
     # programs (one token takes none: its many programs of few columns already fill the GPU)
     warps: int = 4
+    pdl: bool = True  # programmatic dependent launch where the GPU has it (``pdl_args``)
 
     def __post_init__(self) -> None:
-        sizes = {k: v for k, v in vars(self).items() if k != "warps"}
+        sizes = {k: v for k, v in vars(self).items() if k not in ("warps", "pdl")}
         odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
         if odd or self.qkv_columns < 2 or self.block_columns < 16:
             raise ValueError(
@@ -97,11 +98,15 @@ class Tiles:
 
 def unsupported(w: DecoderWeights) -> str | None:
     """Why the kernels cannot run this target's layers (None: they can)."""
-    d = w.head_dim
-    if d < 16 or d & (d - 1):
-        return f"a head dim of {d} (the kernels take powers of 2 from 16)"
-    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"weights in {w.dtype}"
+    return unsupported_shape(w.head_dim, w.dtype)
+
+
+def unsupported_shape(head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot run layers of this head dim in this dtype (None: they can)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"a head dim of {head_dim} (the kernels take powers of 2 from 16)"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"weights in {dtype}"
     return None
 
 
@@ -158,12 +163,30 @@ def _precision(dtype: torch.dtype, upcast: bool) -> str:
     return "ieee" if dtype == torch.float32 or upcast else "tf32"
 
 
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_args(device: torch.device, wanted: bool = True) -> dict:
+    """Programmatic dependent launch (Hopper and later; never in the interpreter): each kernel is launched
+    while the one before it still runs, reads its first weight tile, and waits for that kernel's writes
+    (``kernel_source.wait_for_inputs``): the launch and the weights' first read off the critical path."""
+    on = wanted and device.type == "cuda" and not interpreting() and _has_pdl(device.index or 0)
+    return dict(GDC=True, launch_pdl=True) if on else dict(GDC=False)
+
+
 def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
     """The launch arguments every kernel of a step of m rows takes (``common``), and those of its matmuls:
     one token through matrix-vector products, a block through ``tl.dot`` over rows padded to 16."""
     block = m > 1
     upcast = interpreting()  # the interpreter's tl.dot takes float32 operands
-    common = dict(num_warps=tiles.warps, PRECISION=_precision(w.dtype, upcast), UPCAST=upcast)
+    common = dict(
+        num_warps=tiles.warps,
+        PRECISION=_precision(w.dtype, upcast),
+        UPCAST=upcast,
+        **pdl_args(w.embed.device, tiles.pdl),
+    )
     return common, dict(DOT=block, BLOCK_M=_pow2(m) if block else 1, **common)
 
 
@@ -253,6 +276,7 @@ def decode_by_kernels(
     width = w.layers[0].gate_up.shape[0] // 2
     t = tiles
     common, matmul = _launch_args(w, m, t)
+    pdl = {k: common[k] for k in ("GDC", "launch_pdl") if k in common}  # the merge's (no matmul options)
     cols = {name: t.columns(name, m) for name in ("up", "residual")}
     # splits along the positions: fewer for a cache that holds fewer steps of positions (a power of 2)
     splits = min(t.splits, _pow2(triton_cdiv(cache.capacity, t.attention_positions), least=1))
@@ -304,7 +328,7 @@ def decode_by_kernels(
             BLOCK_R=min(attention_rows, ATTENTION_ROWS), BLOCK_N=t.attention_positions, **common,
         )  # fmt: skip
         k.merge[grids["merge"]](
-            parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps
+            parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps, **pdl
         )  # fmt: skip
         k.residual[o_grid](attended, layer.o, x, partials, arrived, **o_sizes)
         k.up[grids["up"]](
