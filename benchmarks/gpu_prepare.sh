@@ -394,7 +394,9 @@ for s in "$@"; do
     ktests)
       # the decoder kernels against the plain forward on a random target (no GGUF needed)
       stage ktests
-      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_tree_kernels.py tests/test_draft_kernels.py 2>&1 | tee "$OUT/pytest-ktests.log" | tail -15 ;;
+      # KTESTS_K: a selection (-k) of them
+      timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_tree_kernels.py tests/test_draft_kernels.py \
+        -k "${KTESTS_K:-}" 2>&1 | tee "$OUT/pytest-ktests.log" | tail -15 ;;
     drafter)
       # the newest GPU drafter, kept in git (benchmarks/drafters/, travels with the working tree; a drafter kept
       # outside git was lost with the eighth session's checkout), into $W/drafter0/best: a warm start
