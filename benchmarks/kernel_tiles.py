@@ -51,7 +51,7 @@ VARIANTS = {
     "ksplit2": Tiles(residual_splits=2),
     "ksplit8": Tiles(residual_splits=8),
     "inner512-ksplit2": Tiles(block_inner=512, residual_splits=2),
-    "nopdl": Tiles(pdl=False),  # every kernel launched after the one before it has finished
+    "pdl": Tiles(pdl=True),  # each kernel launched while the one before it runs (its first weight tile read)
 }
 
 

@@ -220,6 +220,7 @@ def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(kernels, "_has_pdl", lambda index: True)
     assert pdl_args(cuda) == {"GDC": True, "launch_pdl": True}
+    assert pdl_args(cuda, Tiles(pdl=True).pdl) == {"GDC": True, "launch_pdl": True}
     assert pdl_args(cuda, Tiles(pdl=False).pdl) == {"GDC": False}
     monkeypatch.setattr(kernels, "_has_pdl", lambda index: False)  # an A100
     assert pdl_args(cuda) == {"GDC": False}
