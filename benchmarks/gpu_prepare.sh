@@ -20,6 +20,22 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-sixth session's plan (the twenty-fifth measured the third kernels: every step of a round faster than
+# graphs-layers', AR 1,501 tok/s; built programmatic dependent launch, off until measured; `auto` taking
+# graphs-kernels waits on branch auto-graphs-kernels for the bench below). Back to back, issued at once:
+#   BUDGET=370 KTESTS_K=dependent TILES_ARGS="--variants default,pdl --calls 100" ENGINES=graphs-layers,graphs-kernels \
+#     DECODE_ARGS="--tree-budgets 31" bash benchmarks/gpu_prepare.sh part ktests decode tiles   # carry .whl
+#                       # (skip if the twenty-fifth measured it: RESULTS); if the pdl test passed and the pdl
+#                       # variant is faster, Tiles.pdl = True
+#   `part` [.bench/p1 .whl], [p2], [p5], [p3]; `GTESTS_K="kernels or tree" BUDGET=400 ... part join heldout gtests` [p4]
+#   export BENCH_CAP=185 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=24 \
+#     BENCH_SUMMARY=none; S="--sets heldout,mtbench --temperatures 0,1"; for e in kernels layers; do \
+#     BENCH_OUT=/root/work/b-$e BENCH_ARGS="$S --engine graphs-$e" bash benchmarks/gpu_prepare.sh bench; \
+#     for f in bench.json bench.md bench.png; do mv "$OUT/$f" "$OUT/$e-$f"; done; rm -rf "$OUT/sets"; done
+#                       # the two engines served side by side (T = 0 and 1); if graphs-kernels serves faster
+#                       # and its GPU tests passed, merge auto-graphs-kernels; then the whole table on it
+#                       # (four sets, 80 prompts, T = 0: drafter_table.json) and --tree-budget 31 at T = 1
+# Twenty-fifth session, as run: RESULTS (five refusals: two commands of the plan, then the pieces never went down).
 # Twenty-fifth session's plan (the twenty-fourth had no machine; it built, CPU-tested: tree steps, the tree's
 # mask and walk through kernels; split-K for the residual kernels. NOTES: "The decoder kernels" and "Trees through
 # the kernels", the predictions). Back to back, issued at once:
