@@ -889,12 +889,14 @@ def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
     decodes_as_dynamic(tiny, d, engine, layers)
 
 
-def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path):
+def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path, monkeypatch):
     """compile="kernels" (the "graphs-kernels" engine) on the CPU, its decoder kernels in Triton's interpreter:
     the chain's target steps and the draft step through the kernels (nothing compiles); greedy tokens and
     acceptance lengths, of the one-step rounds and of the separate calls, equal the dynamic engine's token for
     token in fp32."""
     pytest.importorskip("triton")
+    # a Triton folder of this test's own: kernels another process compiled there are not this warm-up's
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     from dflashkit.infer import graph_engine
 
     tiny, d, layers = tiny_pair(tmp_path)
