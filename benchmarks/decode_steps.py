@@ -48,7 +48,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -176,9 +175,10 @@ def cache_report(warm) -> dict:
     }
 
 
-def measure(
-    target, drafter, engine_name: str, args, device, cache: Path | None = None, later: list | None = None
-) -> dict:
+def measure(target, drafter, engine_name: str, args, device, cache: Path | None, later: list) -> dict:
+    """An engine's start, steps and rounds timed; its profiles appended to ``later``, to run after every
+    engine's timings: the torch profiler, once run, leaves every later launch of the process slower (measured
+    2026-12-05: a captured step +0.1 ms over its kernels' sum after a profile, equal to it before)."""
     import torch
 
     from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
@@ -263,18 +263,8 @@ def measure(
         except Exception as e:  # a profiler that fails must not cost the run's other figures
             print(f"profile of {engine_name} failed: {type(e).__name__}: {e}")
 
-    defer(profile, later)
+    later.append(profile)
     return row
-
-
-def defer(call: Callable[[], None], later: list | None) -> None:
-    """Run ``call`` now, or append it to ``later``: the torch profiler, once run, leaves every later launch
-    of the process slower (measured 2026-12-05: a captured step +0.1 ms over its kernels' sum after a profile,
-    equal to it before), so the profiles run after every engine's timings."""
-    if later is None:
-        call()
-    else:
-        later.append(call)
 
 
 def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
@@ -377,7 +367,7 @@ def tree_rounds(
     prompt,
     chain_ms: float,
     token_ms: float,
-    later: list | None = None,
+    later: list,
 ) -> dict:
     """A tree round of each budget (``--tree-budgets``) on this graphs engine, timed as the chain's
     round beside it: ms per round, in AR tokens, and against the chain. The random drafter's trees are
@@ -440,7 +430,7 @@ def tree_rounds(
                 except Exception as e:  # a profiler that fails must not cost the run's other figures
                     print(f"profile of the tree step failed: {type(e).__name__}: {e}")
 
-            defer(profile, later)
+            later.append(profile)  # after every engine's timings (``measure``)
         print(
             f"tree of {n} nodes: {ms:.3f} ms a round, {ms / token_ms:.2f} AR tokens, {ms / chain_ms - 1:+.1%} "
             f"vs chain (separate calls {separate_ms:.3f} ms); calls (ms): "
@@ -567,7 +557,7 @@ def main() -> None:
             target, drafter = load_models(folder, dtype_name, args, device)
             weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
             compiled_here = False  # once an engine compiled in this process, a later one's start is not cold
-            later: list = []  # the profiles, after every engine's timings (``defer``)
+            later: list = []  # the profiles, after every engine's timings (``measure``)
             measured_rows = []
             for engine_name in engines:
                 cache = Path(tmp) / f"{dtype_name}-{engine_name}.compile-cache"

@@ -9,6 +9,7 @@ float32 and bf16, and compiled in a child process with the interpreter off, thro
 Triton, for an H200's target: as the GPU launches them (no operand upcast, bf16's tl.dot precision) and, where
 a kernel takes it, with programmatic dependent launch on."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -73,6 +74,16 @@ print(json.dumps({"compiled": compiled, "failures": failures}))
 """
 
 
+DTYPES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+}
+
+
 class Recorder:
     """Stands in for a kernel: records each launch's arguments by name, then launches the real one."""
 
@@ -81,8 +92,6 @@ class Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            import inspect
-
             options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
             bound = inspect.signature(self.fn.fn).bind_partial(*args, **kwargs)
             values, pointers = {}, {}
@@ -99,16 +108,6 @@ class Recorder:
             return self.fn[grid](*args, **kwargs, **options)
 
         return launch
-
-
-DTYPES = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int8: "i8",
-}
 
 
 def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:

@@ -51,8 +51,9 @@ def normed(X, NORM, scale, rm, row_ok, rk, k_ok, H: tl.constexpr, DTYPE: tl.cons
 @triton.jit
 def wait_for_inputs(GDC: tl.constexpr):
     """Programmatic dependent launch (GDC): wait until the kernel before this one has finished and its writes
-    are seen, then let the next kernel launch (it waits here in turn). Before this, a kernel reads only
-    weights, which no kernel writes; every read of an activation or a cache and every write comes after."""
+    are seen, then let the next kernel launch (it waits here in turn). Before this, a kernel reads only its
+    first weight tile (with GDC; without, it loads it in its loop, as before), which no kernel writes; every
+    read of an activation or a cache and every write comes after."""
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -119,7 +120,8 @@ def qkv_kernel(
     n0 = COL0 + pid * BLOCK_N  # this program's first column
     rn = n0 + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    first = weight_tile(W, rn, n_ok, tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K) < H, H)
+    if GDC:  # the first weight tile while the kernel before runs (no kernel writes weights)
+        first = weight_tile(W, rn, n_ok, tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K) < H, H)
     wait_for_inputs(GDC)
     scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -127,7 +129,10 @@ def qkv_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
         h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
-        w = first if k0 == 0 else weight_tile(W, rn, n_ok, rk, k_ok, H)
+        if GDC and k0 == 0:
+            w = first
+        else:
+            w = weight_tile(W, rn, n_ok, rk, k_ok, H)
         acc += rows_times(h, w, DOT, PRECISION, UPCAST)
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -300,9 +305,10 @@ def up_kernel(
     row_ok = rm < M
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
-    rk0 = tl.arange(0, BLOCK_K)
-    first_gate = weight_tile(W, rn, n_ok, rk0, rk0 < H, H)
-    first_up = weight_tile(W, I + rn, n_ok, rk0, rk0 < H, H)
+    if GDC:  # the first weight tiles while the kernel before runs
+        rk0 = tl.arange(0, BLOCK_K)
+        first_gate = weight_tile(W, rn, n_ok, rk0, rk0 < H, H)
+        first_up = weight_tile(W, I + rn, n_ok, rk0, rk0 < H, H)
     wait_for_inputs(GDC)
     scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -311,8 +317,10 @@ def up_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
         h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
-        w_gate = first_gate if k0 == 0 else weight_tile(W, rn, n_ok, rk, k_ok, H)
-        w_up = first_up if k0 == 0 else weight_tile(W, I + rn, n_ok, rk, k_ok, H)
+        if GDC and k0 == 0:
+            w_gate, w_up = first_gate, first_up
+        else:
+            w_gate, w_up = weight_tile(W, rn, n_ok, rk, k_ok, H), weight_tile(W, I + rn, n_ok, rk, k_ok, H)
         gate += rows_times(h, w_gate, DOT, PRECISION, UPCAST)
         up += rows_times(h, w_up, DOT, PRECISION, UPCAST)
     gate = gate.to(dt).to(tl.float32)
@@ -357,15 +365,19 @@ def residual_kernel(
     n_ok = rn < H
     ok = row_ok[:, None] & n_ok[None, :]
     k_lo = tl.program_id(1) * SHARE
-    rk0 = k_lo + tl.arange(0, BLOCK_K)
-    first = weight_tile(W, rn, n_ok, rk0, rk0 < K, K)
+    if GDC:  # the first weight tile while the kernel before runs
+        rk0 = k_lo + tl.arange(0, BLOCK_K)
+        first = weight_tile(W, rn, n_ok, rk0, rk0 < K, K)
     wait_for_inputs(GDC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, SHARE, BLOCK_K):
         rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         a = tl.load(A + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = first if k0 == 0 else weight_tile(W, rn, n_ok, rk, k_ok, K)
+        if GDC and k0 == 0:
+            w = first
+        else:
+            w = weight_tile(W, rn, n_ok, rk, k_ok, K)
         acc += rows_times(a.to(tl.float32), w, DOT, PRECISION, UPCAST)
     last = True
     if SPLIT_K > 1:
