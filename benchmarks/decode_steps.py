@@ -171,6 +171,7 @@ def cache_report(warm) -> dict:
         "graphs_from_cache": warm.cached,
         "steps_precompiled_loaded": warm.precompiled_loaded,  # loaded whole (runtime.precompiled)
         "steps_precompiled_built": warm.precompiled_built,
+        "kernels_loaded": getattr(warm, "kernels_loaded", 0),  # Triton entries unpacked (graphs-kernels)
         "precompile_notes": list(warm.notes),
     }
 

@@ -46,6 +46,35 @@ def test_the_named_kernels_entries_travel_to_another_cache_folder(tmp_path, monk
         triton_cache.save(file, ["qkv_kernel"])
 
 
+def fake_launcher(folder, entry: str, name: str = "__triton_launcher") -> None:
+    """A module Triton built with the C compiler (a kernel signature's launcher), as it stores one."""
+    d = folder / entry
+    d.mkdir(parents=True)
+    (d / f"{name}.cpython-311-x86_64-linux-gnu.so").write_bytes(entry.encode())
+
+
+def test_the_launchers_a_warm_up_built_travel_with_its_kernels(tmp_path, monkeypatch):
+    here, there = tmp_path / "here", tmp_path / "there"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(here))
+    fake_launcher(here, "OLD")  # another program's, there before the warm-up
+    before = triton_cache.listing()
+    fake_entry(here, "AAA", "qkv_kernel")
+    fake_launcher(here, "LLL")
+    fake_launcher(here, "UUU", "cuda_utils")
+    fake_entry(here, "CCC", "triton_poi_fused_add_0")  # Inductor's, not the engine's
+    new = triton_cache.listing() - before
+    assert new == {"AAA", "LLL", "UUU", "CCC"}
+    launchers = triton_cache.launchers(new)
+    assert [d.name for d in launchers] == ["LLL", "UUU"]
+    file = tmp_path / "engine.compile-cache.triton"
+    assert triton_cache.save(file, ["qkv_kernel"], launchers) == 3
+    assert triton_cache.held(file) == {"AAA", "LLL", "UUU"}
+    # a later warm-up on the machine that unpacked it keeps the held launchers in its file
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(there))
+    assert triton_cache.load(file) == 3
+    assert [d.name for d in triton_cache.launchers(triton_cache.held(file))] == ["LLL", "UUU"]
+
+
 def test_a_foreign_or_unsafe_file_is_refused(tmp_path, monkeypatch):
     here = tmp_path / "here"
     fake_entry(here, "AAA", "qkv_kernel")

@@ -1061,16 +1061,20 @@ class GraphEngine:
 
         path = triton_cache.sibling(self.compile_cache)
         names = [f"{k}_kernel" for k in KERNELS] + list(tree_kernels.KERNELS)
+        before = triton_cache.listing()
         if path.is_file():
             try:
                 seconds.kernels_loaded = triton_cache.load(path)
             except CompileCacheError as e:
                 seconds.notes.append(f"the kernels' cache not used: {e}")
         yield
-        if path.is_file() and {d.name for d in triton_cache.entries(names)} <= triton_cache.held(path):
+        held = triton_cache.held(path) if path.is_file() else set()
+        # the launchers this warm-up built (new in the folder) or the file held and unpacked
+        launchers = triton_cache.launchers((triton_cache.listing() - before) | held)
+        if path.is_file() and {d.name for d in [*triton_cache.entries(names), *launchers]} <= held:
             return
         try:
-            triton_cache.save(path, names)
+            triton_cache.save(path, names, launchers)
         except (CompileCacheError, OSError) as e:
             seconds.notes.append(f"the kernels' cache not written: {e}")
 

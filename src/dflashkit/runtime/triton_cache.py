@@ -5,7 +5,9 @@ per set of its compile-time sizes, on its first call, and keeps the binary in it
 (``triton.knobs.cache.dir``, ``~/.triton/cache`` by default): a warm start on the same machine, a cold one
 (~30 variants for the "graphs-kernels" engine) on a fresh one. torch.compile's cache artifacts do not hold
 them, so the graphs engine's portable compile cache ``FILE`` gets a sibling, ``FILE.triton``: the cache
-entries of the named kernels, packed, keyed by the environment as the compile cache is (the same torch build,
+entries of the named kernels and of their launchers (Triton builds each kernel signature's launcher with the C
+compiler, ~0.3-0.5 s apiece, into the same folder: a warm start that found the binaries but not them would still
+build ~30), packed, keyed by the environment as the compile cache is (the same torch build,
 CUDA, Triton and GPU type, or it is refused in one line), and unpacked into Triton's folder before a warm-up
 (an entry already there is kept). For speed only: one that does not fit or cannot be read or written is
 reported, never fatal.
@@ -50,12 +52,34 @@ def entries(names: Iterable[str], folder: Path | None = None) -> list[Path]:
     return sorted(d for d in folder.iterdir() if d.is_dir() and any(f.name in wanted for f in d.iterdir()))
 
 
-def save(path: str | os.PathLike[str], names: Iterable[str]) -> int:
-    """Pack the cache entries of the kernels ``names`` into ``path`` (keyed by this environment; written
-    atomically). Returns how many; CompileCacheError when there are none."""
-    found = entries(names)
-    if not found:
+def listing(folder: Path | None = None) -> set[str]:
+    """The entries of Triton's cache folder by name (before a warm-up: what it then adds is the rest)."""
+    folder = folder or cache_dir()
+    return {d.name for d in folder.iterdir() if d.is_dir()} if folder.is_dir() else set()
+
+
+def launchers(keep: set[str], folder: Path | None = None) -> list[Path]:
+    """The entries among ``keep`` (by name) that hold a module Triton builds with the C compiler (a kernel
+    signature's ``__triton_launcher``, the driver's ``cuda_utils``): those a warm-up added, or a file held."""
+    folder = folder or cache_dir()
+    if not folder.is_dir():
+        return []
+    built = ("__triton_launcher", "cuda_utils")
+    return sorted(
+        d
+        for d in folder.iterdir()
+        if d.name in keep and d.is_dir() and any(f.name.startswith(built) for f in d.iterdir())
+    )
+
+
+def save(path: str | os.PathLike[str], names: Iterable[str], also: Iterable[Path] = ()) -> int:
+    """Pack the cache entries of the kernels ``names``, and the entries ``also`` (their launchers:
+    ``launchers``), into ``path`` (keyed by this environment; written atomically). Returns how many;
+    CompileCacheError when no kernel of ``names`` is there."""
+    kernels = entries(names)
+    if not kernels:
         raise CompileCacheError("no compiled kernel of the engine's in Triton's cache folder")
+    found = sorted(set(kernels) | set(also))
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for d in found:
