@@ -5,6 +5,7 @@ chain and tree rounds (a kept tree path leaves the caches of a chain)."""
 
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -285,11 +286,17 @@ def test_auto_engine_is_the_fastest_lossless_one(target):
 
     assert choices == ENGINE_CHOICES
     assert resolve_engine("auto", target) == resolve_engine("auto", target, tree_budget=8) == "graphs"
-    on_gpu = SimpleNamespace(device=torch.device("cuda"), config=target.config)  # what auto reads
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), config=target.config, dtype=torch.bfloat16)
     assert resolve_engine("auto", on_gpu) == resolve_engine("auto", on_gpu, tree_budget=8) == "graphs"
-    # commands that measure over many prompts (bench, eval) take the compiled steps on a GPU only
-    assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-layers"  # chain rounds
-    assert resolve_engine("auto", on_gpu, tree_budget=8, long_run=True) == "graphs-layers"  # tree rounds
+    # commands that measure over many prompts (bench, eval) take the decoder kernels on a GPU only
+    with mock.patch("dflashkit.target.kernels.triton_missing", return_value=None):
+        assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-kernels"  # chain rounds
+        assert resolve_engine("auto", on_gpu, tree_budget=8, long_run=True) == "graphs-kernels"  # tree rounds
+    # ... or the compiled layers where the kernels cannot run the target: another dtype, no Triton
+    in_fp64 = SimpleNamespace(device=on_gpu.device, config=target.config, dtype=torch.float64)
+    assert resolve_engine("auto", in_fp64, long_run=True) == "graphs-layers"
+    with mock.patch("dflashkit.target.kernels.triton_missing", return_value="no Triton"):
+        assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-layers"
     assert resolve_engine("auto", target, long_run=True) == "graphs"
     other = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(model_type="gpt2"))
     assert resolve_engine("auto", other) == "dynamic"

@@ -529,12 +529,12 @@ def resolve_engine(
     built for that budget), on a GPU (its steps captured) and on the CPU (eager: a round of the embedded
     target cost 2.72 autoregressive tokens against the dynamic engine's 3.11, benchmarks/RESULTS.md); else
     "dynamic" (the reference, any target). On a GPU, a ``long_run`` (a command that measures speed over
-    many prompts: bench, eval) takes a compiled engine, whose compile (~14 s cold, ~6 s from the compile
-    cache, H200) is paid once, outside the measured decoding: "graphs-layers", chain and tree rounds alike (its
-    GPU tests pass, the captured tree step's included; its steps as fast as the whole steps compiled, its
-    autoregressive baseline 1.3x graphs-compiled's, its cold start 16 s instead of 60: benchmarks/RESULTS.md,
-    seventeenth and eighteenth sessions). A short one (generate) takes "graphs", which starts in under a
-    second."""
+    many prompts: bench, eval) takes an engine whose start is paid once, outside the measured decoding:
+    "graphs-kernels" (every step through hand-written Triton kernels, nothing compiled by Inductor: its
+    one-token step 0.83x, its round 0.85x and a 31-node tree round 0.84x graphs-layers' side by side, its
+    cold start 10.8 s; benchmarks/RESULTS.md, twenty-fifth session), or "graphs-layers" where the kernels
+    cannot run the target (``kernels.unsupported_shape``) or Triton is missing. A short one (generate) takes
+    "graphs", which starts in under a second."""
     if name != "auto":
         return name
     try:
@@ -543,7 +543,12 @@ def resolve_engine(
         return "dynamic"
     if not long_run or target.device.type != "cuda":
         return "graphs"
-    return "graphs-layers"
+    from dflashkit.target.kernels import triton_missing, unsupported_shape
+    from dflashkit.target.slot_decoder import attention_shape
+
+    if triton_missing() or unsupported_shape(attention_shape(target.config)[2], target.dtype):
+        return "graphs-layers"
+    return "graphs-kernels"
 
 
 def compile_cache_path(
