@@ -484,6 +484,11 @@ def tree_calls(engine, prompt, n: int, args, device) -> dict:
 
 
 def main() -> None:
+    args = parser().parse_args()
+    _main(args)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(TARGET_SHAPES))
@@ -523,7 +528,10 @@ def main() -> None:
     ap.add_argument("--warm-start-engine", default="graphs-compiled", help=argparse.SUPPRESS)
     ap.add_argument("--target-folder", help=argparse.SUPPRESS)
     ap.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def _main(args: argparse.Namespace) -> None:
     if args.warm_start_child:
         print_result(warm_start_child(args))
         return
@@ -683,6 +691,22 @@ def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache
     written = cache.is_file() or sibling(cache).is_file()
     if not graph_engines().get(engine_name) or args.no_warm_start or not written:
         return {"warm_start_seconds": None}
+    cmd = warm_start_command(engine_name, folder, dtype_name, cache, args)
+    # a fresh machine's caches: Inductor's, and Triton's for the decoder kernels (graphs-kernels), so that what
+    # serves the child is the portable file (and its .triton sibling) alone
+    fresh = tempfile.mkdtemp(prefix="decode-steps-warm-")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": fresh, "TRITON_CACHE_DIR": os.path.join(fresh, "triton")}
+    out = run_child([*cmd, "--spawned-at", repr(time.time())], env, 540)
+    print(f"{dtype_name} {engine_name} warm start (second process): {json.dumps(out)}")
+    return {
+        "warm_start_seconds": out.get("process_to_first_token_seconds"),
+        "warm_start_engine_seconds": out.get("engine_to_first_token_seconds"),
+        "warm_start": out,
+    }
+
+
+def warm_start_command(engine_name: str, folder: Path, dtype_name: str, cache: Path, args) -> list[str]:
+    """The warm-start child's command line: the same models, step shapes and compile as this process's."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-start-child", str(cache)]
     cmd += ["--warm-start-engine", engine_name]
     cmd += ["--target-folder", str(folder), "--dtypes", dtype_name, "--shape", args.shape]
@@ -695,17 +719,12 @@ def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache
         str(args.target_layers),
     ]
     cmd += ["--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--calls", str(args.calls)]
-    # a fresh machine's caches: Inductor's, and Triton's for the decoder kernels (graphs-kernels), so that what
-    # serves the child is the portable file (and its .triton sibling) alone
-    fresh = tempfile.mkdtemp(prefix="decode-steps-warm-")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": fresh, "TRITON_CACHE_DIR": os.path.join(fresh, "triton")}
-    out = run_child([*cmd, "--spawned-at", repr(time.time())], env, 540)
-    print(f"{dtype_name} {engine_name} warm start (second process): {json.dumps(out)}")
-    return {
-        "warm_start_seconds": out.get("process_to_first_token_seconds"),
-        "warm_start_engine_seconds": out.get("engine_to_first_token_seconds"),
-        "warm_start": out,
-    }
+    # what else enters the steps' shapes (``engine_capacity``: the tree budgets widen the cache) or their
+    # compile: without them the child built other steps than the file holds (measured 2026-12-05: every
+    # graph of graphs-layers compiled again, 24.7 s, and the kernels' variants too, 19.2 s)
+    cmd += ["--tree-budgets", ",".join(map(str, args.tree_budgets)), "--profile", str(args.profile)]
+    cmd += ["--max-autotune"] if args.max_autotune else []
+    return cmd
 
 
 def warm_start_child(args) -> dict:

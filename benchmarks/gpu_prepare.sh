@@ -20,6 +20,21 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-seventh session's plan (the twenty-sixth: dependent launch on, 0.532 -> 0.436 ms a token; auto takes
+# graphs-kernels; the bench of the two engines on real prompts was lost with its machine; split-K for the qkv and
+# up kernels built, off). Back to back, issued at once, each bench a command of its own:
+#   BUDGET=420 TILES_ARGS="--variants default,serial,qsplit4,usplit4,qusplit2,qusplit4 --calls 100" \
+#     ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 31" bash benchmarks/gpu_prepare.sh part decode tiles ktests
+#                       # carry .whl; decode first (a cold start no test warmed; its warm start now a real
+#                       # one); if a split variant wins its steps, it becomes the default
+#   `part` [.bench/p1 .whl], [p2], [p5], [p3]; `part join heldout` [p4]
+#   export BENCH_CAP=230 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=24 \
+#     BENCH_SUMMARY=none; BENCH_OUT=/root/work/b-kernels BENCH_ARGS="--sets heldout,mtbench --temperatures 0,1 \
+#     --engine graphs-kernels" bash benchmarks/gpu_prepare.sh bench       # then the same with graphs-layers
+#   then the whole table on auto (graphs-kernels: four sets, 80 prompts, T = 0, drafter_table.json) and
+#   --tree-budget 31 at T = 1
+# Twenty-sixth session, as run: RESULTS (the dependent-launch test and tiles, decode side by side, the real
+# target's GPU tests passed; the bench command lost with its machine, then none lent).
 # Twenty-sixth session's plan (the twenty-fifth measured the third kernels: every step of a round faster than
 # graphs-layers', AR 1,501 tok/s; built programmatic dependent launch, off until measured; `auto` taking
 # graphs-kernels waits on branch auto-graphs-kernels for the bench below). Back to back, issued at once:

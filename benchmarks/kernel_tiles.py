@@ -51,6 +51,11 @@ VARIANTS = {
     "ksplit2": Tiles(residual_splits=2),
     "ksplit8": Tiles(residual_splits=8),
     "inner512-ksplit2": Tiles(block_inner=512, residual_splits=2),
+    # split-K in a block's qkv and up kernels too (60 and 96 programs of 16 columns without)
+    "qsplit4": Tiles(qkv_splits=4),
+    "usplit4": Tiles(up_splits=4),
+    "qusplit2": Tiles(qkv_splits=2, up_splits=2),
+    "qusplit4": Tiles(qkv_splits=4, up_splits=4),
     # each kernel launched after the one before it has ended (the default launches it while that one runs,
     # its first weight tile read: programmatic dependent launch, measured 2026-12-05)
     "serial": Tiles(pdl=False),

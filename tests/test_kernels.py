@@ -81,11 +81,14 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, device):
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
     (up to summation order); a step of more rows than the kernels take is refused."""
     w = DecoderWeights.from_hf(tiny_model(kind).to(device))
-    # several attention splits for the long context; split-K in the residual kernels for the Qwen2 steps
+    # several attention splits for the long context; split-K in every matmul kernel for the Qwen2 and Qwen3
+    # blocks (the last share adds the bias, or normalises each head, before the rotation), none for Llama's
     tiles = (
         Tiles(attention_positions=16, splits=4)
         if capacity > 64
-        else Tiles(residual_splits=2 if kind == "qwen2" else 1)
+        else Tiles(residual_splits=1, qkv_splits=1, up_splits=1)
+        if kind == "llama"
+        else Tiles(residual_splits=2, qkv_splits=2, up_splits=4)
     )
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero, pos = torch.zeros(1, dtype=torch.long, device=device), 0
@@ -131,7 +134,7 @@ def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parent
     from dflashkit.infer.tree import DraftTree, ancestors
 
     w = DecoderWeights.from_hf(tiny_model().to(device))
-    tiles = Tiles(attention_positions=16, splits=4)
+    tiles = Tiles(attention_positions=16, splits=4, qkv_splits=2, up_splits=2)  # a tree's rows split-K too
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(3)

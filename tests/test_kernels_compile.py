@@ -116,6 +116,7 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
     from dflashkit.infer.graph_engine import GraphEngine
     from dflashkit.target import kernels
     from dflashkit.target.hf import TargetModel
+    from dflashkit.target.slot_decoder import SlotCache
     from test_graph_engine import tiny_pair
 
     records: list[dict] = []
@@ -133,6 +134,13 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
             target, drafter.to(dtype), capacity=64, graphs=False, compile="kernels", tree_budget=6
         )
         engine.warm_up()
+        # split-K in the qkv and up kernels too (a kernel_tiles variant; the engine's default splits only
+        # the residual kernels'), for a block
+        w = engine.w
+        out = torch.empty(8, w.vocab_size)
+        ids, start = torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        split = kernels.Tiles(qkv_splits=2, up_splits=2)
+        kernels.decode_by_kernels(w, SlotCache(w, slots=1, capacity=64), ids, start, out, tiles=split)
     return records
 
 
@@ -143,6 +151,11 @@ def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
     names = {r["name"] for r in records}
     assert {f"{k}_kernel" for k in KERNELS} | {"ancestors_kernel", "walk_kernel", "build_kernel"} <= names
     assert {r["values"].get("DOT") for r in records if r["name"] == "qkv_kernel"} == {False, True}
+    assert {r["name"] for r in records if r["values"].get("SPLIT_K", 1) > 1} == {
+        "qkv_kernel",
+        "up_kernel",
+        "residual_kernel",
+    }
     assert any(r["values"].get("TREE") for r in records if r["name"] == "attention_kernel")
     file = tmp_path / "launches.json"
     file.write_text(json.dumps(records))

@@ -405,8 +405,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--engine",
         choices=list(ENGINE_CHOICES),
         default="auto",
-        help="decode engine of both loops: auto (the fastest lossless one: graphs-layers on a GPU, chain "
-        "and tree rounds; graphs on the CPU; dynamic for targets the fused forward does not "
+        help="decode engine of both loops: auto (the fastest lossless one: graphs-kernels on a GPU, chain "
+        "and tree rounds, graphs-layers where the kernels cannot run the target; graphs on the CPU; dynamic for targets the fused forward does not "
         "cover), dynamic (any target), static (transformers' layers compiled per step shape), graphs (the "
         "fused target forward, one CUDA graph per step shape; llama/mistral/qwen2/qwen3 targets), "
         "graphs-compiled (its steps compiled first: faster steps, a start of ~25-65 s), graphs-layers (one target decoder layer compiled for every layer: "

@@ -448,7 +448,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         choices=list(ENGINE_CHOICES),
         default="auto",
         help="decode engine: auto (the fastest lossless one: the graphs engine for llama/mistral/qwen2/qwen3 "
-        "targets, its steps compiled on a GPU for eval, which decodes many prompts; else dynamic), dynamic "
+        "targets, on a GPU for eval (which decodes many prompts) its steps through the decoder kernels "
+        "(graphs-kernels; graphs-layers where they cannot run the target); else dynamic), dynamic "
         "(growing caches, eager; any target), static (preallocated caches, transformers' layers compiled "
         "once per step shape), graphs (preallocated caches, the fused target forward, one CUDA graph per "
         "step shape; starts in a second), graphs-compiled (the same steps compiled first: faster steps, a "

@@ -531,8 +531,8 @@ def resolve_engine(
     "dynamic" (the reference, any target). On a GPU, a ``long_run`` (a command that measures speed over
     many prompts: bench, eval) takes an engine whose start is paid once, outside the measured decoding:
     "graphs-kernels" (every step through hand-written Triton kernels, nothing compiled by Inductor: its
-    one-token step 0.83x, its round 0.85x and a 31-node tree round 0.84x graphs-layers' side by side, its
-    cold start 10.8 s; benchmarks/RESULTS.md, twenty-fifth session), or "graphs-layers" where the kernels
+    one-token step 0.70x, its round 0.74x and a 31-node tree round 0.78x graphs-layers' side by side, its
+    start 10.9 s against 21.2; benchmarks/RESULTS.md, twenty-sixth session), or "graphs-layers" where the kernels
     cannot run the target (``kernels.unsupported_shape``) or Triton is missing. A short one (generate) takes
     "graphs", which starts in under a second."""
     if name != "auto":

@@ -44,8 +44,8 @@ Steps (fixed shapes, as the static engine's):
   a greedy tree round is one replay and one copy to the host, as a chain's (`greedy_round(tree=True)`, when
   the budget holds a block: N+1 >= B).
 
-With ``compile=True`` (the ``"graphs-compiled"`` engine; ``--engine auto`` takes ``"graphs-layers"`` on a GPU
-for bench and eval, ``compile="layers"`` below) each target step (the tree step included) and the draft step is first compiled by torch.compile
+With ``compile=True`` (the ``"graphs-compiled"`` engine; ``"graphs-layers"`` is ``compile="layers"`` below,
+and ``--engine auto`` takes ``"graphs-kernels"``, ``compile="kernels"``, on a GPU for bench and eval) each target step (the tree step included) and the draft step is first compiled by torch.compile
 (Inductor, fullgraph, static shapes, no CUDA-graph mode: ``Steps`` captures the graph itself), so each layer's
 norms, rotary, SwiGLU product, casts and cache writes fuse into a few Triton kernels around the matmuls and the
 attention; the compiled step is then captured as one CUDA graph as before. Compiles follow the rules of

@@ -77,6 +77,32 @@ def rows_times(a, w, DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.cons
 
 
 @triton.jit
+def share_written(PARTS, acc, at, ok):
+    """Split-K: this program's sum over its share of the inner dimension, written to PARTS [.., M, N] at ``at``
+    (float32, not rounded)."""
+    tl.store(PARTS + at, acc, mask=ok)
+
+
+@triton.jit
+def arrived_last(ARRIVED, tile, SPLIT_K: tl.constexpr):
+    """Split-K: count this program's share of its column tile as done (after every thread's part of it was
+    written: the barrier, then a release); whether it is the last of the tile's SPLIT_K shares, which then
+    reads them all (acquire) and finishes the tile."""
+    tl.debug_barrier()
+    return tl.atomic_add(ARRIVED + tile, 1, sem="acq_rel") == SPLIT_K - 1
+
+
+@triton.jit
+def shares_summed(PARTS, at, ok, SIZE, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split-K, in the last share's program: the shares' sums added in order (the same sum whichever share
+    arrived last), read past the multiprocessor's own cache (.cg); SIZE: one share's elements in PARTS."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(0, SPLIT_K):
+        acc += tl.load(PARTS + s * SIZE + at, mask=ok, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def qkv_kernel(
     X,  # [M, H] the residual stream
     NORM,  # [H] the layer's input norm
@@ -90,6 +116,8 @@ def qkv_kernel(
     Q,  # [M, NQ*D] out: the turned queries
     KC,  # [capacity, NK, D] the layer's key cache (the engine's slot), written at START + m
     VC,  # the same for values
+    PARTS,  # [SPLIT_K, M, N] float32: each share's sum (SPLIT_K > 1), or a dummy
+    ARRIVED,  # [>= the column tiles] int32, zero: the shares done per column tile (SPLIT_K > 1), or a dummy
     eps,
     capacity,
     M,  # rows: a runtime value (a drafter's prompt context comes in any count; BLOCK_M is the compile's)
@@ -101,6 +129,8 @@ def qkv_kernel(
     HEAD_NORM: tl.constexpr,  # each query and key head normalised before the rotation (BLOCK_N == D)
     TREE: tl.constexpr,
     COL0: tl.constexpr,  # the first column (NQD: keys and values only), a multiple of BLOCK_N
+    SPLIT_K: tl.constexpr,
+    SHARE: tl.constexpr,  # the inner dimension's share a program sums: H, or cdiv(H, SPLIT_K), in steps of BLOCK_K
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -111,7 +141,9 @@ def qkv_kernel(
 ):
     """rms_norm(x) @ W.T (+ bias), each (even, odd) column pair of the queries and keys turned by its rotary
     angle, the keys and values written into the cache: one program per BLOCK_N columns from COL0. Token m is
-    written at position START + m and turned by that position's angle, or (TREE) by the angle of POS[m]."""
+    written at position START + m and turned by that position's angle, or (TREE) by the angle of POS[m].
+    SPLIT_K > 1 (a block's few column tiles): program (n, s) sums the s-th share of the inner dimension, and
+    the share that arrives last for its tile adds them up and does the rest (``arrived_last``)."""
     pid = tl.program_id(0)
     dt = W.dtype.element_ty
     N: tl.constexpr = NQD + 2 * NKD
@@ -120,13 +152,15 @@ def qkv_kernel(
     n0 = COL0 + pid * BLOCK_N  # this program's first column
     rn = n0 + tl.arange(0, BLOCK_N)
     n_ok = rn < N
+    k_lo = tl.program_id(1) * SHARE
     if GDC:  # the first weight tile while the kernel before runs (no kernel writes weights)
-        first = weight_tile(W, rn, n_ok, tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K) < H, H)
+        rk0 = k_lo + tl.arange(0, BLOCK_K)
+        first = weight_tile(W, rn, n_ok, rk0, rk0 < H, H)
     wait_for_inputs(GDC)
     scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, H, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+    for k0 in tl.static_range(0, SHARE, BLOCK_K):
+        rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
         h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
         if GDC and k0 == 0:
@@ -134,6 +168,31 @@ def qkv_kernel(
         else:
             w = weight_tile(W, rn, n_ok, rk, k_ok, H)
         acc += rows_times(h, w, DOT, PRECISION, UPCAST)
+    last = True
+    if SPLIT_K > 1:
+        at = rm[:, None] * N + rn[None, :]
+        ok = row_ok[:, None] & n_ok[None, :]
+        share_written(PARTS + tl.program_id(1) * (M * N), acc, at, ok)
+        last = arrived_last(ARRIVED, pid, SPLIT_K)
+        if last:
+            acc = shares_summed(PARTS, at, ok, M * N, SPLIT_K, BLOCK_M, BLOCK_N)
+            tl.store(ARRIVED + pid, 0)
+    if last:
+        turned_and_written(
+            acc, BIAS, QN, KN, ROT, START, POS, Q, KC, VC, eps, capacity, rm, row_ok, n0, rn, n_ok, dt,
+            N, NQD, NKD, D, HAS_BIAS, HEAD_NORM, TREE, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+
+
+@triton.jit
+def turned_and_written(
+    acc, BIAS, QN, KN, ROT, START, POS, Q, KC, VC, eps, capacity, rm, row_ok, n0, rn, n_ok, dt: tl.constexpr,
+    N: tl.constexpr, NQD: tl.constexpr, NKD: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HEAD_NORM: tl.constexpr, TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The qkv kernel's end for its column tile: the projection's sum acc [BLOCK_M, BLOCK_N] (+ bias) rounded,
+    each query and key head normalised (HEAD_NORM), the pairs turned, queries into Q, keys and values into
+    the cache."""
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     # the projection's output in the model's dtype, as the plain forward rounds it before the rotation
@@ -286,10 +345,14 @@ def up_kernel(
     NORM,  # [H] the post-attention norm
     W,  # [2*I, H] gate rows then up rows
     A,  # [M, I] out: silu(gate) * up
+    PARTS,  # [SPLIT_K, 2, M, I] float32: each share's gate and up sums (SPLIT_K > 1), or a dummy
+    ARRIVED,  # [>= the column tiles] int32, zero: the shares done per column tile (SPLIT_K > 1), or a dummy
     eps,
     M: tl.constexpr,
     H: tl.constexpr,
     I: tl.constexpr,  # noqa: E741 (the MLP's width, as the method names it)
+    SPLIT_K: tl.constexpr,
+    SHARE: tl.constexpr,  # the inner dimension's share a program sums (split-K, as the qkv kernel's)
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -298,23 +361,26 @@ def up_kernel(
     BLOCK_K: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    """rms_norm(x), its gate and up projections for BLOCK_N columns, and SwiGLU's product."""
+    """rms_norm(x), its gate and up projections for BLOCK_N columns, and SwiGLU's product. SPLIT_K > 1:
+    program (n, s) sums the s-th share of the inner dimension; the last share of a tile adds them up and
+    does the product."""
     pid = tl.program_id(0)
     dt = W.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
+    k_lo = tl.program_id(1) * SHARE
     if GDC:  # the first weight tiles while the kernel before runs
-        rk0 = tl.arange(0, BLOCK_K)
+        rk0 = k_lo + tl.arange(0, BLOCK_K)
         first_gate = weight_tile(W, rn, n_ok, rk0, rk0 < H, H)
         first_up = weight_tile(W, I + rn, n_ok, rk0, rk0 < H, H)
     wait_for_inputs(GDC)
     scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, H, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+    for k0 in tl.static_range(0, SHARE, BLOCK_K):
+        rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < H
         h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
         if GDC and k0 == 0:
@@ -323,14 +389,23 @@ def up_kernel(
             w_gate, w_up = weight_tile(W, rn, n_ok, rk, k_ok, H), weight_tile(W, I + rn, n_ok, rk, k_ok, H)
         gate += rows_times(h, w_gate, DOT, PRECISION, UPCAST)
         up += rows_times(h, w_up, DOT, PRECISION, UPCAST)
-    gate = gate.to(dt).to(tl.float32)
-    silu = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
-    product = silu * up.to(dt).to(tl.float32)
-    tl.store(
-        A + rm[:, None] * I + rn[None, :],
-        product.to(A.dtype.element_ty),
-        mask=row_ok[:, None] & n_ok[None, :],
-    )
+    ok = row_ok[:, None] & n_ok[None, :]
+    at = rm[:, None] * I + rn[None, :]
+    last = True
+    if SPLIT_K > 1:
+        share = PARTS + tl.program_id(1) * (2 * M * I)
+        share_written(share, gate, at, ok)
+        share_written(share + M * I, up, at, ok)
+        last = arrived_last(ARRIVED, pid, SPLIT_K)
+        if last:
+            gate = shares_summed(PARTS, at, ok, 2 * M * I, SPLIT_K, BLOCK_M, BLOCK_N)
+            up = shares_summed(PARTS + M * I, at, ok, 2 * M * I, SPLIT_K, BLOCK_M, BLOCK_N)
+            tl.store(ARRIVED + pid, 0)
+    if last:
+        gate = gate.to(dt).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+        product = silu * up.to(dt).to(tl.float32)
+        tl.store(A + at, product.to(A.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -382,15 +457,10 @@ def residual_kernel(
     last = True
     if SPLIT_K > 1:
         at = rm[:, None] * H + rn[None, :]
-        tl.store(PARTS + tl.program_id(1) * (M * H) + at, acc, mask=ok)
-        # every thread's part of this share written (the barrier) before the count says so (release); the
-        # last share's program reads them all after it (acquire), past the multiprocessor's own cache (.cg)
-        tl.debug_barrier()
-        last = tl.atomic_add(ARRIVED + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        share_written(PARTS + tl.program_id(1) * (M * H), acc, at, ok)
+        last = arrived_last(ARRIVED, pid, SPLIT_K)
         if last:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(0, SPLIT_K):
-                acc += tl.load(PARTS + s * (M * H) + at, mask=ok, other=0.0, cache_modifier=".cg")
+            acc = shares_summed(PARTS, at, ok, M * H, SPLIT_K, BLOCK_M, BLOCK_N)
             tl.store(ARRIVED + pid, 0)
     if last:
         x_at = X + rm[:, None] * H + rn[None, :]

@@ -56,7 +56,7 @@ class Tiles:
     inner step follows from it, the whole hidden size for one step). A block (more than one token, through
     ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner`` for 16 rows (twice that for 8, the
     same for more: a tree's). The attention's splits along the positions and positions per step; a
-    block's residual kernels' split of the inner dimension (split-K: more programs for their few output
+    block's split of the inner dimension in each matmul kernel (split-K: more programs for their few output
     columns); warps per program."""
 
     qkv_columns: int = 4  # even: rotary pairs
@@ -69,6 +69,8 @@ class Tiles:
     splits: int = 8  # programs per key/value head along the positions
     residual_splits: int = 4  # a block's output and down projections' inner dimension among this many
     # programs (one token takes none: its many programs of few columns already fill the GPU)
+    qkv_splits: int = 1  # the same for a block's qkv and up kernels (the last share does the rotary or
+    up_splits: int = 1  # SwiGLU: ``kernel_source.arrived_last``)
     warps: int = 4
     pdl: bool = True  # programmatic dependent launch where the GPU has it (``pdl_args``): its GPU test (a
     # captured step equal to the serial one, 200 replays) passed on an H200, one token 0.532 -> 0.436 ms and a
@@ -204,27 +206,39 @@ def _launch_qkv(
     positions: Tensor | None,
     tiles: Tiles,
     col0: int = 0,
+    split: tuple[int, Tensor, Tensor] | None = None,
 ) -> None:
     """The qkv kernel over rows x [M, H] after ``norm``: the columns from ``col0`` (0: queries, keys and
     values; the queries' count: keys and values only), the queries into q, the keys and values into the
-    layer's cache [capacity, NK, D] at ``start`` + m, turned by those positions or by ``positions``."""
+    layer's cache [capacity, NK, D] at ``start`` + m, turned by those positions or by ``positions``.
+    ``split``: split-K's shares at most, its partial sums and its counts (``decode_by_kernels``)."""
     m, hidden = x.shape
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     _, matmul = _launch_args(w, m, tiles)
     head_norm = layer.q_norm is not None  # Qwen3: a program's columns are one head
     cols = d if head_norm else tiles.columns("qkv", m)
     assert col0 % cols == 0
-    grid = (triton_cdiv((nq + 2 * nk) * d - col0, cols),)
+    splits, parts, arrived = split or (1, x, start)
+    step, share, n = shares(tiles, hidden, splits, m, cols)
+    grid = (triton_cdiv((nq + 2 * nk) * d - col0, cols), n)
     dummy = layer.input_norm
     _compiled().qkv[grid](
         x, norm, layer.qkv, dummy if layer.qkv_bias is None else layer.qkv_bias,
         dummy if layer.q_norm is None else layer.q_norm, dummy if layer.k_norm is None else layer.k_norm,
         w.rotary_pairs, start, start if positions is None else positions, q, k_cache, v_cache,
-        w.eps, k_cache.shape[0],
+        parts, arrived, w.eps, k_cache.shape[0],
         M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None,
-        HEAD_NORM=head_norm, TREE=positions is not None, COL0=col0,
-        BLOCK_N=cols, BLOCK_K=tiles.inner(hidden, m, cols), **matmul,
+        HEAD_NORM=head_norm, TREE=positions is not None, COL0=col0, SPLIT_K=n, SHARE=share,
+        BLOCK_N=cols, BLOCK_K=step, **matmul,
     )  # fmt: skip
+
+
+def shares(tiles: Tiles, inner: int, splits: int, m: int, columns: int) -> tuple[int, int, int]:
+    """Split-K for a matmul of inner size ``inner``: its inner step, the share of the inner dimension a
+    program sums (whole steps) and the number of shares (at most ``splits``; 1: no split)."""
+    step = tiles.inner(triton_cdiv(inner, splits), m, columns)
+    share = triton_cdiv(triton_cdiv(inner, splits), step) * step
+    return step, share, triton_cdiv(inner, share)
 
 
 def write_keys_values(
@@ -294,14 +308,27 @@ def decode_by_kernels(
     totals = torch.empty_like(tops)
     attended = torch.empty(m, nq * d, dtype=w.dtype, device=x.device)
     act = torch.empty(m, width, dtype=w.dtype, device=x.device)
-    # split-K's sums and counts (zero; each launch leaves them zero), or dummies
-    split_k = t.residual_splits if m > 1 else 1
-    partials = torch.empty(split_k, m, hidden, dtype=torch.float32, device=x.device) if split_k > 1 else x
-    arrived = (
-        torch.zeros(triton_cdiv(hidden, cols["residual"]), dtype=torch.int32, device=x.device)
-        if split_k > 1
-        else start
+    # split-K (blocks only): each kernel's most shares; their partial sums and per-tile counts, one buffer
+    # each for every kernel in turn (zero: each launch leaves its counts zero), or dummies
+    qkv_cols = d if w.layers[0].q_norm is not None else t.columns("qkv", m)
+    split_k = {
+        "qkv": t.qkv_splits if m > 1 else 1,
+        "up": t.up_splits if m > 1 else 1,
+        "residual": t.residual_splits if m > 1 else 1,
+    }
+    sums = max(
+        split_k["qkv"] * m * (nq + 2 * nk) * d,
+        split_k["up"] * 2 * m * width,
+        split_k["residual"] * m * hidden,
     )
+    tiles_most = max(
+        triton_cdiv((nq + 2 * nk) * d, qkv_cols),
+        triton_cdiv(width, cols["up"]),
+        triton_cdiv(hidden, cols["residual"]),
+    )
+    split_any = max(split_k.values()) > 1
+    partials = torch.empty(sums, dtype=torch.float32, device=x.device) if split_any else x
+    arrived = torch.zeros(tiles_most, dtype=torch.int32, device=x.device) if split_any else start
     grids = {
         "attention": (nk, splits, row_tiles),
         "merge": (m * nq,),
@@ -309,21 +336,19 @@ def decode_by_kernels(
     }
 
     def residual(inner: int) -> tuple[tuple[int, int], dict]:
-        """The residual kernel's grid and sizes for a projection from ``inner`` columns (split-K: each
-        program's share of them, in whole steps; as many shares as that takes, at most ``split_k``)."""
-        step = t.inner(triton_cdiv(inner, split_k), m, cols["residual"])
-        share = triton_cdiv(triton_cdiv(inner, split_k), step) * step
-        n = triton_cdiv(inner, share)
+        """The residual kernel's grid and sizes for a projection from ``inner`` columns."""
+        step, share, n = shares(t, inner, split_k["residual"], m, cols["residual"])
         sizes = dict(M=m, H=hidden, K=inner, SPLIT_K=n, SHARE=share, BLOCK_N=cols["residual"])
         return (triton_cdiv(hidden, cols["residual"]), n), dict(BLOCK_K=step, **sizes, **matmul)
 
     o_grid, o_sizes = residual(nq * d)
     down_grid, down_sizes = residual(width)
-    inner_up = t.inner(hidden, m, 2 * cols["up"])
+    up_step, up_share, up_n = shares(t, hidden, split_k["up"], m, 2 * cols["up"])
+    qkv_split = (split_k["qkv"], partials, arrived)
     kept = []
     for i, layer in enumerate(w.layers):
         k_cache, v_cache = cache.k[i][0], cache.v[i][0]  # [capacity, NK, D]: the engine's one slot
-        _launch_qkv(w, layer, layer.input_norm, x, q, k_cache, v_cache, start, positions, t)
+        _launch_qkv(w, layer, layer.input_norm, x, q, k_cache, v_cache, start, positions, t, split=qkv_split)
         k.attention[grids["attention"]](
             q, k_cache, v_cache, start, seen_bytes, parts, tops, totals, d**-0.5, cache.capacity,
             M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps, TREE=tree,
@@ -333,9 +358,9 @@ def decode_by_kernels(
             parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps, **pdl
         )  # fmt: skip
         k.residual[o_grid](attended, layer.o, x, partials, arrived, **o_sizes)
-        k.up[grids["up"]](
-            x, layer.post_norm, layer.gate_up, act, w.eps,
-            M=m, H=hidden, I=width, BLOCK_N=cols["up"], BLOCK_K=inner_up, **matmul,
+        k.up[grids["up"] + (up_n,)](
+            x, layer.post_norm, layer.gate_up, act, partials, arrived, w.eps, M=m, H=hidden, I=width,
+            SPLIT_K=up_n, SHARE=up_share, BLOCK_N=cols["up"], BLOCK_K=up_step, **matmul,
         )  # fmt: skip
         k.residual[down_grid](act, layer.down, x, partials, arrived, **down_sizes)
         if i in keep:

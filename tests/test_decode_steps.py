@@ -1,0 +1,29 @@
+"""benchmarks/decode_steps.py's warm-start child builds the very steps its parent wrote to the portable file:
+every argument that enters a step's shape (the capacity: prompt, tokens, calls, profile, tree budgets) or its
+compile reaches the child (a child without the tree budgets compiled every graph again, 2026-12-05)."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import decode_steps  # noqa: E402
+
+
+def test_the_warm_start_child_builds_the_parents_steps(tmp_path):
+    drafter = SimpleNamespace(config=SimpleNamespace(block_size=8))
+    for argv in (
+        ["--tree-budgets", "31", "--profile", "300", "--prompt-len", "80", "--max-autotune"],
+        ["--tokens", "64", "--calls", "50"],
+    ):
+        parent = decode_steps.parser().parse_args(argv)
+        cmd = decode_steps.warm_start_command("graphs-layers", tmp_path, "bfloat16", tmp_path / "c", parent)
+        assert cmd[:2] == [sys.executable, str(ROOT / "benchmarks" / "decode_steps.py")]
+        child = decode_steps.parser().parse_args(cmd[2:])
+        assert decode_steps.engine_capacity(child, drafter) == decode_steps.engine_capacity(parent, drafter)
+        same = ("shape", "layers", "block", "target_layers", "prompt_len", "tokens", "calls", "tree_budgets")
+        for name in (*same, "profile", "max_autotune"):
+            assert getattr(child, name) == getattr(parent, name), name
+        assert child.warm_start_child == str(tmp_path / "c") and child.warm_start_engine == "graphs-layers"
