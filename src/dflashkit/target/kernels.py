@@ -308,8 +308,8 @@ def decode_by_kernels(
     totals = torch.empty_like(tops)
     attended = torch.empty(m, nq * d, dtype=w.dtype, device=x.device)
     act = torch.empty(m, width, dtype=w.dtype, device=x.device)
-    # split-K (blocks only): each kernel's most shares; their partial sums and per-tile counts, one buffer
-    # each for every kernel in turn (zero: each launch leaves its counts zero), or dummies
+    # split-K (blocks only): each kernel's most shares; one buffer of partial sums and one of per-tile counts,
+    # which the kernels use in turn (the counts zero: each launch leaves them zero), or dummies
     qkv_cols = d if w.layers[0].q_norm is not None else t.columns("qkv", m)
     split_k = {
         "qkv": t.qkv_splits if m > 1 else 1,
