@@ -967,9 +967,11 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     torch.testing.assert_close(ours.features, theirs.features, atol=1e-4, rtol=1e-4)
     assert calls, "the tree step did not go through the kernels"
     ar = autoregressive_generate(tiny, prompt, 14, layer_ids=layers).tokens
-    dyn = speculative_generate(tiny, d, prompt, 14, tree_budget=budget)
-    real = speculative_generate(tiny, d, prompt, 14, engine=engine, tree_budget=budget)
-    assert real.tokens == dyn.tokens == ar and real.accept_lengths == dyn.accept_lengths
+    # this drafter's rounds each accept one token (a tree round ~2.5 s in the interpreter): 7 of them; the
+    # scripted rounds below take branches over all 14
+    dyn = speculative_generate(tiny, d, prompt, 7, tree_budget=budget)
+    real = speculative_generate(tiny, d, prompt, 7, engine=engine, tree_budget=budget)
+    assert real.tokens == dyn.tokens == ar[:7] and real.accept_lengths == dyn.accept_lengths
     script = ScriptedTree(engine, prompt + ar)
     scripted = speculative_generate(tiny, d, prompt, 14, engine=script, tree_budget=budget)
     assert scripted.tokens == ar and any(p != list(range(len(p))) for p in script.paths)
