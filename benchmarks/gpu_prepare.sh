@@ -23,10 +23,10 @@
 # Twenty-seventh session's plan (the twenty-sixth: dependent launch on, 0.532 -> 0.436 ms a token; auto takes
 # graphs-kernels; the bench of the two engines on real prompts was lost with its machine; split-K for the qkv and
 # up kernels built, off). Back to back, issued at once, each bench a command of its own:
-#   BUDGET=420 TILES_ARGS="--variants default,serial,qsplit4,usplit4,qusplit2,qusplit4 --calls 100" \
+#   BUDGET=420 TILES_ARGS="--variants default,serial,qsplit4,usplit4,qusplit2,qusplit4,fusedmerge,qusplit4-fusedmerge --calls 100" \
 #     ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 31" bash benchmarks/gpu_prepare.sh part decode tiles ktests
 #                       # carry .whl; decode first (a cold start no test warmed; its warm start now a real
-#                       # one); if a split variant wins its steps, it becomes the default
+#                       # one); a split-K or fused-merge variant that wins its steps becomes the default
 #   `part` [.bench/p1 .whl], [p2], [p5], [p3]; `part join heldout` [p4]
 #   export BENCH_CAP=230 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=24 \
 #     BENCH_SUMMARY=none; BENCH_OUT=/root/work/b-kernels BENCH_ARGS="--sets heldout,mtbench --temperatures 0,1 \

@@ -68,15 +68,16 @@ def tiny_model(kind: str = "llama", **extra):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("kind", "capacity", "chunks"),
+    ("kind", "capacity", "chunks", "merge_in_attention"),
     [
-        ("llama", 64, (5, 1, 4, 1)),  # one split
-        ("qwen2", 64, (3, 4, 1)),
-        ("qwen3", 64, (3, 4, 1)),  # per-head query and key norms
-        ("llama", 320, (150, 4, 1, 4)),  # a context of several splits of 16 positions (prefilled)
+        ("llama", 64, (5, 1, 4, 1), False),  # one split
+        ("qwen2", 64, (3, 4, 1), False),
+        ("qwen3", 64, (3, 4, 1), False),  # per-head query and key norms
+        ("llama", 320, (150, 4, 1, 4), False),  # a context of several splits of 16 positions (prefilled)
+        ("llama", 320, (150, 4, 1, 4), True),  # ... merged by the attention's last split
     ],
 )
-def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, device):
+def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in_attention, device):
     """Step after step (a prompt, then blocks and single tokens written after it) over the same cache, the
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
     (up to summation order); a step of more rows than the kernels take is refused."""
@@ -84,7 +85,7 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, device):
     # several attention splits for the long context; split-K in every matmul kernel for the Qwen2 and Qwen3
     # blocks (the last share adds the bias, or normalises each head, before the rotation), none for Llama's
     tiles = (
-        Tiles(attention_positions=16, splits=4)
+        Tiles(attention_positions=16, splits=4, merge_in_attention=merge_in_attention)
         if capacity > 64
         else Tiles(residual_splits=1, qkv_splits=1, up_splits=1)
         if kind == "llama"
@@ -134,7 +135,8 @@ def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parent
     from dflashkit.infer.tree import DraftTree, ancestors
 
     w = DecoderWeights.from_hf(tiny_model().to(device))
-    tiles = Tiles(attention_positions=16, splits=4, qkv_splits=2, up_splits=2)  # a tree's rows split-K too
+    # a tree's rows split-K too, and its attention's splits merged by the last (two row tiles of them)
+    tiles = Tiles(attention_positions=16, splits=4, qkv_splits=2, up_splits=2, merge_in_attention=True)
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(3)

@@ -134,13 +134,15 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
             target, drafter.to(dtype), capacity=64, graphs=False, compile="kernels", tree_budget=6
         )
         engine.warm_up()
-        # split-K in the qkv and up kernels too (a kernel_tiles variant; the engine's default splits only
-        # the residual kernels'), for a block
+        # kernel_tiles' variants off by default: split-K in the qkv and up kernels too (the engine's default
+        # splits only the residual kernels'), for a block; the attention's splits merged by the last, for a
+        # token and a block
         w = engine.w
-        out = torch.empty(8, w.vocab_size)
-        ids, start = torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-        split = kernels.Tiles(qkv_splits=2, up_splits=2)
-        kernels.decode_by_kernels(w, SlotCache(w, slots=1, capacity=64), ids, start, out, tiles=split)
+        variants = kernels.Tiles(qkv_splits=2, up_splits=2, merge_in_attention=True)
+        for m in (1, 8):
+            ids, start = torch.zeros(1, m, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+            cache = SlotCache(w, slots=1, capacity=64)
+            kernels.decode_by_kernels(w, cache, ids, start, torch.empty(m, w.vocab_size), tiles=variants)
     return records
 
 
@@ -151,6 +153,7 @@ def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
     names = {r["name"] for r in records}
     assert {f"{k}_kernel" for k in KERNELS} | {"ancestors_kernel", "walk_kernel", "build_kernel"} <= names
     assert {r["values"].get("DOT") for r in records if r["name"] == "qkv_kernel"} == {False, True}
+    assert {r["values"].get("MERGE") for r in records if r["name"] == "attention_kernel"} == {False, True}
     assert {r["name"] for r in records if r["values"].get("SPLIT_K", 1) > 1} == {
         "qkv_kernel",
         "up_kernel",

@@ -238,6 +238,8 @@ def attention_kernel(
     PO,  # [SPLITS, M*NQ, D] float32 out: each split's unnormalised output
     PM,  # [SPLITS, M*NQ] float32 out: each split's score maximum
     PL,  # [SPLITS, M*NQ] float32 out: each split's sum of exp(score - maximum)
+    OUT,  # [M, NQ*D] out (MERGE): the attention's output in the model's dtype, or a dummy
+    ARRIVED,  # [>= NK * row tiles] int32, zero: the splits done per (head, row tile) (MERGE), or a dummy
     sm_scale,
     capacity,
     M: tl.constexpr,
@@ -247,6 +249,7 @@ def attention_kernel(
     SPLITS: tl.constexpr,
     STEPS: tl.constexpr,  # cdiv(capacity, SPLITS * BLOCK_N): the most steps of BLOCK_N positions a split takes
     TREE: tl.constexpr,
+    MERGE: tl.constexpr,  # the split that arrives last merges its rows (``merge_kernel``'s work, no launch)
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -312,6 +315,33 @@ def attention_kernel(
     tl.store(PO + (s * (M * NQ) + row)[:, None] * D + rd[None, :], acc, mask=row_ok[:, None])
     tl.store(PM + s * (M * NQ) + row, top, mask=row_ok)
     tl.store(PL + s * (M * NQ) + row, total, mask=row_ok)
+    if MERGE:
+        tile = g * tl.num_programs(2) + tl.program_id(2)
+        if arrived_last(ARRIVED, tile, SPLITS):
+            merged_rows(PO, PM, PL, OUT, row, row_ok, rd, M, NQ, D, SPLITS)
+            tl.store(ARRIVED + tile, 0)
+
+
+@triton.jit
+def merged_rows(PO, PM, PL, OUT, row, row_ok, rd, M: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr,
+                SPLITS: tl.constexpr):  # fmt: skip
+    """The rows ``row`` (m * NQ + head) of the attention's splits merged by their maxima and sums, as
+    ``merge_kernel`` merges one, read past the multiprocessor's own cache (.cg: other programs wrote them)."""
+    top = tl.full(row.shape, float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(PM + s * (M * NQ) + row, mask=row_ok, other=0.0, cache_modifier=".cg"))
+    total = tl.zeros(row.shape, dtype=tl.float32)
+    out = tl.zeros([row.shape[0], D], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        at = s * (M * NQ) + row
+        weight = tl.exp(tl.load(PM + at, mask=row_ok, other=0.0, cache_modifier=".cg") - top)
+        total += weight * tl.load(PL + at, mask=row_ok, other=0.0, cache_modifier=".cg")
+        part = tl.load(
+            PO + at[:, None] * D + rd[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
+        )
+        out += part * weight[:, None]
+    out = out / tl.where(row_ok, total, 1.0)[:, None]
+    tl.store(OUT + row[:, None] * D + rd[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit

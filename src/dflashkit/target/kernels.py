@@ -71,13 +71,15 @@ class Tiles:
     # programs (one token takes none: its many programs of few columns already fill the GPU)
     qkv_splits: int = 1  # the same for a block's qkv and up kernels (the last share does the rotary or
     up_splits: int = 1  # SwiGLU: ``kernel_source.arrived_last``)
+    merge_in_attention: bool = False  # the attention's splits merged by the split that arrives last (no
+    # merge kernel: 30 launches a step fewer; ``kernel_source.merged_rows``)
     warps: int = 4
     pdl: bool = True  # programmatic dependent launch where the GPU has it (``pdl_args``): its GPU test (a
     # captured step equal to the serial one, 200 replays) passed on an H200, one token 0.532 -> 0.436 ms and a
     # block of 8 0.788 -> 0.686 (kernel_tiles, 2026-12-05)
 
     def __post_init__(self) -> None:
-        sizes = {k: v for k, v in vars(self).items() if k not in ("warps", "pdl")}
+        sizes = {k: v for k, v in vars(self).items() if k not in ("warps", "pdl", "merge_in_attention")}
         odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
         if odd or self.qkv_columns < 2 or self.block_columns < 16:
             raise ValueError(
@@ -328,7 +330,8 @@ def decode_by_kernels(
     )
     split_any = max(split_k.values()) > 1
     partials = torch.empty(sums, dtype=torch.float32, device=x.device) if split_any else x
-    arrived = torch.zeros(tiles_most, dtype=torch.int32, device=x.device) if split_any else start
+    counts = max(tiles_most, nk * row_tiles) if split_any else nk * row_tiles if t.merge_in_attention else 0
+    arrived = torch.zeros(counts, dtype=torch.int32, device=x.device) if counts else start
     grids = {
         "attention": (nk, splits, row_tiles),
         "merge": (m * nq,),
@@ -350,13 +353,15 @@ def decode_by_kernels(
         k_cache, v_cache = cache.k[i][0], cache.v[i][0]  # [capacity, NK, D]: the engine's one slot
         _launch_qkv(w, layer, layer.input_norm, x, q, k_cache, v_cache, start, positions, t, split=qkv_split)
         k.attention[grids["attention"]](
-            q, k_cache, v_cache, start, seen_bytes, parts, tops, totals, d**-0.5, cache.capacity,
-            M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps, TREE=tree,
-            BLOCK_R=min(attention_rows, ATTENTION_ROWS), BLOCK_N=t.attention_positions, **common,
+            q, k_cache, v_cache, start, seen_bytes, parts, tops, totals, attended, arrived, d**-0.5,
+            cache.capacity, M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps, TREE=tree,
+            MERGE=t.merge_in_attention, BLOCK_R=min(attention_rows, ATTENTION_ROWS),
+            BLOCK_N=t.attention_positions, **common,
         )  # fmt: skip
-        k.merge[grids["merge"]](
-            parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps, **pdl
-        )  # fmt: skip
+        if not t.merge_in_attention:
+            k.merge[grids["merge"]](
+                parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps, **pdl
+            )  # fmt: skip
         k.residual[o_grid](attended, layer.o, x, partials, arrived, **o_sizes)
         k.up[grids["up"] + (up_n,)](
             x, layer.post_norm, layer.gate_up, act, partials, arrived, w.eps, M=m, H=hidden, I=width,
