@@ -85,9 +85,10 @@ def share_written(PARTS, acc, at, ok):
 
 @triton.jit
 def arrived_last(ARRIVED, tile, SPLIT_K: tl.constexpr):
-    """Split-K: count this program's share of its column tile as done (after every thread's part of it was
-    written: the barrier, then a release); whether it is the last of the tile's SPLIT_K shares, which then
-    reads them all (acquire) and finishes the tile."""
+    """Count this program's part of its tile as done (after every thread's share of its writes: the barrier,
+    then a release): split-K's share of a column tile, or the attention's split of a (head, row tile);
+    whether it is the last of the tile's SPLIT_K parts, which then reads them all (acquire) and finishes the
+    tile."""
     tl.debug_barrier()
     return tl.atomic_add(ARRIVED + tile, 1, sem="acq_rel") == SPLIT_K - 1
 
