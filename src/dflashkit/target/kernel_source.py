@@ -104,6 +104,29 @@ def shares_summed(PARTS, at, ok, SIZE, SPLIT_K: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
+def split_k_summed(
+    acc,
+    PARTS,
+    ARRIVED,
+    tile,
+    at,
+    ok,
+    SIZE,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Split-K for one accumulator: this program's share written, counted, and (the last share of its column
+    tile) the shares' sum with its count reset: (the sum, or this share's own; whether it is the last)."""
+    share_written(PARTS + tl.program_id(1) * SIZE, acc, at, ok)
+    last = arrived_last(ARRIVED, tile, SPLIT_K)
+    if last:
+        acc = shares_summed(PARTS, at, ok, SIZE, SPLIT_K, BLOCK_M, BLOCK_N)
+        tl.store(ARRIVED + tile, 0)
+    return acc, last
+
+
+@triton.jit
 def qkv_kernel(
     X,  # [M, H] the residual stream
     NORM,  # [H] the layer's input norm
@@ -173,11 +196,7 @@ def qkv_kernel(
     if SPLIT_K > 1:
         at = rm[:, None] * N + rn[None, :]
         ok = row_ok[:, None] & n_ok[None, :]
-        share_written(PARTS + tl.program_id(1) * (M * N), acc, at, ok)
-        last = arrived_last(ARRIVED, pid, SPLIT_K)
-        if last:
-            acc = shares_summed(PARTS, at, ok, M * N, SPLIT_K, BLOCK_M, BLOCK_N)
-            tl.store(ARRIVED + pid, 0)
+        acc, last = split_k_summed(acc, PARTS, ARRIVED, pid, at, ok, M * N, SPLIT_K, BLOCK_M, BLOCK_N)
     if last:
         turned_and_written(
             acc, BIAS, QN, KN, ROT, START, POS, Q, KC, VC, eps, capacity, rm, row_ok, n0, rn, n_ok, dt,
@@ -488,11 +507,7 @@ def residual_kernel(
     last = True
     if SPLIT_K > 1:
         at = rm[:, None] * H + rn[None, :]
-        share_written(PARTS + tl.program_id(1) * (M * H), acc, at, ok)
-        last = arrived_last(ARRIVED, pid, SPLIT_K)
-        if last:
-            acc = shares_summed(PARTS, at, ok, M * H, SPLIT_K, BLOCK_M, BLOCK_N)
-            tl.store(ARRIVED + pid, 0)
+        acc, last = split_k_summed(acc, PARTS, ARRIVED, pid, at, ok, M * H, SPLIT_K, BLOCK_M, BLOCK_N)
     if last:
         x_at = X + rm[:, None] * H + rn[None, :]
         x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
