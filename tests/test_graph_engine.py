@@ -942,7 +942,7 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path, monkeypatch):
 def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypatch):
     """compile="kernels" with a tree budget on the CPU (the kernels in Triton's interpreter): the tree step
     goes through the decoder kernels under the tree's own mask (the compiled layer never runs), the build and
-    the walk through a kernel each; greedy tree rounds, the real drafter's and scripted ones whose accepted
+    the walk through a kernel each (a round's build from the drafted logits); greedy tree rounds, the real drafter's and scripted ones whose accepted
     branches move rows, decode as autoregressive decoding with the dynamic engine's acceptance lengths
     (nothing compiles)."""
     pytest.importorskip("triton")
@@ -955,8 +955,12 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
     assert engine._walk_fn is graph_engine.kernel_walk_step
     assert engine._build_fn is graph_engine.kernel_build_step
-    calls = []
+    calls, builds = [], []
     monkeypatch.setattr(graph_engine, "kernel_tree_step", lambda *a: calls.append(1) or kernel_tree_step(*a))
+    logits_build = graph_engine.kernel_logits_build_step
+    monkeypatch.setattr(
+        graph_engine, "kernel_logits_build_step", lambda *a: builds.append(1) or logits_build(*a)
+    )
     prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()
     eager = GraphEngine(tiny, d, capacity=64, graphs=False, fixed_shapes=True, tree_budget=budget)
     for e in (engine, eager):
@@ -972,6 +976,9 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     dyn = speculative_generate(tiny, d, prompt, 7, tree_budget=budget)
     real = speculative_generate(tiny, d, prompt, 7, engine=engine, tree_budget=budget)
     assert real.tokens == dyn.tokens == ar[:7] and real.accept_lengths == dyn.accept_lengths
+    assert len(builds) == len(real.accept_lengths) > 0, (
+        "each greedy tree round built its tree from the logits"
+    )
     script = ScriptedTree(engine, prompt + ar)
     scripted = speculative_generate(tiny, d, prompt, 14, engine=script, tree_budget=budget)
     assert scripted.tokens == ar and any(p != list(range(len(p))) for p in script.paths)

@@ -22,6 +22,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from dflashkit.infer.tree_kernels import KERNELS as TREE_KERNELS  # noqa: E402
 from dflashkit.target.kernels import KERNELS, interpreting  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -124,7 +125,7 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
     source = "dflashkit.target.kernel_source"
     recorders = {k: Recorder(source, f"{k}_kernel", getattr(real, k), records) for k in KERNELS}
     monkeypatch.setattr(kernels, "_compiled", lambda: SimpleNamespace(**recorders))
-    for name in ("ancestors_kernel", "walk_kernel", "build_kernel"):
+    for name in tree_kernels.KERNELS:
         fn = getattr(tree_kernels, name)
         monkeypatch.setattr(tree_kernels, name, Recorder("dflashkit.infer.tree_kernels", name, fn, records))
     tiny, drafter, _ = tiny_pair(tmp_path)
@@ -151,7 +152,7 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
 def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
     records = record_engine_launches(tmp_path, monkeypatch)
     names = {r["name"] for r in records}
-    assert {f"{k}_kernel" for k in KERNELS} | {"ancestors_kernel", "walk_kernel", "build_kernel"} <= names
+    assert {f"{k}_kernel" for k in KERNELS} | set(TREE_KERNELS) <= names
     assert {r["values"].get("DOT") for r in records if r["name"] == "qkv_kernel"} == {False, True}
     assert {r["values"].get("MERGE") for r in records if r["name"] == "attention_kernel"} == {False, True}
     assert {r["name"] for r in records if r["values"].get("SPLIT_K", 1) > 1} == {
@@ -160,6 +161,7 @@ def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
         "residual_kernel",
     }
     assert any(r["values"].get("TREE") for r in records if r["name"] == "attention_kernel")
+    assert {r["values"].get("LOGITS", False) for r in records if r["name"] == "build_kernel"} == {False, True}
     file = tmp_path / "launches.json"
     file.write_text(json.dumps(records))
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}

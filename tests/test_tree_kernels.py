@@ -91,3 +91,26 @@ def test_the_build_kernel_builds_the_torch_build_trees(device):
         out = torch.full((3, budget + 1), -5, dtype=torch.long, device=device)
         tree_kernels.build(anchor, probs, tree_candidates(slots, vocab, budget, device), out)
         assert torch.equal(out, build_tree(anchor, probs, budget).nodes), (slots, vocab, budget, sharp)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_build_from_logits_builds_the_softmax_trees(device):
+    """``tree_kernels.build_from_logits`` (the chunks' top-k, maxima and sums in one launch; their merge and the
+    build in another) writes ``build_tree(softmax(logits))``'s nodes: a vocabulary of several chunks and one of
+    less than a chunk, a budget of 1, a tiny vocabulary (padding), and logits of -inf (probability 0)."""
+    from dflashkit.infer.tree import tree_candidates
+
+    cases = [(7, 2500, 12, 2.0), (7, 200, 8, 3.0), (7, 200, 1, 0.5), (3, 4, 20, 1.0), (2, 12, 16, "zeros")]
+    for seed, (slots, vocab, budget, sharp) in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(slots, vocab, generator=gen) * (1.0 if sharp == "zeros" else sharp)
+        if sharp == "zeros":  # 10 of the 12 tokens impossible in every slot: 6 branches for 16 nodes
+            logits[:, torch.randperm(vocab, generator=gen)[:10]] = float("-inf")
+        if vocab > 2048:  # the best tokens in the last chunk (past the vocabulary's end in its block)
+            logits[:, -3:] += 8.0
+        logits = logits.to(device)
+        anchor = torch.tensor([77], device=device)
+        out = torch.full((3, budget + 1), -5, dtype=torch.long, device=device)
+        tree_kernels.build_from_logits(anchor, logits, tree_candidates(slots, vocab, budget, device), out)
+        ref = build_tree(anchor, torch.softmax(logits, dim=-1), budget).nodes
+        assert torch.equal(out, ref), (slots, vocab, budget, sharp)

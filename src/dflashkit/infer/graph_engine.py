@@ -39,8 +39,8 @@ Steps (fixed shapes, as the static engine's):
   every layer (one gather and one index_copy for all layers' keys, the same for values: the layers are views
   of one tensor), so the caches are a chain's. A path that is the tree's first nodes (0 .. k-1) moves nothing
   and runs no step;
-- greedy tree round [N+1 nodes]: the draft step, the tree's build from the drafted slots' probabilities,
-  the tree step, the walk along the target's argmax, the keep step and the next round's state, as one step:
+- greedy tree round [N+1 nodes]: the draft step, the tree's build from the drafted slots' probabilities
+  (with "kernels": from their logits, the top-k and the softmax in the build's two kernels), the tree step, the walk along the target's argmax, the keep step and the next round's state, as one step:
   a greedy tree round is one replay and one copy to the host, as a chain's (`greedy_round(tree=True)`, when
   the budget holds a block: N+1 >= B).
 
@@ -205,6 +205,14 @@ def kernel_build_step(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nod
     from dflashkit.infer import tree_kernels
 
     tree_kernels.build(anchor, probs, candidates, out_nodes)
+
+
+def kernel_logits_build_step(anchor: Tensor, logits: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
+    """``kernel_build_step`` of ``softmax(logits)``, from the drafted slots' logits in two launches and no
+    softmax (``tree_kernels.build_from_logits``): a greedy tree round's build on "graphs-kernels"."""
+    from dflashkit.infer import tree_kernels
+
+    tree_kernels.build_from_logits(anchor, logits, candidates, out_nodes)
 
 
 def kernel_walk_step(
@@ -400,7 +408,8 @@ class GraphEngine:
             self._dk = draft_kernels(drafter, self.w, capacity)
             self._draft_fn = kernel_draft_step
         # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers), or a
-        # kernel each (the build after torch's top-k) with the decoder kernels ("kernels")
+        # kernel each (the build after torch's top-k; in a greedy tree round, two kernels from the drafted
+        # slots' logits: ``kernel_logits_build_step``) with the decoder kernels ("kernels")
         build_fn, walk_fn = (
             (kernel_build_step, kernel_walk_step) if self._kernels else (TREE_BUILD_STEP, TREE_WALK_STEP)
         )
@@ -638,10 +647,14 @@ class GraphEngine:
         draw at ``_step_sampling``'s temperature from ``_tree_noise``."""
         B, n, s = self.block_size, self._tree_inputs.shape[1], self._step_sampling
         self._draft_step()
-        probs = probabilities(self._draft_logits, s) if sampled else torch.softmax(self._draft_logits, dim=-1)
-        self._tree_probs.copy_(probs)
         self._anchor.copy_(self._block[0, :1])
-        self._build_step()
+        logits, candidates = self._draft_logits, self._tree_candidates
+        # with the kernels, a greedy round's softmax and top-k are in the build's kernels
+        if not sampled and self._build_fn is kernel_build_step:
+            kernel_logits_build_step(self._anchor, logits, candidates, self._tree_inputs)
+        else:
+            self._tree_probs.copy_(probabilities(logits, s) if sampled else torch.softmax(logits, dim=-1))
+            self._build_step()
         self._start.copy_(self._block_start)
         self._tree_step()
         if sampled:

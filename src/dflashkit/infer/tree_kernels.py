@@ -19,7 +19,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-KERNELS = ("ancestors_kernel", "walk_kernel", "build_kernel")  # their names in Triton's cache folder
+# their names in Triton's cache folder
+KERNELS = ("ancestors_kernel", "walk_kernel", "build_kernel", "top_kernel")
+# logits a program of ``top_kernel`` reads: 24 programs a slot for a vocabulary of 49,152
+LOGITS_CHUNK = 2048
 
 
 @triton.jit
@@ -74,9 +77,55 @@ def walk_kernel(NODES, CHOICES, START, WALK, MOVES, N: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
+def _ordered(x):
+    """float32 -> int64 that orders as the floats (-inf below every finite value)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _unordered(key):
+    """The float32 of ``_ordered``'s int64 ``key`` shifted into its high 32 bits (the inverse)."""
+    bits = (key >> 32).to(tl.int32)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def top_kernel(
+    LOGITS,  # [D, V] float32: the drafted slots' logits
+    KEYS,  # [D, CHUNKS, K] int64 out: each chunk's K largest logits with their columns (``_ordered``)
+    MAXES,  # [D, CHUNKS] float32 out: each chunk's largest logit
+    SUMS,  # [D, CHUNKS] float32 out: each chunk's sum of exp(logit - its largest)
+    V: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    K: tl.constexpr,
+):
+    """The first half of the build from logits (``build_from_logits``): program (s, c) reads chunk c of slot
+    s's logits once and keeps what the softmax and the top-k need of it: its largest logit, its sum of
+    exponentials below it, and its K largest logits, each packed with its column (the earlier column first
+    among equal logits) into one int64 that orders as the pair."""
+    s = tl.program_id(0)
+    c = tl.program_id(1)
+    v = c * CHUNK + tl.arange(0, CHUNK)
+    ok = v < V
+    x = tl.load(LOGITS + s * V + v, mask=ok, other=float("-inf"))
+    top = tl.max(x, 0)
+    tl.store(MAXES + s * CHUNKS + c, top)
+    tl.store(SUMS + s * CHUNKS + c, tl.sum(tl.where(ok, tl.exp(x - top), 0.0), 0))
+    lowest = tl.full([CHUNK], -(2**63), dtype=tl.int64)
+    packed = tl.where(ok, (_ordered(x) << 32) | (V - 1 - v).to(tl.int64), lowest)
+    tl.store(KEYS + (s * CHUNKS + c) * K + tl.arange(0, K), tl.topk(packed, K))
+
+
+@triton.jit
 def build_kernel(
-    TOP_P,  # [D, T] float32: each drafted slot's T most likely tokens' probabilities, descending
-    TOP_IDS,  # [D, T] int64: their tokens
+    TOP_P,  # [D, T] float32: each drafted slot's T most likely tokens' probabilities, descending (LOGITS:
+    # written here first, from KEYS, MAXES and SUMS)
+    TOP_IDS,  # [D, T] int64: their tokens (LOGITS: written here first)
+    KEYS,  # [D, CHUNKS, K] int64, MAXES and SUMS [D, CHUNKS] float32: ``top_kernel``'s (LOGITS only)
+    MAXES,
+    SUMS,
     CAND,  # [D + 3, C] int64: ``tree.tree_candidates``' table
     ANCHOR,  # [1] int64: the root's token
     ORDER,  # [BLOCK_C] int64 scratch: the candidates in score order
@@ -88,10 +137,31 @@ def build_kernel(
     N: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    LOGITS: tl.constexpr = False,
+    V: tl.constexpr = 1,
+    CHUNKS: tl.constexpr = 1,
+    K: tl.constexpr = 1,
+    BLOCK_K: tl.constexpr = 1,
 ):
     """``tree.build_tree`` after its top-k: every candidate branch scored (the sum of its ranks' log
     probabilities), the N best kept (ties to the shallower, then to the earlier column), numbered depth by
-    depth (best first; padding and branches of probability 0 last), with each node's token and parent."""
+    depth (best first; padding and branches of probability 0 last), with each node's token and parent.
+    LOGITS: the top-k first, from ``top_kernel``'s chunks (each slot's T best of its chunks' K best, their
+    probabilities exp(logit - logsumexp), the logsumexp from the chunks' maxima and sums)."""
+    if LOGITS:
+        j = tl.arange(0, BLOCK_K)
+        t = tl.arange(0, K)
+        chunk = tl.arange(0, BLOCK_K // K)
+        for s in tl.static_range(D):
+            keys = tl.load(KEYS + s * CHUNKS * K + j, mask=j < CHUNKS * K, other=-(2**63))
+            best = tl.topk(keys, K)
+            maxes = tl.load(MAXES + s * CHUNKS + chunk, mask=chunk < CHUNKS, other=float("-inf"))
+            top = tl.max(maxes, 0)
+            sums = tl.load(SUMS + s * CHUNKS + chunk, mask=chunk < CHUNKS, other=0.0)
+            lse = top + tl.log(tl.sum(sums * tl.exp(maxes - top), 0))
+            tl.store(TOP_P + s * T + t, tl.exp(_unordered(best) - lse), mask=t < T)
+            tl.store(TOP_IDS + s * T + t, V - 1 - (best & 0xFFFFFFFF), mask=t < T)
+        tl.debug_barrier()
     c = tl.arange(0, BLOCK_C)
     c_ok = c < C
     score = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -103,10 +173,8 @@ def build_kernel(
     depth = tl.load(CAND + D * C + c, mask=c_ok, other=0)
     key = score - depth.to(tl.float32) * 1e-4  # ties go to the shallower node
     # the N best: the keys as integers in float order, the column below them (the earlier first), sorted
-    bits = key.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
     lowest = tl.full([BLOCK_C], -(2**63), dtype=tl.int64)  # below every key (-inf included): past C
-    packed = tl.where(c_ok, (ordered << 32) | (BLOCK_C - 1 - c).to(tl.int64), lowest)
+    packed = tl.where(c_ok, (_ordered(key) << 32) | (BLOCK_C - 1 - c).to(tl.int64), lowest)
     tl.store(ORDER + c, BLOCK_C - 1 - (tl.sort(packed, descending=True) & 0xFFFFFFFF))
     tl.debug_barrier()
     i = tl.arange(0, BLOCK_N)
@@ -163,14 +231,48 @@ def build(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nodes: Tensor) 
     """``graph_engine.tree_build_step`` as torch's top-k and one launch: the tree of ``out_nodes``' width less
     the root from the drafted slots' ``probs`` [D, V] below ``anchor`` [1], written into ``out_nodes``
     [3, N+1] (``tree.build_tree``'s nodes)."""
-    depth, n = probs.shape[0], out_nodes.shape[1] - 1
-    t = min(n, probs.shape[-1])
+    t = min(out_nodes.shape[1] - 1, probs.shape[-1])
     top_p, top_ids = probs.float().topk(t, dim=-1)
-    c = candidates.shape[1]
+    _build(anchor, top_p, top_ids, candidates, out_nodes, (top_p, top_p, top_p), {})  # no chunks: unread
+
+
+def build_from_logits(anchor: Tensor, logits: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
+    """``build`` from the drafted slots' float32 ``logits`` [D, V] instead of their probabilities, in two
+    launches and no softmax: ``top_kernel`` reads the logits once (each chunk's top-k, maximum and sum of
+    exponentials), then ``build_kernel`` merges the chunks into each slot's top-k and probabilities before it
+    builds. The tree of ``build(anchor, softmax(logits), ...)`` (the probabilities equal to rounding)."""
+    depth, vocab = logits.shape
+    n = out_nodes.shape[1] - 1
+    t = min(n, vocab)
+    chunk = min(LOGITS_CHUNK, _block(vocab))
+    k = min(_block(t), chunk)
+    chunks = triton.cdiv(vocab, chunk)
+    dev = logits.device
+    keys = torch.empty(depth, chunks, k, dtype=torch.long, device=dev)
+    maxes = torch.empty(depth, chunks, dtype=torch.float32, device=dev)
+    sums = torch.empty(depth, chunks, dtype=torch.float32, device=dev)
+    top_kernel[(depth, chunks)](
+        logits, keys, maxes, sums, V=vocab, CHUNK=chunk, CHUNKS=chunks, K=k, num_warps=4
+    )
+    top_p = torch.empty(depth, t, dtype=torch.float32, device=dev)
+    top_ids = torch.empty(depth, t, dtype=torch.long, device=dev)
+    _build(anchor, top_p, top_ids, candidates, out_nodes, (keys, maxes, sums), dict(
+        LOGITS=True, V=vocab, CHUNKS=chunks, K=k, BLOCK_K=_block(chunks * k)
+    ))  # fmt: skip
+
+
+def _build(
+    anchor: Tensor, top_p: Tensor, top_ids: Tensor, candidates: Tensor, out_nodes: Tensor,
+    chunks: tuple[Tensor, Tensor, Tensor], options: dict,
+) -> None:  # fmt: skip
+    """``build_kernel``'s launch: its scratch, its sizes."""
+    depth, t = top_p.shape
+    n, c = out_nodes.shape[1] - 1, candidates.shape[1]
     block_c = _block(c)
-    order = torch.empty(block_c, dtype=torch.long, device=probs.device)
-    number = torch.empty(c, dtype=torch.long, device=probs.device)
+    order = torch.empty(block_c, dtype=torch.long, device=top_p.device)
+    number = torch.empty(c, dtype=torch.long, device=top_p.device)
     build_kernel[(1,)](
-        top_p, top_ids, candidates, anchor, order, number, out_nodes,
+        top_p, top_ids, *chunks, candidates, anchor, order, number, out_nodes,
         D=depth, T=t, C=c, N=n, BLOCK_C=block_c, BLOCK_N=_block(n), num_warps=4 if block_c <= 2048 else 8,
+        **options,
     )  # fmt: skip
