@@ -457,8 +457,12 @@ def tree_step_profile(target, drafter, engine_name: str, args, prompt, n: int) -
 
 def tree_calls(engine, prompt, n: int, args, device) -> dict:
     """A tree round's calls alone, each synchronised (ms, median): the drafted slots' probabilities, the
-    build, the tree step (each verify keeps its root: the cache grows by one per call) and the walk."""
+    build, the tree step (each verify keeps its root: the cache grows by one per call), the walk, the keep,
+    and with the kernels the build from the drafted logits that their greedy round runs instead of the
+    first two."""
     import torch
+
+    from dflashkit.infer import graph_engine
 
     with torch.no_grad():
         context = engine.prefill(torch.tensor([prompt], device=device))[1]
@@ -480,6 +484,17 @@ def tree_calls(engine, prompt, n: int, args, device) -> dict:
         engine.keep(verified, [0])
         # the keep step alone (every layer's rows of the tree moved at once), as the fused round runs it
         calls["keep"] = timed(lambda: engine.steps.run(("keep",), engine._keep_step), args.calls, device)
+        if engine._build_fn is graph_engine.kernel_build_step:
+            # the kernels' greedy round builds from the logits (no softmax, no torch top-k), as one replay;
+            # last: it overwrites the tree the calls above read
+            def from_logits() -> None:
+                graph_engine.kernel_logits_build_step(
+                    engine._anchor, logits, engine._tree_candidates, engine._tree_inputs
+                )
+
+            calls["build from logits"] = timed(
+                lambda: engine.steps.run(("build from logits", n), from_logits), args.calls, device
+            )
     return calls
 
 

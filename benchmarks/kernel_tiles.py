@@ -51,13 +51,14 @@ VARIANTS = {
     "ksplit2": Tiles(residual_splits=2),
     "ksplit8": Tiles(residual_splits=8),
     "inner512-ksplit2": Tiles(block_inner=512, residual_splits=2),
-    # split-K in a block's qkv and up kernels too (60 and 96 programs of 16 columns without)
-    "qsplit4": Tiles(qkv_splits=4),
-    "usplit4": Tiles(up_splits=4),
+    # split-K in a block's qkv and up kernels: 4 shares each by default (measured 2026-12-05); 60 and 96
+    # programs of 16 columns without
+    "qusplit1": Tiles(qkv_splits=1, up_splits=1),
+    "qsplit4": Tiles(qkv_splits=4, up_splits=1),
+    "usplit4": Tiles(qkv_splits=1, up_splits=4),
     "qusplit2": Tiles(qkv_splits=2, up_splits=2),
-    "qusplit4": Tiles(qkv_splits=4, up_splits=4),
+    "qusplit8": Tiles(qkv_splits=8, up_splits=8),
     "fusedmerge": Tiles(merge_in_attention=True),  # no merge kernel: the attention's last split merges
-    "qusplit4-fusedmerge": Tiles(qkv_splits=4, up_splits=4, merge_in_attention=True),
     # each kernel launched after the one before it has ended (the default launches it while that one runs,
     # its first weight tile read: programmatic dependent launch, measured 2026-12-05)
     "serial": Tiles(pdl=False),
