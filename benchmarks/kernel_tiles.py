@@ -59,6 +59,9 @@ VARIANTS = {
     "qusplit2": Tiles(qkv_splits=2, up_splits=2),
     "qusplit8": Tiles(qkv_splits=8, up_splits=8),
     "fusedmerge": Tiles(merge_in_attention=True),  # no merge kernel: the attention's last split merges
+    # a tree's matmul step (more than 16 rows; 256 by default, as 16 rows')
+    "treeinner128": Tiles(tree_inner=128),
+    "treeinner512": Tiles(tree_inner=512),
     # each kernel launched after the one before it has ended (the default launches it while that one runs,
     # its first weight tile read: programmatic dependent launch, measured 2026-12-05)
     "serial": Tiles(pdl=False),

@@ -208,6 +208,13 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
         Tiles(qkv_columns=3)
     with pytest.raises(ValueError, match="block_columns at least 16"):
         Tiles(block_columns=8)
+    with pytest.raises(ValueError, match="tree_inner=96"):
+        Tiles(tree_inner=96)
+    # the matmul's inner step: a token's from the products a program holds, a block's and a tree's (more than
+    # 16 rows) their own, each at most the inner size
+    t = Tiles(products=16384, block_inner=256, tree_inner=512)
+    assert [t.inner(2048, rows, 16) for rows in (2, 8, 16, 17, 64)] == [256, 256, 256, 512, 512]
+    assert t.inner(192, 33, 16) == 256 and t.inner(2048, 1, 4) == 2048 and t.inner(8192, 1, 4) == 4096
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(DflashkitError, match="run on a GPU .*choose --engine graphs-layers"):
         check_runnable(torch.device("cpu"))

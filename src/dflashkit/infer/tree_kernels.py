@@ -4,11 +4,13 @@ Around the target's tree step a tree round has three steps of its own: the build
 a top-k of each drafted slot, every candidate branch scored, the budget's best kept and numbered), the tree's
 mask (``tree.ancestors``: each node and its ancestors) and the walk (``tree.walk_outputs`` and
 ``tree.path_moves``: the accepted path and the cache rows that keep it as a chain). In torch they are a few
-dozen tiny kernels; here the build is torch's top-k and one launch (the candidates scored and sorted in one
-program, as integers that order as their float keys), and the mask and the walk one launch each (a walk up
-at most n - 1 parents over n <= 128 nodes, the parents in registers, ``tl.gather``). Same outputs as the
-torch functions (tested against them; on the CPU in Triton's interpreter; a tie between two branches' exact
-scores may be broken otherwise than torch's top-k breaks it). Imported only where Triton is
+dozen tiny kernels; here the build is torch's top-k and one launch (the candidates scored in one program, as
+integers that order as their float keys, and the budget's best taken by a bitonic top-k), or, in a greedy
+round, two launches from the drafted logits (``build_from_logits``: each chunk's top-k, maximum and sum of
+exponentials, then their merge before the build; no softmax), and the mask and the walk one launch each (a
+walk up at most n - 1 parents over n <= 128 nodes, the parents in registers, ``tl.gather``). Same outputs as
+the torch functions (tested against them; on the CPU in Triton's interpreter; a tie between two branches'
+exact scores may be broken otherwise than torch's top-k breaks it). Imported only where Triton is
 (``target.kernels.triton_missing``).
 
 (No ``from __future__ import annotations`` here: Triton reads the ``tl.constexpr`` annotations.)
@@ -128,7 +130,6 @@ def build_kernel(
     SUMS,
     CAND,  # [D + 3, C] int64: ``tree.tree_candidates``' table
     ANCHOR,  # [1] int64: the root's token
-    ORDER,  # [BLOCK_C] int64 scratch: the candidates in score order
     NUMBER,  # [C] int64 scratch: each chosen candidate's node number
     NODES,  # [3, N + 1] int64 out: token, depth, parent
     D: tl.constexpr,
@@ -172,14 +173,13 @@ def build_kernel(
     score = tl.where(pad != 0, float("-inf"), score)
     depth = tl.load(CAND + D * C + c, mask=c_ok, other=0)
     key = score - depth.to(tl.float32) * 1e-4  # ties go to the shallower node
-    # the N best: the keys as integers in float order, the column below them (the earlier first), sorted
+    # the N best: the keys as integers in float order, the column below them (the earlier first), the
+    # BLOCK_N largest in descending order (a bitonic top-k: no sort of all BLOCK_C)
     lowest = tl.full([BLOCK_C], -(2**63), dtype=tl.int64)  # below every key (-inf included): past C
     packed = tl.where(c_ok, (_ordered(key) << 32) | (BLOCK_C - 1 - c).to(tl.int64), lowest)
-    tl.store(ORDER + c, BLOCK_C - 1 - (tl.sort(packed, descending=True) & 0xFFFFFFFF))
-    tl.debug_barrier()
     i = tl.arange(0, BLOCK_N)
     i_ok = i < N
-    best = tl.load(ORDER + i, mask=i_ok, other=0)  # the i-th best column
+    best = BLOCK_C - 1 - (tl.topk(packed, BLOCK_N) & 0xFFFFFFFF)  # the i-th best column
     valid = tl.zeros([BLOCK_N], dtype=tl.int32) == 0
     for s in tl.static_range(D):
         r = tl.load(CAND + s * C + best, mask=i_ok, other=T)
@@ -269,10 +269,9 @@ def _build(
     depth, t = top_p.shape
     n, c = out_nodes.shape[1] - 1, candidates.shape[1]
     block_c = _block(c)
-    order = torch.empty(block_c, dtype=torch.long, device=top_p.device)
     number = torch.empty(c, dtype=torch.long, device=top_p.device)
     build_kernel[(1,)](
-        top_p, top_ids, *chunks, candidates, anchor, order, number, out_nodes,
+        top_p, top_ids, *chunks, candidates, anchor, number, out_nodes,
         D=depth, T=t, C=c, N=n, BLOCK_C=block_c, BLOCK_N=_block(n), num_warps=4 if block_c <= 2048 else 8,
         **options,
     )  # fmt: skip

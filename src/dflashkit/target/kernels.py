@@ -54,8 +54,8 @@ class Tiles:
     """Each kernel's share of the work. One token: output columns per program (a few, so that the weight's
     bytes spread over many programs) and the products a program holds at once (columns x inner step: the
     inner step follows from it, the whole hidden size for one step). A block (more than one token, through
-    ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner`` for 16 rows (twice that for 8, the
-    same for more: a tree's). The attention's splits along the positions and positions per step, and
+    ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner`` (any block: tl.dot pads its rows to 16);
+    ``tree_inner`` for more rows (a tree's). The attention's splits along the positions and positions per step, and
     whether the last split merges them (else a kernel of their own does); a block's split of the inner
     dimension in each matmul kernel (split-K: more programs for their few output columns); warps per
     program; dependent launch."""
@@ -66,6 +66,7 @@ class Tiles:
     products: int = 16384
     block_columns: int = 16
     block_inner: int = 256  # measured best of 64-1024 for [1,8] (kernel_tiles, 2026-12-05)
+    tree_inner: int = 256  # the step for more than 16 rows (a tree's): block_inner's for 16 until measured
     attention_positions: int = 64
     splits: int = 8  # programs per key/value head along the positions
     residual_splits: int = 4  # a block's output and down projections' inner dimension among this many
@@ -94,13 +95,14 @@ class Tiles:
 
     def inner(self, k: int, rows: int, columns: int) -> int:
         """The inner dimension's step for a matmul of inner size k: a power of 2, at least 32, at most k's."""
-        # a block of up to 16 rows: the step shrinks as the rows grow (the tile the same size); a tree's rows
-        # beyond 16 keep 16's step (measured: a 33-row tree step 1.36 -> 1.18 ms at 4x the step, 2026-12-05)
-        step = (
-            self.block_inner * 16 // min(_pow2(rows), 16)
-            if rows > 1
-            else _pow2_floor(self.products // columns)
-        )
+        # a block (up to 16 rows: tl.dot pads them to 16) takes ``block_inner``, a tree (more rows) ``tree_inner``
+        # (measured: a 33-row tree step 1.36 -> 1.18 ms at 4x the step, 2026-12-05)
+        if rows > 16:
+            step = self.tree_inner
+        elif rows > 1:
+            step = self.block_inner
+        else:
+            step = _pow2_floor(self.products // columns)
         return max(32, min(_pow2(k), step))
 
 
