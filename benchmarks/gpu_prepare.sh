@@ -20,6 +20,20 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-eighth session's plan (the twenty-seventh, on two H100s: split-K in qkv and up on, round 1.66 AR tokens;
+# the table on graphs-kernels 2.00/2.13/2.13/2.27x; trees of 31 nodes +38.6% tau on MT-Bench but 2.57 AR tokens a
+# round; built after: the build's bitonic top-k, the walk and mask loops to the tree's depth, Tiles.tree_inner).
+# Name a kind on EVERY call (a call without one goes to the H200 queue and gives the held machine back):
+#   BUDGET=420 TILES_ARGS="--variants default,treeinner128,treeinner512,qusplit1 --calls 100" ENGINES=graphs-kernels \
+#     DECODE_ARGS="--tree-budgets 15,31" bash benchmarks/gpu_prepare.sh part decode tiles ktests   # carry .whl
+#                       # NOTES "Trees are the lever for both issues": tree-15 (16 rows, the block's tile)
+#                       # predicted ~+20% over the chain; a tree_inner that wins its tree step becomes default
+#   `part` [.bench/p1 .whl], [p2], [p5], [p3]; `part join heldout` [p4]
+#   export BENCH_CAP=150 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=24 \
+#     BENCH_SUMMARY=none; for b in 0 15 31 (one command each): BENCH_OUT=/root/work/b-$b BENCH_ARGS="--sets \
+#     heldout,mtbench --temperatures 0 --engine graphs-kernels --tree-budget $b" bash benchmarks/gpu_prepare.sh bench
+#                       # chain and trees on one machine; if tree-15 serves faster than the chain, `auto` takes it
+# Twenty-seventh session, as run: RESULTS (three refusals; an H100 for command 1, another for the rest).
 # Twenty-seventh session's plan (the twenty-sixth: dependent launch on, 0.532 -> 0.436 ms a token; auto takes
 # graphs-kernels; the bench of the two engines on real prompts was lost with its machine; split-K for the qkv and
 # up kernels built, off). Back to back, issued at once, each bench a command of its own:

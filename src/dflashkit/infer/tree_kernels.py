@@ -7,8 +7,9 @@ mask (``tree.ancestors``: each node and its ancestors) and the walk (``tree.walk
 dozen tiny kernels; here the build is torch's top-k and one launch (the candidates scored in one program, as
 integers that order as their float keys, and the budget's best taken by a bitonic top-k), or, in a greedy
 round, two launches from the drafted logits (``build_from_logits``: each chunk's top-k, maximum and sum of
-exponentials, then their merge before the build; no softmax), and the mask and the walk one launch each (a
-walk up at most n - 1 parents over n <= 128 nodes, the parents in registers, ``tl.gather``). Same outputs as
+exponentials, then their merge before the build; no softmax), and the mask and the walk one launch each
+(every node's walk up its parents at once, until none moves: the tree's depth + 1 steps, the parents in
+registers, ``tl.gather``). Same outputs as
 the torch functions (tested against them; on the CPU in Triton's interpreter; a tie between two branches'
 exact scores may be broken otherwise than torch's top-k breaks it). Imported only where Triton is
 (``target.kernels.triton_missing``).
@@ -29,16 +30,22 @@ LOGITS_CHUNK = 2048
 
 @triton.jit
 def ancestors_kernel(PARENTS, SEEN, N: tl.constexpr, BLOCK: tl.constexpr):
-    """SEEN [N, N] int8: row i marks node i and its ancestors (``tree.ancestors``), by walking each node's
-    parents N - 1 times (the root and padding nodes are their own parents, so a walk stays there)."""
+    """SEEN [N, N] int8: row i marks node i and its ancestors (``tree.ancestors``), by walking every node's
+    parents at once until no walk moves (the root and padding nodes are their own parents, so a walk stops
+    there): the tree's depth + 1 steps (8 for a block of 8's drafted slots), at most N - 1."""
     i = tl.arange(0, BLOCK)
     ok = i < N
     parents = tl.load(PARENTS + i, mask=ok, other=0).to(tl.int32)
     at = i
     seen = i[:, None] == i[None, :]
-    for _ in range(N - 1):
-        at = tl.gather(parents, at, 0)
+    moving = tl.full([], 1, tl.int32)
+    step = tl.full([], 0, tl.int32)
+    while (moving != 0) & (step < N - 1):
+        up = tl.gather(parents, at, 0)
+        moving = tl.max((up != at).to(tl.int32), 0)
+        at = up
         seen = seen | (i[None, :] == at[:, None])
+        step += 1
     tl.store(SEEN + i[:, None] * N + i[None, :], seen.to(tl.int8), mask=ok[:, None] & ok[None, :])
 
 
@@ -55,17 +62,30 @@ def walk_kernel(NODES, CHOICES, START, WALK, MOVES, N: tl.constexpr, BLOCK: tl.c
     # a node matches when its token is its parent's choice (the root always; padding never)
     match = ((tokens == tl.gather(choices, parents, 0)) & (parents != i)) | (i == 0)
     matched = (match & ok).to(tl.int32)
+    # accepted: it and every ancestor matched (every node's walk up at once, until none moves, as in
+    # ``ancestors_kernel``)
     accepted = matched
     at = i
-    for _ in range(N - 1):  # accepted: it and every ancestor matched
-        at = tl.gather(parents, at, 0)
+    moving = tl.full([], 1, tl.int32)
+    step = tl.full([], 0, tl.int32)
+    while (moving != 0) & (step < N - 1):
+        up = tl.gather(parents, at, 0)
+        moving = tl.max((up != at).to(tl.int32), 0)
+        at = up
         accepted = accepted & tl.gather(matched, at, 0)
+        step += 1
     last = tl.argmax(tl.where(accepted != 0, depths, -1), 0)  # the first of the deepest accepted nodes
+    # the path: the last node and its ancestors (its walk up in every lane, in registers)
     on_path = i == last
-    node = last.to(tl.int32)
-    for _ in range(N - 1):  # the path: the last node and its ancestors
-        node = tl.load(NODES + 2 * N + node).to(tl.int32)
-        on_path = on_path | (i == node)
+    at = tl.zeros([BLOCK], dtype=tl.int32) + last.to(tl.int32)
+    moving = tl.full([], 1, tl.int32)
+    step = tl.full([], 0, tl.int32)
+    while (moving != 0) & (step < N - 1):
+        up = tl.gather(parents, at, 0)
+        moving = tl.max((up != at).to(tl.int32), 0)
+        at = up
+        on_path = on_path | (i == at)
+        step += 1
     tl.store(WALK + i, on_path.to(tl.int64), mask=ok)
     tl.store(WALK + N + i, tokens, mask=ok)
     tl.store(WALK + 2 * N, tl.load(CHOICES + last))
