@@ -321,9 +321,9 @@ def uncaptured_engine(target, drafter, engine_name: str, args, tree_budget: int 
     return engine
 
 
-def profile_calls(call, n: int) -> dict:
+def profile_calls(call, n: int, most: int = 10) -> dict:
     """``call`` run n times (after 3 unprofiled) under the torch profiler: kernels per call, their device time
-    per call (ms) and the ten kernels that take the most of it."""
+    per call (ms) and the ``most`` kernels that take the most of it."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -339,7 +339,7 @@ def profile_calls(call, n: int) -> dict:
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
     total_us = sum(sum(v) for v in by_name.values())
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:most]
     return {
         "calls": n,
         "kernels_per_step": len(kernels) / n,
@@ -442,7 +442,9 @@ def tree_rounds(
 
 
 def tree_step_profile(target, drafter, engine_name: str, args, prompt, n: int) -> dict:
-    """The tree step [1, n+1] (and its keep of the root) of a graphs engine, uncaptured, under the profiler."""
+    """The tree step [1, n+1] (and its keep of the root) of a graphs engine, uncaptured, under the profiler;
+    then the whole greedy rounds, the chain's and the tree's (every kernel of a round as its one step runs
+    them, the twenty kernels that take the most: where a tree round's extra time goes)."""
     import torch
 
     engine = uncaptured_engine(target, drafter, engine_name, args, tree_budget=n)
@@ -451,7 +453,18 @@ def tree_step_profile(target, drafter, engine_name: str, args, prompt, n: int) -
         probs = torch.softmax(engine.draft(context, prompt[-1]).float(), dim=-1)
         tree = engine.build_tree(prompt[-1], probs, n)
         out = profile_calls(lambda: engine.keep(engine.verify_tree(tree), [0]), args.profile)
-    print_profile(f"{engine_name} tree step [1, {n + 1}]", out)
+        print_profile(f"{engine_name} tree step [1, {n + 1}]", out)
+        engine.draft(context, prompt[-1])  # the rounds' state: the context rows, anchor and block start
+        rows_at, block_at = int(engine._row_start.item()), int(engine._block_start.item())
+        for name, step in (("chain", engine._round_step), ("tree", engine._tree_round_step)):
+
+            def round_at_the_same_place(step=step) -> None:  # two fills (in the profile) keep the cache's end
+                engine._row_start.fill_(rows_at)
+                engine._block_start.fill_(block_at)
+                step()
+
+            out[f"{name}_round"] = profile_calls(round_at_the_same_place, args.profile, most=20)
+            print_profile(f"{engine_name} greedy {name} round (tree of {n + 1} nodes)", out[f"{name}_round"])
     return out
 
 

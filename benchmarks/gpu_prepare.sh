@@ -25,9 +25,10 @@
 # round; built after: the build's bitonic top-k, the walk and mask loops to the tree's depth, Tiles.tree_inner).
 # Name a kind on EVERY call (a call without one goes to the H200 queue and gives the held machine back):
 #   BUDGET=420 TILES_ARGS="--variants default,treeinner128,treeinner512,qusplit1 --calls 100" ENGINES=graphs-kernels \
-#     DECODE_ARGS="--tree-budgets 15,31" bash benchmarks/gpu_prepare.sh part decode tiles ktests   # carry .whl
+#     DECODE_ARGS="--tree-budgets 15,31 --profile 30" bash benchmarks/gpu_prepare.sh part decode tiles ktests  # .whl
 #                       # NOTES "Trees are the lever for both issues": tree-15 (16 rows, the block's tile)
-#                       # predicted ~+20% over the chain; a tree_inner that wins its tree step becomes default
+#                       # predicted ~+20% over the chain; a tree_inner that wins its tree step becomes default;
+#                       # the profile: every kernel of a chain round and of a tree-15 round (decode_steps.json)
 #   `part` [.bench/p1 .whl], [p2], [p5], [p3]; `part join heldout` [p4]
 #   export BENCH_CAP=150 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=24 \
 #     BENCH_SUMMARY=none; for b in 0 15 31 (one command each): BENCH_OUT=/root/work/b-$b BENCH_ARGS="--sets \
