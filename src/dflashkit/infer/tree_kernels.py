@@ -29,6 +29,14 @@ LOGITS_CHUNK = 2048
 
 
 @triton.jit
+def _walk_up(parents, at):
+    """One step up the tree for every lane (``at`` the nodes, ``parents`` in registers): the parents, and
+    whether any lane moved (the root and padding nodes are their own parents, so a finished walk stays)."""
+    up = tl.gather(parents, at, 0)
+    return up, tl.max((up != at).to(tl.int32), 0)
+
+
+@triton.jit
 def ancestors_kernel(PARENTS, SEEN, N: tl.constexpr, BLOCK: tl.constexpr):
     """SEEN [N, N] int8: row i marks node i and its ancestors (``tree.ancestors``), by walking every node's
     parents at once until no walk moves (the root and padding nodes are their own parents, so a walk stops
@@ -41,9 +49,7 @@ def ancestors_kernel(PARENTS, SEEN, N: tl.constexpr, BLOCK: tl.constexpr):
     moving = tl.full([], 1, tl.int32)
     step = tl.full([], 0, tl.int32)
     while (moving != 0) & (step < N - 1):
-        up = tl.gather(parents, at, 0)
-        moving = tl.max((up != at).to(tl.int32), 0)
-        at = up
+        at, moving = _walk_up(parents, at)
         seen = seen | (i[None, :] == at[:, None])
         step += 1
     tl.store(SEEN + i[:, None] * N + i[None, :], seen.to(tl.int8), mask=ok[:, None] & ok[None, :])
@@ -69,9 +75,7 @@ def walk_kernel(NODES, CHOICES, START, WALK, MOVES, N: tl.constexpr, BLOCK: tl.c
     moving = tl.full([], 1, tl.int32)
     step = tl.full([], 0, tl.int32)
     while (moving != 0) & (step < N - 1):
-        up = tl.gather(parents, at, 0)
-        moving = tl.max((up != at).to(tl.int32), 0)
-        at = up
+        at, moving = _walk_up(parents, at)
         accepted = accepted & tl.gather(matched, at, 0)
         step += 1
     last = tl.argmax(tl.where(accepted != 0, depths, -1), 0)  # the first of the deepest accepted nodes
@@ -81,9 +85,7 @@ def walk_kernel(NODES, CHOICES, START, WALK, MOVES, N: tl.constexpr, BLOCK: tl.c
     moving = tl.full([], 1, tl.int32)
     step = tl.full([], 0, tl.int32)
     while (moving != 0) & (step < N - 1):
-        up = tl.gather(parents, at, 0)
-        moving = tl.max((up != at).to(tl.int32), 0)
-        at = up
+        at, moving = _walk_up(parents, at)
         on_path = on_path | (i == at)
         step += 1
     tl.store(WALK + i, on_path.to(tl.int64), mask=ok)
