@@ -114,3 +114,29 @@ def test_the_build_from_logits_builds_the_softmax_trees(device):
         tree_kernels.build_from_logits(anchor, logits, tree_candidates(slots, vocab, budget, device), out)
         ref = build_tree(anchor, torch.softmax(logits, dim=-1), budget).nodes
         assert torch.equal(out, ref), (slots, vocab, budget, sharp)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_keep_kernel_moves_the_path_rows_as_the_torch_keep(device):
+    """``tree_kernels.keep`` leaves every layer's keys and values as ``graph_engine.keep_step`` (one gather, one
+    copy) does, for the row moves of walked paths (a path of the root alone moves nothing; a path such as
+    (0, 2, 3) reads a row that another of its moves writes), trees of 16 rows and of a non-power of 2."""
+    from dflashkit.infer.graph_engine import keep_step
+
+    gen = torch.Generator().manual_seed(3)
+    layers, positions, heads, dim = 3, 80, 3, 8
+    walked = 0
+    for nodes in trees(device):
+        n = nodes.shape[1]
+        for _ in range(4):
+            choices = choices_along(nodes, gen)
+            start = torch.tensor([5], device=device)
+            path = walk_outputs(nodes, choices)[:n].bool()
+            moves = path_moves(path, start)
+            cache = torch.randn(2, layers, 2, positions, heads, dim, generator=gen).to(device)
+            ours, ref = cache.clone(), cache.clone()
+            tree_kernels.keep(ours[0][:, 0], ours[1][:, 0], moves)
+            keep_step(ref[0][:, 0], ref[1][:, 0], moves)
+            assert torch.equal(ours, ref), (n, path.nonzero().flatten().tolist())
+            walked += int(path.sum()) > 1 and not bool(path[: int(path.sum())].all())
+    assert walked >= 3, "paths whose rows move were kept"

@@ -224,6 +224,21 @@ def kernel_walk_step(
     tree_kernels.walk(nodes, choices, start, out_walk, out_moves)
 
 
+def keep_step(keys: Tensor, values: Tensor, moves: Tensor) -> None:
+    """The keep step: in every layer's ``keys`` and ``values`` [layer, position, kv head, head dim], the rows
+    ``moves[0]`` to ``moves[1]`` (all read before any is written), one gather and one copy per tensor."""
+    for rows in (keys, values):
+        rows.index_copy_(1, moves[1], rows.index_select(1, moves[0]))
+
+
+def kernel_keep_step(keys: Tensor, values: Tensor, moves: Tensor) -> None:
+    """``keep_step`` in one launch that moves only the rows that move (``tree_kernels.keep``), for
+    "graphs-kernels"."""
+    from dflashkit.infer import tree_kernels
+
+    tree_kernels.keep(keys, values, moves)
+
+
 def draft_step(
     drafter: DFlashDrafter,
     cache: StaticDraftCache,
@@ -552,12 +567,11 @@ class GraphEngine:
 
     def _keep_step(self) -> None:
         """Move the cache rows ``_moves[0]`` to ``_moves[1]`` in every layer's keys and values (all rows
-        are read before any is written): every layer at once, one gather and one copy per tensor (the
-        layers are views of one; a layer at a time was 120 small kernels for the embedded target)."""
-        frm, to = self._moves[0], self._moves[1]
-        for t in (self.cache.keys, self.cache.values):
-            rows = t[:, 0]  # [layer, position, kv head, head dim]: the engine's one slot (self._slot)
-            rows.index_copy_(1, to, rows.index_select(1, frm))
+        are read before any is written): every layer at once (the layers are views of one tensor; a layer at
+        a time was 120 small kernels for the embedded target), one launch with the kernels."""
+        # [layer, position, kv head, head dim]: the engine's one slot (self._slot)
+        keep = kernel_keep_step if self._kernels else keep_step
+        keep(self.cache.keys[:, 0], self.cache.values[:, 0], self._moves)
 
     def _draft_step(self) -> None:
         self._precompiled.get(("draft",), self._draft_fn)(*self._draft_args())

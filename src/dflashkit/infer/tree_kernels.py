@@ -1,18 +1,18 @@
 """A tree round's small steps as one Triton kernel each, for the "graphs-kernels" engine.
 
-Around the target's tree step a tree round has three steps of its own: the build (``tree.build_tree``: after
+Around the target's tree step a tree round has four steps of its own: the build (``tree.build_tree``: after
 a top-k of each drafted slot, every candidate branch scored, the budget's best kept and numbered), the tree's
-mask (``tree.ancestors``: each node and its ancestors) and the walk (``tree.walk_outputs`` and
-``tree.path_moves``: the accepted path and the cache rows that keep it as a chain). In torch they are a few
-dozen tiny kernels; here the build is torch's top-k and one launch (the candidates scored in one program, as
-integers that order as their float keys, and the budget's best taken by a bitonic top-k), or, in a greedy
-round, two launches from the drafted logits (``build_from_logits``: each chunk's top-k, maximum and sum of
-exponentials, then their merge before the build; no softmax), and the mask and the walk one launch each
-(every node's walk up its parents at once, until none moves: the tree's depth + 1 steps, the parents in
-registers, ``tl.gather``). Same outputs as
-the torch functions (tested against them; on the CPU in Triton's interpreter; a tie between two branches'
-exact scores may be broken otherwise than torch's top-k breaks it). Imported only where Triton is
-(``target.kernels.triton_missing``).
+mask (``tree.ancestors``: each node and its ancestors), the walk (``tree.walk_outputs`` and
+``tree.path_moves``: the accepted path and the cache rows that keep it as a chain) and the keep (those rows
+moved in every layer's keys and values). In torch they are a few dozen tiny kernels; here the build is torch's
+top-k and one launch (the candidates scored in one program, as integers that order as their float keys, and
+the budget's best taken by a bitonic top-k), or, in a greedy round, two launches from the drafted logits
+(``build_from_logits``: each chunk's top-k, maximum and sum of exponentials, then every slot's merge at once
+before the build; no softmax); the mask and the walk one launch each (every node's walk up its parents at
+once, until none moves: the tree's depth + 1 steps, the parents in registers, ``tl.gather``); the keep one
+launch, a program per layer moving only the rows that move. Same outputs as the torch functions (tested
+against them; on the CPU in Triton's interpreter; a tie between two branches' exact scores may be broken
+otherwise than torch's top-k breaks it). Imported only where Triton is (``target.kernels.triton_missing``).
 
 (No ``from __future__ import annotations`` here: Triton reads the ``tl.constexpr`` annotations.)
 """
@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 # their names in Triton's cache folder
-KERNELS = ("ancestors_kernel", "walk_kernel", "build_kernel", "top_kernel")
+KERNELS = ("ancestors_kernel", "walk_kernel", "build_kernel", "top_kernel", "keep_kernel")
 # logits a program of ``top_kernel`` reads: 24 programs a slot for a vocabulary of 49,152
 LOGITS_CHUNK = 2048
 
@@ -101,6 +101,35 @@ def walk_kernel(NODES, CHOICES, START, WALK, MOVES, N: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
+def keep_kernel(
+    KEYS,
+    VALUES,
+    MOVES,
+    LAYER_STRIDE,
+    N: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The keep step of layer ``program_id(0)``: its cache rows MOVES[0] to MOVES[1] [2, N] (the walk's row
+    moves) in KEYS and VALUES (a position's ROW elements contiguous, layers LAYER_STRIDE apart), only the
+    rows that move. Every row is read before any is written (a path's row may be read for one move and
+    written by another: the path's nodes (0, 2, 3) read row 2 for its second node and write it from row 3)."""
+    layer = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_N)[:, None]
+    r = tl.arange(0, BLOCK_R)[None, :]
+    frm = tl.load(MOVES + i, mask=i < N, other=0)
+    to = tl.load(MOVES + N + i, mask=i < N, other=0)
+    move = (i < N) & (frm != to) & (r < ROW)
+    base = layer * LAYER_STRIDE
+    keys = tl.load(KEYS + base + frm * ROW + r, mask=move)
+    values = tl.load(VALUES + base + frm * ROW + r, mask=move)
+    tl.debug_barrier()
+    tl.store(KEYS + base + to * ROW + r, keys, mask=move)
+    tl.store(VALUES + base + to * ROW + r, values, mask=move)
+
+
+@triton.jit
 def _ordered(x):
     """float32 -> int64 that orders as the floats (-inf below every finite value)."""
     bits = x.to(tl.int32, bitcast=True)
@@ -165,6 +194,7 @@ def build_kernel(
     CHUNKS: tl.constexpr = 1,
     K: tl.constexpr = 1,
     BLOCK_K: tl.constexpr = 1,
+    BLOCK_D: tl.constexpr = 1,
 ):
     """``tree.build_tree`` after its top-k: every candidate branch scored (the sum of its ranks' log
     probabilities), the N best kept (ties to the shallower, then to the earlier column), numbered depth by
@@ -172,18 +202,23 @@ def build_kernel(
     LOGITS: the top-k first, from ``top_kernel``'s chunks (each slot's T best of its chunks' K best, their
     probabilities exp(logit - logsumexp), the logsumexp from the chunks' maxima and sums)."""
     if LOGITS:
-        j = tl.arange(0, BLOCK_K)
-        t = tl.arange(0, K)
-        chunk = tl.arange(0, BLOCK_K // K)
-        for s in tl.static_range(D):
-            keys = tl.load(KEYS + s * CHUNKS * K + j, mask=j < CHUNKS * K, other=-(2**63))
-            best = tl.topk(keys, K)
-            maxes = tl.load(MAXES + s * CHUNKS + chunk, mask=chunk < CHUNKS, other=float("-inf"))
-            top = tl.max(maxes, 0)
-            sums = tl.load(SUMS + s * CHUNKS + chunk, mask=chunk < CHUNKS, other=0.0)
-            lse = top + tl.log(tl.sum(sums * tl.exp(maxes - top), 0))
-            tl.store(TOP_P + s * T + t, tl.exp(_unordered(best) - lse), mask=t < T)
-            tl.store(TOP_IDS + s * T + t, V - 1 - (best & 0xFFFFFFFF), mask=t < T)
+        # every slot's merge at once: [BLOCK_D, BLOCK_K] keys, each row's K best by one bitonic top-k along the
+        # row (seven one-row top-ks in turn took most of the build's 0.049 ms, H100)
+        sd = tl.arange(0, BLOCK_D)[:, None]
+        j = tl.arange(0, BLOCK_K)[None, :]
+        keys = tl.load(KEYS + sd * CHUNKS * K + j, mask=(sd < D) & (j < CHUNKS * K), other=-(2**63))
+        best = tl.topk(keys, K, 1)  # [BLOCK_D, K]
+        chunk = tl.arange(0, BLOCK_K // K)[None, :]
+        in_slot = (sd < D) & (chunk < CHUNKS)
+        maxes = tl.load(MAXES + sd * CHUNKS + chunk, mask=in_slot, other=float("-inf"))
+        real = tl.arange(0, BLOCK_D) < D  # rows past D: no slot (written nowhere)
+        top = tl.where(real, tl.max(maxes, 1), 0.0)
+        sums = tl.load(SUMS + sd * CHUNKS + chunk, mask=in_slot, other=0.0)
+        lse = top + tl.log(tl.where(real, tl.sum(sums * tl.exp(maxes - top[:, None]), 1), 1.0))
+        t = tl.arange(0, K)[None, :]
+        out = (sd < D) & (t < T)
+        tl.store(TOP_P + sd * T + t, tl.exp(_unordered(best) - lse[:, None]), mask=out)
+        tl.store(TOP_IDS + sd * T + t, V - 1 - (best & 0xFFFFFFFF), mask=out)
         tl.debug_barrier()
     c = tl.arange(0, BLOCK_C)
     c_ok = c < C
@@ -230,8 +265,12 @@ def build_kernel(
     tl.store(NODES + 2 * (N + 1), 0)
 
 
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def _block(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
+    return max(16, _pow2(n))
 
 
 def ancestors(parents: Tensor) -> Tensor:
@@ -247,6 +286,24 @@ def walk(nodes: Tensor, choices: Tensor, start: Tensor, out_walk: Tensor, out_mo
     [2n + 1] and the row moves of its path from ``start`` into ``out_moves`` [2, n]."""
     n = nodes.shape[1]
     walk_kernel[(1,)](nodes, choices, start, out_walk, out_moves, N=n, BLOCK=_block(n), num_warps=4)
+
+
+def keep(keys: Tensor, values: Tensor, moves: Tensor) -> None:
+    """``graph_engine``'s keep step in one launch: in every layer's ``keys`` and ``values`` [layer, position,
+    kv head, head dim] (one slot's), the rows ``moves[0]`` to ``moves[1]`` ([2, n], n a power of 2: a tree
+    step's rows), as ``rows.index_copy_(1, moves[1], rows.index_select(1, moves[0]))`` does; rows that stay
+    are neither read nor written."""
+    layers, _, heads, dim = keys.shape
+    n = moves.shape[1]
+    if values.stride() != keys.stride() or keys.stride()[1:] != (heads * dim, dim, 1):
+        raise ValueError(
+            f"keep: keys and values of one layout, each position's row contiguous (strides {keys.stride()} "
+            f"and {values.stride()})"
+        )
+    keep_kernel[(layers,)](
+        keys, values, moves, keys.stride(0), N=n, ROW=heads * dim, BLOCK_N=_pow2(n), BLOCK_R=_pow2(heads * dim),
+        num_warps=4,
+    )  # fmt: skip
 
 
 def build(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
@@ -279,7 +336,7 @@ def build_from_logits(anchor: Tensor, logits: Tensor, candidates: Tensor, out_no
     top_p = torch.empty(depth, t, dtype=torch.float32, device=dev)
     top_ids = torch.empty(depth, t, dtype=torch.long, device=dev)
     _build(anchor, top_p, top_ids, candidates, out_nodes, (keys, maxes, sums), dict(
-        LOGITS=True, V=vocab, CHUNKS=chunks, K=k, BLOCK_K=_block(chunks * k)
+        LOGITS=True, V=vocab, CHUNKS=chunks, K=k, BLOCK_K=_block(chunks * k), BLOCK_D=_pow2(depth)
     ))  # fmt: skip
 
 
