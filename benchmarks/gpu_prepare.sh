@@ -20,6 +20,20 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Twenty-ninth session's plan (the twenty-eighth, one H100: trees of 15 serve at 2.07/2.23/2.15/2.29x against the
+# chain's 2.04/2.16/2.15/2.31x, tau 4.20/4.52/4.36/4.66; built after: the build's merge as one 2D top-k, the keep as
+# one kernel; NOTES "The tree round's build merge and keep": tree-15 +14.9% -> ~+9% over the chain).
+# Make the pieces first (benchmarks/README.md; p4 without gguf.part.aj, which goes in .bench/p6). Name a kind on
+# EVERY call:
+#   BUDGET=300 KTESTS_K="keep or logits or tree" ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15 \
+#     --no-warm-start --profile 30" bash benchmarks/gpu_prepare.sh part ktests decode       # carry .whl
+#   `part` [.bench/p1 .whl], [p2], [p5], [p3], [p6]; `part join heldout` [p4]
+#   export BENCH_CAP=330 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=80
+#   BENCH_SUMMARY=none BENCH_OUT=/root/work/b-chain BENCH_ARGS="--sets heldout,mtbench,gsm8k,humaneval --temperatures 0
+#     --engine graphs-kernels --tree-budget 0" ... bench; then unset BENCH_SUMMARY, BENCH_OUT=/root/work/b-table and
+#     --tree-budget 15 (drafter_table.json)   # side by side: if trees of 15 serve faster, `auto` takes them at T = 0
+# Twenty-eighth session, as run: RESULTS (one refusal of the H200; an H100 for every command; out of device time
+# before the new kernels could be measured).
 # Twenty-eighth session's plan (the twenty-seventh, on two H100s: split-K in qkv and up on, round 1.66 AR tokens;
 # the table on graphs-kernels 2.00/2.13/2.13/2.27x; trees of 31 nodes +38.6% tau on MT-Bench but 2.57 AR tokens a
 # round; built after: the build's bitonic top-k, the walk and mask loops to the tree's depth, Tiles.tree_inner).
