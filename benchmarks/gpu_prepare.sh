@@ -25,8 +25,10 @@
 # one kernel; NOTES "The tree round's build merge and keep": tree-15 +14.9% -> ~+9% over the chain).
 # Make the pieces first (benchmarks/README.md; p4 without gguf.part.aj, which goes in .bench/p6). Name a kind on
 # EVERY call:
-#   BUDGET=300 KTESTS_K="keep or logits or tree" ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15 \
-#     --no-warm-start --profile 30" bash benchmarks/gpu_prepare.sh part ktests decode       # carry .whl
+#   BUDGET=400 KTESTS_K="keep or logits or tree" ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15 \
+#     --no-warm-start --profile 30" TILES_ARGS="--tree-nodes 15 --variants default,qsplit4,qusplit2 --calls 100" \
+#     bash benchmarks/gpu_prepare.sh part ktests decode tiles       # carry .whl; the tree step [1,16]'s up kernel
+#     was +0.024 ms over the block's: its split-K partials are twice a block's (NOTES); qsplit4 (up unsplit) tells
 #   `part` [.bench/p1 .whl], [p2], [p5], [p3], [p6]; `part join heldout` [p4]
 #   export BENCH_CAP=330 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=80
 #   BENCH_SUMMARY=none BENCH_OUT=/root/work/b-chain BENCH_ARGS="--sets heldout,mtbench,gsm8k,humaneval --temperatures 0
