@@ -120,7 +120,7 @@ def test_the_build_from_logits_builds_the_softmax_trees(device):
 def test_the_keep_kernel_moves_the_path_rows_as_the_torch_keep(device):
     """``tree_kernels.keep`` leaves every layer's keys and values as ``graph_engine.keep_step`` (one gather, one
     copy) does, for the row moves of walked paths (a path of the root alone moves nothing; a path such as
-    (0, 2, 3) reads a row that another of its moves writes), trees of 16 rows and of a non-power of 2."""
+    (0, 2, 3) reads a row that another of its moves writes), trees of 1 to 65 rows."""
     from dflashkit.infer.graph_engine import keep_step
 
     gen = torch.Generator().manual_seed(3)

@@ -290,8 +290,7 @@ def walk(nodes: Tensor, choices: Tensor, start: Tensor, out_walk: Tensor, out_mo
 
 def keep(keys: Tensor, values: Tensor, moves: Tensor) -> None:
     """``graph_engine``'s keep step in one launch: in every layer's ``keys`` and ``values`` [layer, position,
-    kv head, head dim] (one slot's), the rows ``moves[0]`` to ``moves[1]`` ([2, n], n a power of 2: a tree
-    step's rows), as ``rows.index_copy_(1, moves[1], rows.index_select(1, moves[0]))`` does; rows that stay
+    kv head, head dim] (one slot's), the rows ``moves[0]`` to ``moves[1]`` ([2, n]: a tree step's rows), as ``rows.index_copy_(1, moves[1], rows.index_select(1, moves[0]))`` does; rows that stay
     are neither read nor written."""
     layers, _, heads, dim = keys.shape
     n = moves.shape[1]
