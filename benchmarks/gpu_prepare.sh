@@ -29,6 +29,8 @@
 #     --no-warm-start --profile 30" TILES_ARGS="--tree-nodes 15 --variants default,qsplit4,qusplit2 --calls 100" \
 #     bash benchmarks/gpu_prepare.sh part ktests decode tiles       # carry .whl; the tree step [1,16]'s up kernel
 #     was +0.024 ms over the block's: its split-K partials are twice a block's (NOTES); qsplit4 (up unsplit) tells
+#   BUDGET=120 TILES_ARGS="--tree-nodes 15 --context 800 --variants default --calls 100" ... tiles   # the tree's
+#     excess over the block at a bench's contexts (NOTES: the real-prompt tree round's unexplained +0.05-0.09 ms)
 #   `part` [.bench/p1 .whl], [p2], [p5], [p3], [p6]; `part join heldout` [p4]
 #   export BENCH_CAP=330 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=80
 #   BENCH_SUMMARY=none BENCH_OUT=/root/work/b-chain BENCH_ARGS="--sets heldout,mtbench,gsm8k,humaneval --temperatures 0
