@@ -941,8 +941,8 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path, monkeypatch):
 
 def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypatch):
     """compile="kernels" with a tree budget on the CPU (the kernels in Triton's interpreter): the tree step
-    goes through the decoder kernels under the tree's own mask (the compiled layer never runs), the build and
-    the walk through a kernel each (a round's build from the drafted logits); greedy tree rounds, the real drafter's and scripted ones whose accepted
+    goes through the decoder kernels under the tree's own mask (the compiled layer never runs), the build, the
+    walk and the keep through a kernel each (a round's build from the drafted logits); greedy tree rounds, the real drafter's and scripted ones whose accepted
     branches move rows, decode as autoregressive decoding with the dynamic engine's acceptance lengths
     (nothing compiles)."""
     pytest.importorskip("triton")
@@ -955,12 +955,14 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
     assert engine._walk_fn is graph_engine.kernel_walk_step
     assert engine._build_fn is graph_engine.kernel_build_step
-    calls, builds = [], []
+    calls, builds, keeps = [], [], []
     monkeypatch.setattr(graph_engine, "kernel_tree_step", lambda *a: calls.append(1) or kernel_tree_step(*a))
     logits_build = graph_engine.kernel_logits_build_step
     monkeypatch.setattr(
         graph_engine, "kernel_logits_build_step", lambda *a: builds.append(1) or logits_build(*a)
     )
+    kernel_keep = graph_engine.kernel_keep_step
+    monkeypatch.setattr(graph_engine, "kernel_keep_step", lambda *a: keeps.append(1) or kernel_keep(*a))
     prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()
     eager = GraphEngine(tiny, d, capacity=64, graphs=False, fixed_shapes=True, tree_budget=budget)
     for e in (engine, eager):
@@ -982,6 +984,7 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     script = ScriptedTree(engine, prompt + ar)
     scripted = speculative_generate(tiny, d, prompt, 14, engine=script, tree_budget=budget)
     assert scripted.tokens == ar and any(p != list(range(len(p))) for p in script.paths)
+    assert keeps, "the keep step did not go through its kernel"
     assert graph_engine.LAYER_STEP.graphs() == layer_graphs, "a tree step compiled the layer"
 
 
