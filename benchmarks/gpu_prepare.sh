@@ -26,9 +26,10 @@
 # Make the pieces first (benchmarks/README.md; p4 without gguf.part.aj, which goes in .bench/p6). Name a kind on
 # EVERY call:
 #   BUDGET=400 KTESTS_K="keep or logits or tree" ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15 \
-#     --no-warm-start --profile 30" TILES_ARGS="--tree-nodes 15 --variants default,qsplit4,qusplit2 --calls 100" \
+#     --no-warm-start --profile 30" TILES_ARGS="--tree-nodes 15 --variants default,qsplit4,qusplit2,arows32,arows16 --calls 100" \
 #     bash benchmarks/gpu_prepare.sh part ktests decode tiles       # carry .whl; the tree step [1,16]'s up kernel
 #     was +0.024 ms over the block's: its split-K partials are twice a block's (NOTES); qsplit4 (up unsplit) tells
+#     arows32/arows16: the tree's attention in 2 or 4 programs of rows a head group (NOTES: prediction)
 #   BUDGET=120 TILES_ARGS="--tree-nodes 15 --context 800 --variants default --calls 100" ... tiles   # the tree's
 #     excess over the block at a bench's contexts (NOTES: the real-prompt tree round's unexplained +0.05-0.09 ms)
 #   `part` [.bench/p1 .whl], [p2], [p5], [p3], [p6]; `part join heldout` [p4]

@@ -62,6 +62,10 @@ VARIANTS = {
     # a tree's matmul step (more than 16 rows; 256 by default, as 16 rows')
     "treeinner128": Tiles(tree_inner=128),
     "treeinner512": Tiles(tree_inner=512),
+    # an attention program's rows (64 by default): a tree of 16 rows (48 query rows a group, padded to 64) in two
+    # or four programs a head group; a block of 8 (24 rows) unchanged at 32, in two at 16
+    "arows32": Tiles(attention_rows=32),
+    "arows16": Tiles(attention_rows=16),
     # each kernel launched after the one before it has ended (the default launches it while that one runs,
     # its first weight tile read: programmatic dependent launch, measured 2026-12-05)
     "serial": Tiles(pdl=False),

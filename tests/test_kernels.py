@@ -122,13 +122,22 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("parents", "capacity"),
+    ("parents", "capacity", "rows"),
     [
-        ([-1, 0, 1, 0, 3, 4, 1], 64),  # two branches: rows 1, 2, 6 and 3, 4, 5
-        ([-1] + [0] * 8 + list(range(1, 9)) + list(range(9, 17)) + [24] * 8, 128),  # 33 nodes: two row tiles
+        ([-1, 0, 1, 0, 3, 4, 1], 64, 64),  # two branches: rows 1, 2, 6 and 3, 4, 5
+        (
+            [-1] + [0] * 8 + list(range(1, 9)) + list(range(9, 17)) + [24] * 8,
+            128,
+            64,
+        ),  # 33 nodes: two row tiles
+        (
+            [-1, 0, 1, 2, 0, 4, 5, 1, 7, 0, 9, 3, 11, 4, 13, 14],
+            64,
+            16,
+        ),  # 16 nodes, 16 rows a program: two tiles
     ],
 )
-def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parents, capacity, device):
+def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parents, capacity, rows, device):
     """A token tree after a prompt (each node turned by the root's position + its depth, reading the prompt,
     itself and its ancestors): the kernels' logits, kept features and cache rows equal ``slot_decoder.decode``
     under the tree's mask in float32; a chain step after it (the tree's rows overwritten) still does."""
@@ -136,7 +145,14 @@ def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parent
 
     w = DecoderWeights.from_hf(tiny_model().to(device))
     # a tree's rows split-K too, and its attention's splits merged by the last (two row tiles of them)
-    tiles = Tiles(attention_positions=16, splits=4, qkv_splits=2, up_splits=2, merge_in_attention=True)
+    tiles = Tiles(
+        attention_positions=16,
+        splits=4,
+        qkv_splits=2,
+        up_splits=2,
+        merge_in_attention=True,
+        attention_rows=rows,
+    )
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(3)
@@ -206,8 +222,10 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
         GraphEngine(target, None, capacity=32, graphs=False, compile="kernels")
     with pytest.raises(ValueError, match="qkv_columns=3"):
         Tiles(qkv_columns=3)
-    with pytest.raises(ValueError, match="block_columns at least 16"):
+    with pytest.raises(ValueError, match="block_columns and attention_rows at least 16"):
         Tiles(block_columns=8)
+    with pytest.raises(ValueError, match="block_columns and attention_rows at least 16"):
+        Tiles(attention_rows=8)
     with pytest.raises(ValueError, match="tree_inner=96"):
         Tiles(tree_inner=96)
     # the matmul's inner step: a token's from the products a program holds, a block's and a tree's (more than

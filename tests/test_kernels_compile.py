@@ -135,11 +135,11 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
             target, drafter.to(dtype), capacity=64, graphs=False, compile="kernels", tree_budget=6
         )
         engine.warm_up()
-        # kernel_tiles' variants off by default: split-K in the qkv and up kernels too (the engine's default
-        # splits only the residual kernels'), for a block; the attention's splits merged by the last, for a
-        # token and a block
+        # kernel_tiles' variants off by default: split-K in the qkv and up kernels of 2 shares (the default's
+        # 4), for a block; the attention's splits merged by the last, for a token and a block; attention
+        # programs of 16 rows
         w = engine.w
-        variants = kernels.Tiles(qkv_splits=2, up_splits=2, merge_in_attention=True)
+        variants = kernels.Tiles(qkv_splits=2, up_splits=2, merge_in_attention=True, attention_rows=16)
         for m in (1, 8):
             ids, start = torch.zeros(1, m, dtype=torch.long), torch.zeros(1, dtype=torch.long)
             cache = SlotCache(w, slots=1, capacity=64)

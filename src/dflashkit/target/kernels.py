@@ -46,7 +46,6 @@ from dflashkit.target.slot_decoder import DecoderWeights, LayerWeights, SlotCach
 
 KERNELS = ("qkv", "attention", "merge", "up", "residual")
 MAX_ROWS = 128  # new tokens a step: a token, a block or a tree (a prompt goes through the plain forward)
-ATTENTION_ROWS = 64  # an attention program's rows (new tokens x query heads of a group) at most
 
 
 @dataclass(frozen=True)
@@ -55,10 +54,10 @@ class Tiles:
     bytes spread over many programs) and the products a program holds at once (columns x inner step: the
     inner step follows from it, the whole hidden size for one step). A block (more than one token, through
     ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner`` (any block: tl.dot pads its rows to 16);
-    ``tree_inner`` for more rows (a tree's). The attention's splits along the positions and positions per step, and
-    whether the last split merges them (else a kernel of their own does); a block's split of the inner
-    dimension in each matmul kernel (split-K: more programs for their few output columns); warps per
-    program; dependent launch."""
+    ``tree_inner`` for more rows (a tree's). The attention's splits along the positions, positions per step
+    and rows per program, and whether the last split merges them (else a kernel of their own does); a block's
+    split of the inner dimension in each matmul kernel (split-K: more programs for their few output columns);
+    warps per program; dependent launch."""
 
     qkv_columns: int = 4  # even: rotary pairs
     up_columns: int = 4  # gate and up columns each
@@ -68,6 +67,10 @@ class Tiles:
     block_inner: int = 256  # measured best of 64-1024 for [1,8] (kernel_tiles, 2026-12-05)
     tree_inner: int = 256  # the step for more than 16 rows (a tree's): block_inner's for 16 until measured
     attention_positions: int = 64
+    attention_rows: int = (
+        64  # an attention program's rows (new tokens x query heads of a group) at most: a tree
+    )
+    # of 16 rows and 3 query heads a group has 48 (tl.dot pads them to 64), a block of 8 has 24 (32)
     splits: int = 8  # programs per key/value head along the positions
     residual_splits: int = 4  # a block's output and down projections' inner dimension among this many
     # programs (one token takes none: its many programs of few columns already fill the GPU)
@@ -84,10 +87,10 @@ class Tiles:
     def __post_init__(self) -> None:
         sizes = {k: v for k, v in vars(self).items() if k not in ("warps", "pdl", "merge_in_attention")}
         odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
-        if odd or self.qkv_columns < 2 or self.block_columns < 16:
+        if odd or self.qkv_columns < 2 or self.block_columns < 16 or self.attention_rows < 16:
             raise ValueError(
-                f"Tiles: {', '.join(odd) or 'qkv_columns and block_columns'}: each a power of 2, qkv_columns "
-                "at least 2 (rotary pairs), block_columns at least 16 (tl.dot)"
+                f"Tiles: {', '.join(odd) or 'qkv_columns, block_columns and attention_rows'}: each a power of 2, "
+                "qkv_columns at least 2 (rotary pairs), block_columns and attention_rows at least 16 (tl.dot)"
             )
 
     def columns(self, kernel: str, rows: int) -> int:
@@ -304,7 +307,7 @@ def decode_by_kernels(
     splits = min(t.splits, _pow2(triton_cdiv(cache.capacity, t.attention_positions), least=1))
     steps = triton_cdiv(cache.capacity, splits * t.attention_positions)
     attention_rows = _pow2(m * (nq // nk))
-    row_tiles = triton_cdiv(attention_rows, ATTENTION_ROWS)
+    row_tiles = triton_cdiv(attention_rows, t.attention_rows)
     # a tree's mask as bytes, and its positions (a chain's kernels take a dummy for each: start)
     seen_bytes = seen.to(torch.int8) if seen is not None else start
     x = w.embed[ids[0]]  # [M, H]: a new tensor, updated in place layer by layer
@@ -359,7 +362,7 @@ def decode_by_kernels(
         k.attention[grids["attention"]](
             q, k_cache, v_cache, start, seen_bytes, parts, tops, totals, attended, arrived, d**-0.5,
             cache.capacity, M=m, NQ=nq, NK=nk, D=d, SPLITS=splits, STEPS=steps, TREE=tree,
-            MERGE=t.merge_in_attention, BLOCK_R=min(attention_rows, ATTENTION_ROWS),
+            MERGE=t.merge_in_attention, BLOCK_R=min(attention_rows, t.attention_rows),
             BLOCK_N=t.attention_positions, **common,
         )  # fmt: skip
         if not t.merge_in_attention:
