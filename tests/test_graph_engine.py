@@ -942,9 +942,9 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path, monkeypatch):
 def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypatch):
     """compile="kernels" with a tree budget on the CPU (the kernels in Triton's interpreter): the tree step
     goes through the decoder kernels under the tree's own mask (the compiled layer never runs), the build, the
-    walk and the keep through a kernel each (a round's build from the drafted logits); greedy tree rounds, the real drafter's and scripted ones whose accepted
-    branches move rows, decode as autoregressive decoding with the dynamic engine's acceptance lengths
-    (nothing compiles)."""
+    walk and the keep through a kernel each (a round's build from the drafted logits); greedy tree rounds, the
+    real drafter's and scripted ones whose accepted branches move rows, decode as autoregressive decoding with
+    the dynamic engine's acceptance lengths (nothing compiles)."""
     pytest.importorskip("triton")
     from dflashkit.infer import graph_engine
 

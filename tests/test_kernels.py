@@ -120,21 +120,18 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in
         decode_by_kernels(w, cache, torch.zeros(1, MAX_ROWS + 1, dtype=torch.long, device=device), start, out)
 
 
+# a tree of 33 nodes (66 attention rows: two tiles of 64) and one of 16 nodes (32 rows: two tiles of 16)
+WIDE_TREE = [-1] + [0] * 8 + list(range(1, 9)) + list(range(9, 17)) + [24] * 8
+SIXTEEN_NODES = [-1, 0, 1, 2, 0, 4, 5, 1, 7, 0, 9, 3, 11, 4, 13, 14]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("parents", "capacity", "rows"),
     [
         ([-1, 0, 1, 0, 3, 4, 1], 64, 64),  # two branches: rows 1, 2, 6 and 3, 4, 5
-        (
-            [-1] + [0] * 8 + list(range(1, 9)) + list(range(9, 17)) + [24] * 8,
-            128,
-            64,
-        ),  # 33 nodes: two row tiles
-        (
-            [-1, 0, 1, 2, 0, 4, 5, 1, 7, 0, 9, 3, 11, 4, 13, 14],
-            64,
-            16,
-        ),  # 16 nodes, 16 rows a program: two tiles
+        (WIDE_TREE, 128, 64),
+        (SIXTEEN_NODES, 64, 16),  # an attention program of 16 rows at most
     ],
 )
 def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parents, capacity, rows, device):
@@ -144,15 +141,9 @@ def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parent
     from dflashkit.infer.tree import DraftTree, ancestors
 
     w = DecoderWeights.from_hf(tiny_model().to(device))
-    # a tree's rows split-K too, and its attention's splits merged by the last (two row tiles of them)
-    tiles = Tiles(
-        attention_positions=16,
-        splits=4,
-        qkv_splits=2,
-        up_splits=2,
-        merge_in_attention=True,
-        attention_rows=rows,
-    )
+    # a tree's rows split-K too, and its attention's splits merged by the last (of each row tile)
+    split = dict(qkv_splits=2, up_splits=2, merge_in_attention=True)
+    tiles = Tiles(attention_positions=16, splits=4, attention_rows=rows, **split)
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(3)

@@ -67,10 +67,9 @@ class Tiles:
     block_inner: int = 256  # measured best of 64-1024 for [1,8] (kernel_tiles, 2026-12-05)
     tree_inner: int = 256  # the step for more than 16 rows (a tree's): block_inner's for 16 until measured
     attention_positions: int = 64
-    attention_rows: int = (
-        64  # an attention program's rows (new tokens x query heads of a group) at most: a tree
-    )
-    # of 16 rows and 3 query heads a group has 48 (tl.dot pads them to 64), a block of 8 has 24 (32)
+    # an attention program's rows (new tokens x query heads of a group) at most: a tree of 16 rows and 3 query
+    # heads a group has 48 (tl.dot pads them to 64), a block of 8 has 24 (32)
+    attention_rows: int = 64
     splits: int = 8  # programs per key/value head along the positions
     residual_splits: int = 4  # a block's output and down projections' inner dimension among this many
     # programs (one token takes none: its many programs of few columns already fill the GPU)
