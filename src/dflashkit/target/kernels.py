@@ -68,8 +68,9 @@ class Tiles:
     tree_inner: int = 256  # the step for more than 16 rows (a tree's): block_inner's for 16 until measured
     attention_positions: int = 64
     # an attention program's rows (new tokens x query heads of a group) at most: a tree of 16 rows and 3 query
-    # heads a group has 48 (tl.dot pads them to 64), a block of 8 has 24 (32)
-    attention_rows: int = 64
+    # heads a group has 48, a block of 8 has 24. Measured (kernel_tiles, 2026-12-05, one H100): 16 against 64
+    # the tree step [1,16] 0.740 -> 0.705 ms at context 400 and 0.809 -> 0.744 at 800, the block 0.654 -> 0.646
+    attention_rows: int = 16
     splits: int = 8  # programs per key/value head along the positions
     residual_splits: int = 4  # a block's output and down projections' inner dimension among this many
     # programs (one token takes none: its many programs of few columns already fill the GPU)
