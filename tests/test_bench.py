@@ -226,6 +226,43 @@ def test_tree_rounds_decode_losslessly_on_both_engines(tiny):
     assert dec.capacity(_set()) == 7 + 12 + 21
 
 
+def test_tree_budget_auto_verifies_trees_greedily_and_chains_when_sampling(
+    drafter_run, tiny_dataset, tmp_path, capsys, monkeypatch
+):
+    """Under auto's rule (here: trees of 4 at T=0, for the CPU's engine) a bench at T=0 and T=1 verifies trees
+    greedily and chains when sampling, records the rule in its settings (so that a T=1-only command joins the
+    same folder) and says so in its table; the held-out agreement line says why it is absent."""
+    import dflashkit.infer.engine as engine_module
+    import dflashkit.infer.speculative as spec
+
+    def rule(requested, engine, block_size, temperature):
+        return requested if requested is not None else (4 if temperature == 0 else 0)
+
+    monkeypatch.setattr(engine_module, "resolve_tree_budget", rule)
+    calls: list[tuple[float, object]] = []
+    real = spec.speculative_generate
+
+    def spy(*args, **kwargs):
+        calls.append((args[4].temperature, kwargs.get("tree_budget")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spec, "speculative_generate", spy)
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "bench"
+    common = ["bench", "--drafter", str(drafter_run), "--data", str(tiny_dataset), "--dtype", "float32"]
+    common += ["--max-prompts", "1", "--max-new-tokens", "5", "--out", str(out), "--sets", "heldout"]
+    assert main([*common, "--temperatures", "0,1"]) == 0
+    assert {t for t, b in calls if b == 4} == {0.0} and {t for t, b in calls if b is None} == {1.0}
+    text = " ".join(capsys.readouterr().out.split())
+    assert "trees of 4 drafted nodes at T=0, chains above" in text and "not on tree rounds" in text
+    settings = json.loads((out / "bench.json").read_text())["settings"]
+    assert settings["tree_budget"] == 4 and settings["trees_at"] == "T=0"
+    calls.clear()
+    assert main([*common, "--temperatures", "1"]) == 0  # the same settings: it joins the folder
+    assert calls and all(b is None for _t, b in calls)
+    assert "trees of 4 drafted nodes at T=0" in (out / "bench.md").read_text()
+
+
 def test_the_static_engine_grows_when_a_prompt_needs_more_room(tiny):
     _folder, target, drafter = tiny
     dec = _decoder(target, drafter, "static")
@@ -354,7 +391,8 @@ def test_bench_writes_sets_table_json_figure_and_summary(
     # tree rounds: no agreement line (the training metric is a chain's served-order tau, not comparable)
     trees = [*common[:-1], str(tmp_path / "bench-tree"), "--sets", "heldout", "--temperatures", "0"]
     assert main([*trees, "--tree-budget", "4"]) == 0
-    assert "train/serve agreement" not in " ".join(capsys.readouterr().out.split())
+    text = " ".join(capsys.readouterr().out.split())
+    assert "decoded vs trained" not in text and "not on tree rounds" in text and "--tree-budget 0" in text
     tree_held = json.loads((tmp_path / "bench-tree" / "bench.json").read_text())["sets"]["heldout"]
     assert "training_metric" not in tree_held
     table = json.loads(summary.read_text())

@@ -75,6 +75,7 @@ def test_a_bf16_eval_checks_losslessness_on_float32_copies(untrained_drafter, ti
     )
     out = " ".join(capsys.readouterr().out.split())
     assert "speedup (bfloat16)" in out and "on float32 copies" in out
+    assert "chains (--tree-budget auto)" in out  # auto's rule on the CPU's engine: the chain, said
 
 
 def test_eval_with_tree_rounds(untrained_drafter, tiny_dataset, tmp_path, capsys):

@@ -303,6 +303,22 @@ def test_auto_engine_is_the_fastest_lossless_one(target):
     assert resolve_engine("static", target) == "static"
 
 
+def test_tree_budget_auto_takes_trees_where_they_were_measured_faster():
+    """--tree-budget auto: trees of 15 for greedy rounds on the kernels engine with a block of at most 8 (where
+    they served faster than the chain side by side), the chain everywhere else; a number is taken as given."""
+    from dflashkit.infer.engine import AUTO_TREE_BUDGET, resolve_tree_budget
+
+    assert AUTO_TREE_BUDGET == 15
+    assert resolve_tree_budget(None, "graphs-kernels", 8, 0.0) == 15
+    assert resolve_tree_budget(None, "graphs-kernels", 4, 0.0) == 15
+    assert resolve_tree_budget(None, "graphs-kernels", 8, 1.0) == 0  # sampled: the chain
+    assert resolve_tree_budget(None, "graphs-kernels", 16, 0.0) == 0  # a block not measured
+    for engine in ("graphs", "graphs-layers", "static", "dynamic"):
+        assert resolve_tree_budget(None, engine, 8, 0.0) == 0
+    assert resolve_tree_budget(0, "graphs-kernels", 8, 0.0) == 0
+    assert resolve_tree_budget(31, "dynamic", 16, 1.0) == 31
+
+
 N_TREE = 12  # new tokens per tree generation
 
 

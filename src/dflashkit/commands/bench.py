@@ -60,7 +60,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflashkit.infer import bench
-    from dflashkit.infer.engine import resolve_engine
+    from dflashkit.infer.engine import resolve_engine, resolve_tree_budget
     from dflashkit.model.checkpoint import load_drafter
     from dflashkit.target.hf import TargetModel
 
@@ -94,6 +94,13 @@ def _bench(args: argparse.Namespace) -> int:
         args.data = None  # the config's dataset is not here, and only the held-out set needs it
     target, drafter, tokenizer, dtype, manifest = _load(argparse.Namespace(**{**vars(args), "config": None}))
     args.engine = resolve_engine(args.engine, target, args.tree_budget, long_run=True)
+    # the rounds: trees of --tree-budget N at every temperature; auto's rule records what it gives at T=0 and
+    # above, whichever temperatures this command measures (a folder's sets compare like with like)
+    B = drafter.config.block_size
+    greedy_trees, sampled_trees = (
+        resolve_tree_budget(args.tree_budget, args.engine, B, t) for t in (0.0, 1.0)
+    )
+    measured_trees = max(resolve_tree_budget(args.tree_budget, args.engine, B, t) for t in temperatures)
     thinking = _enable_thinking(args, tokenizer, manifest)
     eos_ids = _eos_ids(target, tokenizer)
     drafter_dir = Path(args.drafter)
@@ -111,8 +118,10 @@ def _bench(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "enable_thinking": thinking,
     }
-    if args.tree_budget:  # only then: chain results measured before trees existed keep their settings
-        settings["tree_budget"] = args.tree_budget
+    if greedy_trees or sampled_trees:  # only then: chain results measured before trees keep their settings
+        settings["tree_budget"] = max(greedy_trees, sampled_trees)
+        if not sampled_trees:
+            settings["trees_at"] = "T=0"
     out = Path(args.out or drafter_dir.parent / "bench")
     bench.check_settings(out, settings)
 
@@ -128,7 +137,8 @@ def _bench(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             seed=args.seed,
             console=console,
-            tree_budget=args.tree_budget or None,
+            tree_budget=measured_trees or None,
+            sampled_trees=bool(sampled_trees),
         )
 
     dec = decoder(target, drafter, args.engine)
@@ -248,17 +258,11 @@ def _fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
     return f"{x:{spec}}{unit}"
 
 
-def rounds_note(settings: dict[str, Any]) -> str:
-    """ ", trees of N drafted nodes" when the rounds verified trees; nothing for chains."""
-    budget = settings.get("tree_budget")
-    return f", trees of {budget} drafted nodes" if budget else ""
-
-
 def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
     """The rich table of every set in the folder (those measured by this command marked *)."""
     from rich.table import Table
 
-    from dflashkit.infer.bench import SET_TITLES
+    from dflashkit.infer.bench import SET_TITLES, rounds_note
 
     s = combined["settings"]
     mixed = set(measured) != set(combined["sets"])  # some sets came from an earlier command: mark ours
@@ -327,6 +331,11 @@ def agreement_lines(combined: dict[str, Any]) -> list[str]:
     """Train/serve agreement on the held-out set: the training metric beside the decoded tau."""
     res = combined["sets"].get("heldout")
     metric = res.get("training_metric") if res else None
+    if res and not metric and "0" in res["temperatures"] and combined["settings"].get("tree_budget"):
+        return [
+            "train/serve agreement: not on tree rounds (the training metric is a chain's served order); "
+            "bench the held-out set with --tree-budget 0 for it"
+        ]
     if not metric:
         return []
     where = metric["data_dir"] or "its training data"

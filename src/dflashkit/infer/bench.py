@@ -200,8 +200,13 @@ class Decoder:
     seed: int = 0
     compile: bool | None = None  # static engine: compile its steps (None: on a GPU)
     tree_budget: int | None = None  # drafted nodes per tree round (None: chain rounds)
+    sampled_trees: bool = True  # trees at T > 0 too (False: trees at T = 0, chains above: --tree-budget auto)
     console: Any = None
     _engine: Any = field(default=None, repr=False)
+
+    def rounds(self, temperature: float) -> int | None:
+        """The tree budget of a round at ``temperature`` (None: the chain)."""
+        return self.tree_budget if temperature == 0 or self.sampled_trees else None
 
     def prompt_ids(self, conv: Conversation, turn: int, replies: Sequence[str]) -> list[int]:
         if conv.prefixes:
@@ -260,7 +265,7 @@ class Decoder:
         for t in temperatures:
             s = Sampling(temperature=t, top_p=self.top_p, rule="rejection", seed=0)
             speculative_generate(
-                self.target, self.drafter, ids, n, s, engine=engine, tree_budget=self.tree_budget
+                self.target, self.drafter, ids, n, s, engine=engine, tree_budget=self.rounds(t)
             )
             layers = self.drafter.config.target_layer_ids
             autoregressive_generate(self.target, ids, n, s, layer_ids=layers, engine=engine)
@@ -315,7 +320,7 @@ def decode_set(
                 s,
                 stopper,
                 engine=engine,
-                tree_budget=dec.tree_budget,
+                tree_budget=dec.rounds(temperature),
             )
             r = Response(
                 c,
@@ -570,10 +575,20 @@ def plot(bench: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def rounds_note(settings: dict[str, Any]) -> str:
+    """ ", trees of N drafted nodes" (and "at T=0, chains above" under --tree-budget auto) when the rounds
+    verified trees; nothing for chains."""
+    budget = settings.get("tree_budget")
+    if not budget:
+        return ""
+    where = f" at {settings['trees_at']}, chains above" if settings.get("trees_at") else ""
+    return f", trees of {budget} drafted nodes{where}"
+
+
 def markdown_table(bench: dict[str, Any]) -> str:
     """The table as Markdown (for a results file), with the settings and the command above it."""
     s = bench["settings"]
-    trees = f", trees of {s['tree_budget']} drafted nodes" if s.get("tree_budget") else ""
+    trees = rounds_note(s)
     lines = [
         f"{'/'.join(Path(s['drafter']).parts[-2:])} (B={s['block_size']}) on {s['target']}: {s['engine']} engine"
         f"{trees}, {s['dtype']}, {s['device']}, {s['max_new_tokens']} new tokens per reply",
@@ -724,6 +739,6 @@ def run_set(
         result["lossless_fp32"] = lossless_result(subset, checked, "float32", lossless.engine)
     t0 = result["temperatures"].get("0")
     # the training metric is a chain's served-order tau: beside tree rounds it would read as a gap
-    if bset.name == "heldout" and drafter_dir is not None and t0 is not None and not dec.tree_budget:
+    if bset.name == "heldout" and drafter_dir is not None and t0 is not None and not dec.rounds(0.0):
         result["training_metric"] = training_metric(drafter_dir, data_dir, t0["tau"], bset)
     return result

@@ -551,6 +551,26 @@ def resolve_engine(
     return "graphs-kernels"
 
 
+# The node budget `--tree-budget auto` takes where trees pay: a tree of 15 and its root fill the kernels'
+# 16-row tiles (a 31-node tree doubles every matmul's tile: its round +41.9% over the chain's against +15.6%).
+# Measured side by side on one H100 (benchmarks/RESULTS.md, twenty-ninth session; a block-8 drafter, greedy):
+# speedup 2.23/2.48/2.36/2.42x against the chain's 1.97/2.14/2.13/2.26x on MT-Bench/GSM8K/HumanEval/held-out.
+AUTO_TREE_BUDGET = 15
+AUTO_TREE_MAX_BLOCK = 8  # the block sizes measured: a larger block's chain already fills the tree's rows
+
+
+def resolve_tree_budget(requested: int | None, engine: str, block_size: int, temperature: float) -> int:
+    """The drafted nodes a round verifies (0: the chain). ``requested`` None is `--tree-budget auto`: trees of
+    AUTO_TREE_BUDGET nodes where they were measured faster than the chain (greedy decoding on the
+    graphs-kernels engine with a block of at most AUTO_TREE_MAX_BLOCK), else the chain: at T = 1 a sampled tree
+    accepted no more than the chain (1.68 against 1.73 on MT-Bench, benchmarks/RESULTS.md, twenty-seventh
+    session), and on the other engines a tree's round costs more than its tau gains. A number is taken as given."""
+    if requested is not None:
+        return requested
+    trees_pay = engine == "graphs-kernels" and temperature == 0 and block_size <= AUTO_TREE_MAX_BLOCK
+    return AUTO_TREE_BUDGET if trees_pay else 0
+
+
 def compile_cache_path(
     target: TargetModel,
     drafter: Any,
