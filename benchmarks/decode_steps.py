@@ -42,8 +42,10 @@ measurements: kept from ``benchmarks/results/decode_steps.json`` when it has the
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -552,6 +554,13 @@ def parser() -> argparse.ArgumentParser:
         help="Inductor's GEMM templates, autotuned, with the work after a matmul fused into it (every "
         "compiled step of this process; affordable where one decoder layer is compiled: graphs-layers)",
     )
+    ap.add_argument(
+        "--start-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the warm start's N slowest functions (cProfile of the second process's engine build)",
+    )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-warm-start", action="store_true", help="skip the second process (graphs-compiled)")
     # the warm-start child (internal): a fresh process that loads the portable compile cache
@@ -728,7 +737,11 @@ def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache
     fresh = tempfile.mkdtemp(prefix="decode-steps-warm-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": fresh, "TRITON_CACHE_DIR": os.path.join(fresh, "triton")}
     out = run_child([*cmd, "--spawned-at", repr(time.time())], env, 540)
+    profile = out.pop("start_profile", None)
     print(f"{dtype_name} {engine_name} warm start (second process): {json.dumps(out)}")
+    for key, lines in (profile or {}).items():
+        print(f"warm start's engine build, the most {key} time:")
+        print("\n".join(f"  {line}" for line in lines))
     return {
         "warm_start_seconds": out.get("process_to_first_token_seconds"),
         "warm_start_engine_seconds": out.get("engine_to_first_token_seconds"),
@@ -755,27 +768,62 @@ def warm_start_command(engine_name: str, folder: Path, dtype_name: str, cache: P
     # graph of graphs-layers compiled again, 24.7 s, and the kernels' variants too, 19.2 s)
     cmd += ["--tree-budgets", ",".join(map(str, args.tree_budgets)), "--profile", str(args.profile)]
     cmd += ["--max-autotune"] if args.max_autotune else []
+    cmd += ["--start-profile", str(args.start_profile)] if args.start_profile else []
     return cmd
 
 
 def warm_start_child(args) -> dict:
     """In a fresh process: load the models, build the compiled graphs engine around the portable cache,
-    decode one token. Seconds from the parent's spawn and from building the engine to that token."""
+    decode one token. Seconds from the parent's spawn and from building the engine to that token, and where
+    the rest went: the interpreter and imports, the models' load; with ``--start-profile N`` the N functions
+    of the engine's build that took the longest (cumulative and own time, cProfile)."""
+    entered = time.time()
     import torch
 
+    imported = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.compile = device.type == "cuda"
     target, drafter = load_models(Path(args.target_folder), args.dtypes, args, device)
+    loaded = time.time()
+    profiler = cProfile.Profile() if args.start_profile else None
     with torch.no_grad():
+        if profiler is not None:
+            profiler.enable()
         _, warm, engine_seconds = first_token(
             target, drafter, args.warm_start_engine, args, Path(args.warm_start_child)
         )
-    return {
+        if profiler is not None:
+            profiler.disable()
+    out = {
         "process_to_first_token_seconds": time.time() - args.spawned_at,
         "engine_to_first_token_seconds": engine_seconds,
+        "start_parts_seconds": {
+            "interpreter and the script's imports": entered - args.spawned_at,
+            "import torch": imported - entered,
+            "models": loaded - imported,
+            "engine to first token": engine_seconds,
+        },
         "warmup_seconds": dict(warm),
         **cache_report(warm),
     }
+    if profiler is not None:
+        out["start_profile"] = profile_top(profiler, args.start_profile)
+    return out
+
+
+def profile_top(profiler: cProfile.Profile, n: int) -> dict[str, list[str]]:
+    """The ``n`` functions with the most cumulative and the most own time, one line each."""
+    stats = pstats.Stats(profiler)
+    top: dict[str, list[str]] = {}
+    for key in ("cumulative", "tottime"):
+        rows = sorted(
+            stats.stats.items(), key=lambda kv: kv[1][3 if key == "cumulative" else 2], reverse=True
+        )
+        top[key] = [
+            f"{v[3]:7.2f} s cum {v[2]:7.2f} s own {v[1]:6d} calls  {Path(f).name}:{line} {name}"
+            for (f, line, name), v in rows[:n]
+        ]
+    return top
 
 
 def previous_results() -> dict:

@@ -15,7 +15,17 @@ import decode_steps  # noqa: E402
 def test_the_warm_start_child_builds_the_parents_steps(tmp_path):
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=8))
     for argv in (
-        ["--tree-budgets", "31", "--profile", "300", "--prompt-len", "80", "--max-autotune"],
+        [
+            "--tree-budgets",
+            "31",
+            "--profile",
+            "300",
+            "--prompt-len",
+            "80",
+            "--max-autotune",
+            "--start-profile",
+            "5",
+        ],
         ["--tokens", "64", "--calls", "50"],
     ):
         parent = decode_steps.parser().parse_args(argv)
@@ -24,6 +34,22 @@ def test_the_warm_start_child_builds_the_parents_steps(tmp_path):
         child = decode_steps.parser().parse_args(cmd[2:])
         assert decode_steps.engine_capacity(child, drafter) == decode_steps.engine_capacity(parent, drafter)
         same = ("shape", "layers", "block", "target_layers", "prompt_len", "tokens", "calls", "tree_budgets")
-        for name in (*same, "profile", "max_autotune"):
+        for name in (*same, "profile", "max_autotune", "start_profile"):
             assert getattr(child, name) == getattr(parent, name), name
         assert child.warm_start_child == str(tmp_path / "c") and child.warm_start_engine == "graphs-layers"
+
+
+def test_the_start_profile_names_the_slowest_functions():
+    import cProfile
+    import time
+
+    def slow() -> None:
+        time.sleep(0.05)
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    slow()
+    profiler.disable()
+    top = decode_steps.profile_top(profiler, 3)
+    assert set(top) == {"cumulative", "tottime"} and all(len(v) <= 3 for v in top.values())
+    assert "slow" in top["cumulative"][0] or "slow" in top["cumulative"][1]
