@@ -451,6 +451,11 @@ for s in "$@"; do
       stage gtests
       timeout $(cap 300) python3 -m pytest -q -m gpu tests/test_generator.py tests/test_graph_engine.py \
         tests/test_engine.py -k "${GTESTS_K:-}" 2>&1 | tee "$OUT/pytest-gtests.log" | tail -15 ;;
+    probe)
+      # no GGUF needed: a step's matmul phases as one persistent kernel against one launch a phase
+      stage probe
+      timeout $(cap 240) python3 benchmarks/persistent_probe.py --out "$OUT/persistent_probe.json" ${PROBE_ARGS:-} 2>&1 \
+        | tee "$OUT/persistent_probe.log" | tail -25 ;;
     tiles)
       # no GGUF needed: the decoder kernels' tiles side by side, and graphs-layers' steps on the same shapes
       stage tiles
