@@ -375,6 +375,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$M" "$W" "$OUT"
 export DFLASHKIT_EMBEDDED_GGUF=$M/smollm2.gguf HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD/src
+# Python's compiled bytecode in a folder the machine keeps while warm: the lent machine's torch install has no
+# usable .pyc (its twenty-ninth-session warm start compiled 884 modules' source, 4.4 s of 17.0), where a user's
+# install has them from pip; with this, a second process reads what the first compiled, as on a user's machine
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$W/pycache}
 DK="python3 -m dflashkit.cli"
 
 stage() { echo "=== $1 $(date +%T), ${SECONDS}s into this command"; }

@@ -29,6 +29,19 @@ def test_fingerprint_has_the_exact_torch_build(fp):
     assert fp["python"]["version"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}")
 
 
+def test_the_critical_entries_are_the_fingerprints_read_once(fp, monkeypatch):
+    """``critical()`` (what the compile caches key their files by) equals the whole fingerprint's critical
+    entries, and is read once a process: a warm start checks several files."""
+    from dflashkit.runtime.compile_cache import cache_key
+
+    flat = fingerprint.flatten(fp)
+    assert fingerprint.critical() == {k: flat.get(k) for k in fingerprint.CRITICAL_KEYS} == cache_key()
+    monkeypatch.setattr(fingerprint, "collect", lambda: pytest.fail("the whole fingerprint read for a key"))
+    monkeypatch.setattr(fingerprint.metadata, "version", lambda name: pytest.fail("read again"))
+    assert cache_key() == fingerprint.critical()
+    assert cache_key(fp) == fingerprint.critical()  # a given fingerprint is flattened as before
+
+
 def test_env_vars_are_recorded(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_FOO", "1")
     monkeypatch.setenv("NCCL_DEBUG", "INFO")

@@ -34,7 +34,9 @@ CACHE_FORMAT = "dflashkit-compile-cache-1"
 
 def cache_key(fp: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fingerprint entries a compiled kernel depends on (torch build, CUDA, triton, GPU type)."""
-    flat = fingerprint.flatten(fp if fp is not None else fingerprint.collect())
+    if fp is None:
+        return fingerprint.critical()
+    flat = fingerprint.flatten(fp)
     return {k: flat.get(k) for k in fingerprint.CRITICAL_KEYS}
 
 

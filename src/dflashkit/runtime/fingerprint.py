@@ -10,6 +10,7 @@ Every run folder and checkpoint holds one as `fingerprint.json` (see `FINGERPRIN
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -236,6 +237,41 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict) or "torch" not in data:
         raise FingerprintError(f"{p} is not a dflashkit fingerprint (no 'torch' section)")
     return data
+
+
+@functools.lru_cache(maxsize=1)
+def _critical_cached() -> tuple[tuple[str, Any], ...]:
+    import torch
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    props = (
+        [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else []
+    )
+    found = {
+        "torch.version": torch.__version__,
+        "torch.git_version": torch.version.git_version,
+        "torch.cuda": torch.version.cuda,
+        "packages.triton": version("triton"),
+        "packages.pytorch-triton": version("pytorch-triton"),
+        "gpu.names": [p.name for p in props],
+        "gpu.capabilities": [f"{p.major}.{p.minor}" for p in props],
+    }
+    return tuple((k, found[k]) for k in CRITICAL_KEYS)
+
+
+def critical() -> dict[str, Any]:
+    """The critical entries alone (``CRITICAL_KEYS``: what a compiled kernel depends on), as ``collect()``
+    flattened has them, read once a process: the compile caches key their files by them, and a warm start
+    checks several files, where the whole fingerprint reads every installed package's metadata and asks
+    nvidia-smi each time."""
+    return dict(_critical_cached())
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
