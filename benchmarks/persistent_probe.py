@@ -317,6 +317,13 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU: two layers, one program, the numbers checked")
     args = ap.parse_args()
 
+    sizes = {"block-n": (HIDDEN, QKV, 2 * INTERMEDIATE), "block-k": (HIDDEN, INTERMEDIATE)}
+    for flag, values in (("block-n", args.block_n), ("block-k", args.block_k)):
+        for v in (int(x) for x in values.split(",")):
+            if v < 16 or any(size % v for size in sizes[flag]):
+                sys.exit(
+                    f"--{flag} {v}: each at least 16 and a divisor of {sizes[flag]} (the phases mask no edge)"
+                )
     if args.smoke or not torch.cuda.is_available():
         step = Step(2, torch.device("cpu"), torch.float32)
         for m in (1, 3):
