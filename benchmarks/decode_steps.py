@@ -105,12 +105,25 @@ def copy_bandwidth(device) -> float | None:
 def engine_capacity(args, drafter) -> int:
     """One capacity for every engine of a run (chain, trees, profiles): the compiled steps' shapes include it,
     so the tree and profile engines reuse the chain engine's compiled steps instead of compiling again."""
-    widest = max([drafter.config.block_size, *(n + 1 for n in args.tree_budgets)])
+    from dflashkit.infer.engine import AUTO_TREE_BUDGET
+
+    start = AUTO_TREE_BUDGET if args.start_tree_budget == "auto" else int(args.start_tree_budget)
+    widest = max([drafter.config.block_size, *(n + 1 for n in [*args.tree_budgets, start])])
     return args.prompt_len + max(args.tokens, args.calls, args.profile + 8) + widest
 
 
+def start_tree_budget(engine_name: str, drafter, args) -> int:
+    """The tree steps the measured engine builds at its start: --start-tree-budget N, or (auto) the budget
+    that `eval` and `bench` serve greedy rounds with on this engine (``resolve_tree_budget``)."""
+    from dflashkit.infer.engine import resolve_tree_budget
+
+    requested = None if args.start_tree_budget == "auto" else int(args.start_tree_budget)
+    return resolve_tree_budget(requested, engine_name, drafter.config.block_size, 0.0)
+
+
 def build_engine(engine_name: str, target, drafter, args, capacity: int, cache: Path | None):
-    """The engine and its warm-up (seconds per step shape; a graphs engine's says how the caches served it)."""
+    """The engine and its warm-up (seconds per step shape; a graphs engine's says how the caches served it),
+    with the tree steps of ``start_tree_budget``: a start is what a serving command's costs."""
     from dflashkit.infer.engine import ready_engine
     from dflashkit.infer.graph_engine import GraphEngine
 
@@ -125,6 +138,7 @@ def build_engine(engine_name: str, target, drafter, args, capacity: int, cache: 
             graphs=args.compile,
             compile=compiled,
             compile_cache=cache if compiled else None,
+            tree_budget=start_tree_budget(engine_name, drafter, args) or None,
         )
         return engine, engine.warm_up()
     return ready_engine(engine_name, target, drafter, capacity=capacity, compile=args.compile)
@@ -247,6 +261,7 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None,
         "engine": engine_name,
         "warmup_seconds": dict(warm),
         "start_seconds": start_seconds,
+        "start_tree_budget": start_tree_budget(engine_name, drafter, args),
         **cache_report(warm),
         "ms_per_ar_token": token_ms,
         "ms_per_spec_round": round_ms,  # the engine's default round (graphs engines: one step)
@@ -555,6 +570,14 @@ def parser() -> argparse.ArgumentParser:
         "compiled step of this process; affordable where one decoder layer is compiled: graphs-layers)",
     )
     ap.add_argument(
+        "--start-tree-budget",
+        default="auto",
+        metavar="N|auto",
+        help="the tree steps the measured engine builds at its start (and its warm start): auto (the default) "
+        "those `eval` and `bench` serve greedy rounds with on that engine (trees of 15 on graphs-kernels), 0 "
+        "the chain's steps alone (the start measured before the twenty-ninth session)",
+    )
+    ap.add_argument(
         "--start-profile",
         type=int,
         default=0,
@@ -769,6 +792,7 @@ def warm_start_command(engine_name: str, folder: Path, dtype_name: str, cache: P
     cmd += ["--tree-budgets", ",".join(map(str, args.tree_budgets)), "--profile", str(args.profile)]
     cmd += ["--max-autotune"] if args.max_autotune else []
     cmd += ["--start-profile", str(args.start_profile)] if args.start_profile else []
+    cmd += ["--start-tree-budget", str(args.start_tree_budget)]
     return cmd
 
 
