@@ -194,6 +194,70 @@ def _step_kernel(
         _grid_sync(counter_ptr, done)
 
 
+@triton.jit
+def _tick_kernel(x_ptr, GDC: tl.constexpr):
+    """A phase of no work: each program adds one to its own counter (after the kernel before, with GDC)."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    tl.store(x_ptr + pid, tl.load(x_ptr + pid) + 1)
+
+
+@triton.jit
+def _ticks_kernel(x_ptr, counter_ptr, PHASES: tl.constexpr, PROGRAMS: tl.constexpr):
+    """PHASES phases of no work in one launch, a grid barrier after each."""
+    pid = tl.program_id(0)
+    done = 0
+    for _ in range(PHASES):
+        tl.store(x_ptr + pid, tl.load(x_ptr + pid, cache_modifier=".cg") + 1)
+        done += PROGRAMS
+        _grid_sync(counter_ptr, done)
+
+
+def one_by_one(device: torch.device, programs: int) -> None:
+    """Refuse a grid barrier of several programs where they run one after another (Triton's interpreter on
+    the CPU): the first would wait forever for the others."""
+    if device.type != "cuda" and programs > 1:
+        raise ValueError(
+            f"{programs} programs on the CPU: the interpreter runs them in turn; a barrier needs one"
+        )
+
+
+def boundaries(phases: int, programs: int, device: torch.device, calls: int = 0) -> dict:
+    """What a phase boundary costs: ``phases`` phases of no work as one launch each (a CUDA graph; with and
+    without dependent launch on a GPU that has it) and as one persistent launch with grid barriers. Each
+    program's counter must read ``phases`` after a step (checked); with ``calls`` (GPU) the median ms of a step
+    and the us a boundary."""
+    one_by_one(device, programs)
+    x = torch.zeros(programs, device=device, dtype=torch.int32)
+    counter = torch.zeros(1, device=device, dtype=torch.int32)
+    pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+    def launches(gdc: bool) -> None:
+        x.zero_()
+        for _ in range(phases):
+            _tick_kernel[(programs,)](x, GDC=gdc, **({"launch_pdl": True} if gdc else {}))
+
+    def persistent() -> None:
+        x.zero_()
+        counter.zero_()
+        _ticks_kernel[(programs,)](x, counter, phases, programs)
+
+    ways = {"launches": lambda: launches(False), "persistent": persistent}
+    if pdl:
+        ways["launches, dependent"] = lambda: launches(True)
+    out: dict = {"phases": phases, "programs": programs}
+    for name, fn in ways.items():
+        fn()
+        if not bool((x == phases).all()):
+            raise AssertionError(f"{name}: the counters read {x.tolist()[:4]}..., not {phases}")
+        if calls:
+            ms = timed(fn, calls)
+            out[name] = {"ms": ms, "us_a_boundary": ms * 1e3 / phases}
+    return out
+
+
 class Step:
     """The weights (stored [K, N], the layers stacked) and the activations of one step of ``m`` rows."""
 
@@ -246,6 +310,7 @@ class Step:
 
     def persistent(self, m: int, programs: int, block_n: int, block_k: int) -> None:
         """One launch a step: ``programs`` programs (all resident at once: at most one per multiprocessor)."""
+        one_by_one(self.device, programs)
         self.h.copy_(self.h0)
         self.counter.zero_()
         _step_kernel[(programs,)](
@@ -313,6 +378,10 @@ def main() -> None:
     ap.add_argument("--block-n", default="16", help="output columns per program and phase (each at least 16)")
     ap.add_argument("--block-k", default="64", help="inner-dimension step (each at least 16)")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument(
+        "--phases", type=int, default=180, help="phases of no work for the boundaries' cost (180: a step)"
+    )
+    ap.add_argument("--boundaries-only", action="store_true", help="only what a phase boundary costs")
     ap.add_argument("--out", default="persistent_probe.json")
     ap.add_argument("--smoke", action="store_true", help="CPU: two layers, one program, the numbers checked")
     args = ap.parse_args()
@@ -320,11 +389,12 @@ def main() -> None:
     sizes = {"block-n": (HIDDEN, QKV, 2 * INTERMEDIATE), "block-k": (HIDDEN, INTERMEDIATE)}
     for flag, values in (("block-n", args.block_n), ("block-k", args.block_k)):
         for v in (int(x) for x in values.split(",")):
-            if v < 16 or any(size % v for size in sizes[flag]):
+            if v < 16 or v & (v - 1) or any(size % v for size in sizes[flag]):
                 sys.exit(
-                    f"--{flag} {v}: each at least 16 and a divisor of {sizes[flag]} (the phases mask no edge)"
+                    f"--{flag} {v}: each a power of 2, at least 16, dividing {sizes[flag]} (the phases mask no edge)"
                 )
     if args.smoke or not torch.cuda.is_available():
+        print(f"boundaries (one program): {boundaries(5, 1, torch.device('cpu'))}")
         step = Step(2, torch.device("cpu"), torch.float32)
         for m in (1, 3):
             result = check(step, m, 1, 16, 64)
@@ -338,6 +408,17 @@ def main() -> None:
     programs = [sms if p == "sms" else int(p) for p in args.programs.split(",")]
     if max(programs) > sms:
         sys.exit(f"--programs: at most {sms} here (every program resident at once, one per multiprocessor)")
+    costs = [boundaries(args.phases, p, device, args.calls) for p in programs]
+    for c in costs:
+        print(f"{args.phases} phases of no work, {c['programs']} programs: "
+              + "; ".join(f"{k} {v['ms']:.3f} ms ({v['us_a_boundary']:.2f} us a boundary)"
+                          for k, v in c.items() if isinstance(v, dict)))  # fmt: skip
+    if args.boundaries_only:
+        Path(args.out).write_text(
+            json.dumps({"command": " ".join(sys.argv), "boundaries": costs}, indent=2) + "\n"
+        )
+        print(f"wrote {args.out}")
+        return
     step = Step(args.layers, device, torch.bfloat16)
     bandwidth = copy_bandwidth(device)
     floor_ms = step.weight_bytes() / bandwidth * 1e3
@@ -379,6 +460,7 @@ def main() -> None:
         "copy_bytes_per_s": bandwidth,
         "floor_ms": floor_ms,
         "command": " ".join(sys.argv),
+        "boundaries": costs,
         "rows": rows_out,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
