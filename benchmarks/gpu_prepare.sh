@@ -20,6 +20,19 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirtieth session's plan (the twenty-ninth, one H100: trees of 15 serve 2.23/2.48/2.36/2.42x against the chain's
+# 1.97/2.14/2.13/2.26x and `--tree-budget auto` takes them at T = 0; the warm start 17.0 s, 4.4 s of it compiling
+# Python source; built after: fingerprint.critical(), PYTHONPYCACHEPREFIX here, decode_steps' start with the
+# tree steps auto serves, the probe's phase boundaries). Name a kind on EVERY call:
+#   BUDGET=420 PROBE_ARGS="--boundaries-only --programs sms,66" ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15 \
+#     --start-profile 25" bash benchmarks/gpu_prepare.sh part probe decode     # carry .bench/p1 .whl
+#     NOTES "The warm start's parts": warm start (now with the tree-15 steps) predicted 10-13 s; the probe: us a
+#     boundary, launches (with/without dependent launch) against a grid barrier: a persistent step pays only if
+#     the barrier is well under a dependent launch's boundary
+#   then, if the device time allows: the parts and `part join heldout`, and the table on auto (no --tree-budget):
+#   BENCH_CAP=330 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=80
+#   BENCH_OUT=/root/work/b-auto BENCH_ARGS="--sets heldout,mtbench,gsm8k,humaneval --temperatures 0,1" ... bench
+# Twenty-ninth session, as run: RESULTS (one H100 for every command; 1,623 s of device time).
 # Twenty-ninth session's plan (the twenty-eighth, one H100: trees of 15 serve at 2.07/2.23/2.15/2.29x against the
 # chain's 2.04/2.16/2.15/2.31x, tau 4.20/4.52/4.36/4.66; built after: the build's merge as one 2D top-k, the keep as
 # one kernel; NOTES "The tree round's build merge and keep": tree-15 +14.9% -> ~+9% over the chain).
