@@ -566,8 +566,9 @@ def plot(bench: dict[str, Any], path: Path) -> Path:
     axes[0].set_title("tau over all rounds; whiskers: p10-p90 over responses", fontsize=9)
     s = bench["settings"]
     fig.suptitle(
-        f"{'/'.join(Path(s['drafter']).parts[-2:])} on {s['target']}: {s['engine']} engine, {s['dtype']}, "
-        f"{s['max_new_tokens']} new tokens"
+        f"{'/'.join(Path(s['drafter']).parts[-2:])} on {s['target']}: {s['engine']} engine{rounds_note(s)}, "
+        f"{s['dtype']}, {s['max_new_tokens']} new tokens",
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
