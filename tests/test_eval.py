@@ -116,7 +116,9 @@ def test_generate_on_the_static_engine(untrained_drafter, capsys):
     assert main([*args, "--engine", "static", "Hello"]) == 0
     static = capsys.readouterr().out
     assert main([*args, "Hello"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == static.splitlines()[0]  # the same text
+    auto = capsys.readouterr().out
+    assert auto.splitlines()[0] == static.splitlines()[0]  # the same text
+    assert "chains (--tree-budget auto)" in " ".join(auto.split())  # the rounds, said
 
 
 def test_eval_keeps_earlier_evaluations_and_compares_like_with_like(

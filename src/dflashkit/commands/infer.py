@@ -335,7 +335,7 @@ def _generate(args: argparse.Namespace) -> int:
     args.tree_budget = resolve_tree_budget(
         args.tree_budget, args.engine, drafter.config.block_size, sampling.temperature
     )
-    console.print(f"{args.engine} engine, {rounds_label(args.tree_budget, rounds_chosen)}")
+    rounds = rounds_label(args.tree_budget, rounds_chosen)
 
     engines: list[Any] = []  # the static engine, built for the first prompt and rebuilt if one is longer
 
@@ -365,7 +365,7 @@ def _generate(args: argparse.Namespace) -> int:
         console.print(rounds_markup(g, tokenizer, stopper.eos))
         console.print(
             f"[dim]{len(g.tokens)} tokens, mean acceptance length {g.mean_acceptance_length:.2f}, "
-            f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}, {args.engine} engine[/]"
+            f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}, {args.engine} engine, {rounds}[/]"
         )
 
     console.print(ROUNDS_LEGEND)
