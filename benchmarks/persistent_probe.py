@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -253,7 +251,9 @@ def boundaries(phases: int, programs: int, device: torch.device, calls: int = 0)
         if not bool((x == phases).all()):
             raise AssertionError(f"{name}: the counters read {x.tolist()[:4]}..., not {phases}")
         if calls:
-            ms = timed(fn, calls)
+            from kernel_tiles import replay_ms  # the figures compare with kernel_tiles'
+
+            ms = replay_ms(fn, calls)
             out[name] = {"ms": ms, "us_a_boundary": ms * 1e3 / phases}
     return out
 
@@ -330,44 +330,6 @@ def check(step: Step, m: int, programs: int, block_n: int, block_k: int) -> dict
     return {"equal_to_the_bit": bool(torch.equal(by_launches, by_persistent)), "relative_error": err}
 
 
-def timed(fn, calls: int) -> float:
-    """Median ms of a CUDA graph of ``fn`` replayed ``calls`` times (one step a replay)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        graph.capture_begin()
-        fn()
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a device-to-device copy of 1 GiB (read + write)."""
-    a = torch.empty(1 << 29, dtype=torch.float16, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * a.element_size() * 10 / (time.perf_counter() - t)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=LAYERS)
@@ -420,6 +382,9 @@ def main() -> None:
         print(f"wrote {args.out}")
         return
     step = Step(args.layers, device, torch.bfloat16)
+    from decode_steps import copy_bandwidth
+    from kernel_tiles import replay_ms
+
     bandwidth = copy_bandwidth(device)
     floor_ms = step.weight_bytes() / bandwidth * 1e3
     rows_out = []
@@ -434,10 +399,10 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         for bn in (int(b) for b in args.block_n.split(",")):
             for bk in (int(b) for b in args.block_k.split(",")):
-                launch_ms = timed(lambda m=m, bn=bn, bk=bk: step.launches(m, bn, bk), args.calls)
+                launch_ms = replay_ms(lambda m=m, bn=bn, bk=bk: step.launches(m, bn, bk), args.calls)
                 for p in programs:
                     result = check(step, m, p, bn, bk)
-                    persist_ms = timed(
+                    persist_ms = replay_ms(
                         lambda m=m, p=p, bn=bn, bk=bk: step.persistent(m, p, bn, bk), args.calls
                     )
                     row = {

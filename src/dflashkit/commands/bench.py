@@ -100,7 +100,7 @@ def _bench(args: argparse.Namespace) -> int:
     greedy_trees, sampled_trees = (
         resolve_tree_budget(args.tree_budget, args.engine, B, t) for t in (0.0, 1.0)
     )
-    measured_trees = max(resolve_tree_budget(args.tree_budget, args.engine, B, t) for t in temperatures)
+    measured_trees = max(greedy_trees if t == 0 else sampled_trees for t in temperatures)
     thinking = _enable_thinking(args, tokenizer, manifest)
     eos_ids = _eos_ids(target, tokenizer)
     drafter_dir = Path(args.drafter)

@@ -135,7 +135,7 @@ def _eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dflashkit.infer.engine import resolve_engine, resolve_tree_budget
+    from dflashkit.infer.engine import resolve_engine
     from dflashkit.infer.evaluate import training_reference, write_report
 
     console = Console()
@@ -144,10 +144,7 @@ def _eval(args: argparse.Namespace) -> int:
     thinking = _enable_thinking(args, tokenizer, manifest)
     prompt_ids, source = eval_prompts(args, tokenizer, thinking)
     sampling = _sampling(args)
-    rounds_chosen = args.tree_budget is None
-    args.tree_budget = resolve_tree_budget(
-        args.tree_budget, args.engine, drafter.config.block_size, sampling.temperature
-    )
+    rounds = choose_rounds(args, drafter, sampling.temperature)
     longest = max((len(p) for p in prompt_ids), default=0)
     capacity = longest + args.max_new_tokens + _width(args, drafter)
     eos_ids = _eos_ids(target, tokenizer)
@@ -205,7 +202,7 @@ def _eval(args: argparse.Namespace) -> int:
     t.add_row("per-position acceptance", " ".join(f"{p:.2f}" for p in report.per_position_acceptance))
     t.add_row("tau histogram (1..B)", " ".join(str(c) for c in report.accept_length_histogram[1:]))
     t.add_row("decode engine", report.engine)
-    t.add_row("rounds", rounds_label(args.tree_budget, rounds_chosen))
+    t.add_row("rounds", rounds)
     t.add_row("speculative tokens/s", f"{report.spec_tokens_per_second:.1f} ({report.dtype})")
     if report.ar_tokens_per_second:
         t.add_row("autoregressive tokens/s", f"{report.ar_tokens_per_second:.1f} ({report.dtype})")
@@ -300,10 +297,17 @@ def _engine(args: argparse.Namespace, target: Any, drafter: Any, capacity: int, 
     return engine
 
 
-def rounds_label(tree_budget: int, chosen: bool) -> str:
-    """What a round verifies, said to the user: "trees of N drafted nodes" or "chains", and whether
-    `--tree-budget auto` chose it."""
-    what = f"trees of {tree_budget} drafted nodes" if tree_budget else "chains"
+def choose_rounds(args: argparse.Namespace, drafter: Any, temperature: float) -> str:
+    """Resolve --tree-budget (auto: ``resolve_tree_budget`` for --engine, already resolved, at
+    ``temperature``) into ``args.tree_budget``; what a round verifies, said to the user: "trees of N drafted
+    nodes" or "chains", and whether auto chose it."""
+    from dflashkit.infer.engine import resolve_tree_budget
+
+    chosen = args.tree_budget is None
+    args.tree_budget = resolve_tree_budget(
+        args.tree_budget, args.engine, drafter.config.block_size, temperature
+    )
+    what = f"trees of {args.tree_budget} drafted nodes" if args.tree_budget else "chains"
     return what + (" (--tree-budget auto)" if chosen else "")
 
 
@@ -322,7 +326,7 @@ def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dflashkit.data.chat import generation_prompt_ids
-    from dflashkit.infer.engine import resolve_engine, resolve_tree_budget
+    from dflashkit.infer.engine import resolve_engine
     from dflashkit.infer.speculative import Stopper, speculative_generate
 
     console = Console()
@@ -331,11 +335,7 @@ def _generate(args: argparse.Namespace) -> int:
     thinking = _enable_thinking(args, tokenizer, manifest)
     stopper = Stopper(_eos_ids(target, tokenizer), args.stop or [], tokenizer)
     sampling = _sampling(args)
-    rounds_chosen = args.tree_budget is None
-    args.tree_budget = resolve_tree_budget(
-        args.tree_budget, args.engine, drafter.config.block_size, sampling.temperature
-    )
-    rounds = rounds_label(args.tree_budget, rounds_chosen)
+    rounds = choose_rounds(args, drafter, sampling.temperature)
 
     engines: list[Any] = []  # the static engine, built for the first prompt and rebuilt if one is longer
 
