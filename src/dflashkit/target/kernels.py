@@ -79,6 +79,11 @@ class Tiles:
     # 33 0.947 -> 0.931, one token unchanged (kernel_tiles, H100, 2026-12-05)
     merge_in_attention: bool = False  # the attention's splits merged by the split that arrives last (no
     # merge kernel: 30 launches a step fewer; ``kernel_source.merged_rows``)
+    # steps of at most this many rows (a block of 8, a tree of 16) through the token's matrix-vector products
+    # (the token's columns a program, rows unpadded, products on the CUDA cores) in place of ``tl.dot``, each
+    # program holding at most ``matvec_products`` of them at once (rows x columns x inner step); 1: a token only
+    matvec_rows: int = 1
+    matvec_products: int = 8192
     warps: int = 4
     pdl: bool = True  # programmatic dependent launch where the GPU has it (``pdl_args``): its GPU test (a
     # captured step equal to the serial one, 200 replays) passed on an H200, one token 0.532 -> 0.436 ms and a
@@ -93,19 +98,25 @@ class Tiles:
                 "qkv_columns at least 2 (rotary pairs), block_columns and attention_rows at least 16 (tl.dot)"
             )
 
+    def matvec(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows takes matrix-vector products (else ``tl.dot``)."""
+        return rows <= self.matvec_rows
+
     def columns(self, kernel: str, rows: int) -> int:
-        return self.block_columns if rows > 1 else getattr(self, f"{kernel}_columns")
+        return getattr(self, f"{kernel}_columns") if self.matvec(rows) else self.block_columns
 
     def inner(self, k: int, rows: int, columns: int) -> int:
         """The inner dimension's step for a matmul of inner size k: a power of 2, at least 32, at most k's."""
-        # a block (up to 16 rows: tl.dot pads them to 16) takes ``block_inner``, a tree (more rows) ``tree_inner``
-        # (measured: a 33-row tree step 1.36 -> 1.18 ms at 4x the step, 2026-12-05)
-        if rows > 16:
-            step = self.tree_inner
-        elif rows > 1:
-            step = self.block_inner
-        else:
+        # a block through tl.dot (up to 16 rows: it pads them to 16) takes ``block_inner``, a tree (more rows)
+        # ``tree_inner`` (measured: a 33-row tree step 1.36 -> 1.18 ms at 4x the step, 2026-12-05)
+        if rows == 1:
             step = _pow2_floor(self.products // columns)
+        elif self.matvec(rows):
+            step = _pow2_floor(self.matvec_products // (columns * _pow2(rows, least=1)))
+        elif rows > 16:
+            step = self.tree_inner
+        else:
+            step = self.block_inner
         return max(32, min(_pow2(k), step))
 
 
@@ -191,8 +202,9 @@ def pdl_args(device: torch.device, wanted: bool = True) -> dict:
 
 def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
     """The launch arguments every kernel of a step of m rows takes (``common``), and those of its matmuls:
-    one token through matrix-vector products, a block through ``tl.dot`` over rows padded to 16."""
-    block = m > 1
+    one token (or up to ``tiles.matvec_rows``) through matrix-vector products, a block through ``tl.dot``
+    over rows padded to 16."""
+    block = not tiles.matvec(m)
     upcast = interpreting()  # the interpreter's tl.dot takes float32 operands
     common = dict(
         num_warps=tiles.warps,
@@ -200,7 +212,7 @@ def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
         UPCAST=upcast,
         **pdl_args(w.embed.device, tiles.pdl),
     )
-    return common, dict(DOT=block, BLOCK_M=_pow2(m) if block else 1, **common)
+    return common, dict(DOT=block, BLOCK_M=_pow2(m) if block else _pow2(m, least=1), **common)
 
 
 def _launch_qkv(
