@@ -115,9 +115,10 @@ from dflashkit.target.slot_decoder import (
     decode,
     decode_by_layer,
     decoder_layer,
-    head,
+    head_into,
     linear,
     logits,
+    rms_norm,
 )
 
 
@@ -153,10 +154,10 @@ def target_step(
     if layer_step is not None:
         layers = dict(reduce_matmuls=reduce_matmuls, **common)
         h, kept = decode_by_layer(w, cache, ids, slot, start, layer_step, **layers)  # type: ignore[arg-type]
-        out_logits.copy_(head(w, h[0]))
+        head_into(w, h[0], out_logits)
     else:
         x, kept = decode(w, cache, ids, slot, start, **common)  # type: ignore[arg-type]
-        out_logits.copy_(logits(w, x[0]))
+        head_into(w, rms_norm(x[0], w.norm, w.eps), out_logits)
     if keep:
         assert out_rows is not None
         out_rows.copy_(torch.cat(kept, dim=-1))

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.errors import DflashkitError
-from dflashkit.target.slot_decoder import DecoderWeights, LayerWeights, SlotCache, head, rms_norm
+from dflashkit.target.slot_decoder import DecoderWeights, LayerWeights, SlotCache, head_into, rms_norm
 
 KERNELS = ("qkv", "attention", "merge", "up", "residual")
 MAX_ROWS = 128  # new tokens a step: a token, a block or a tree (a prompt goes through the plain forward)
@@ -391,7 +391,7 @@ def decode_by_kernels(
             kept.append(x.clone())  # x keeps changing in place
     # the final norm and the head: one matrix of the vocabulary's rows, which cuBLAS reads near the memory's
     # bandwidth (the plain forward's own head, so its logits are the plain forward's)
-    out_logits.copy_(head(w, rms_norm(x[head_from:], w.norm, w.eps)))
+    head_into(w, rms_norm(x[head_from:], w.norm, w.eps), out_logits)
     if keep:
         assert out_rows is not None
         out_rows.copy_(torch.cat(kept, dim=-1)[None])

@@ -718,6 +718,12 @@ def head(w: DecoderWeights, h: Tensor) -> Tensor:
     return linear(h, w.lm_head, packed=w.lm_head_packed).float()
 
 
+def head_into(w: DecoderWeights, h: Tensor, out: Tensor) -> None:
+    """``head`` written into the float32 logits ``out``: the copy casts (for bf16 weights, one kernel a step
+    fewer than ``head``'s cast and then a copy)."""
+    out.copy_(linear(h, w.lm_head, packed=w.lm_head_packed))
+
+
 def _step_plan(
     w: DecoderWeights,
     cache: SlotCache,
