@@ -77,6 +77,8 @@ VARIANTS = {
     "mv8-ks1-p16k": Tiles(matvec_rows=8, qkv_splits=1, up_splits=1, residual_splits=1, matvec_products=16384),
     "mv16": Tiles(matvec_rows=16),
     "mv16-ks1": Tiles(matvec_rows=16, qkv_splits=1, up_splits=1, residual_splits=1),
+    "mv32": Tiles(matvec_rows=32),  # a tree of 31 nodes too (--tree-nodes 31)
+    "mv32-ks1": Tiles(matvec_rows=32, qkv_splits=1, up_splits=1, residual_splits=1),
     # each kernel launched after the one before it has ended (the default launches it while that one runs,
     # its first weight tile read: programmatic dependent launch, measured 2026-12-05)
     "serial": Tiles(pdl=False),
@@ -186,6 +188,7 @@ def main() -> None:
     p.add_argument("--tree-nodes", type=int, default=32, help="a tree step's nodes past its root (32)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, a tiny target")
+    p.add_argument("--no-layers", action="store_true", help="skip graphs-layers' steps on the same shapes")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args()
     names = args.variants.split(",")
@@ -225,9 +228,11 @@ def main() -> None:
     # any profile too
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(Path(tmp) / "target")
-        layers = layers_engine_ms(Path(tmp) / "target", args.capacity, args.context, args.calls, tree)
+    layers: dict | None = None
+    if not args.no_layers:
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(Path(tmp) / "target")
+            layers = layers_engine_ms(Path(tmp) / "target", args.capacity, args.context, args.calls, tree)
     for row in rows:  # then each kernel's device time, under the profiler
         for m in (1, 8, "tree"):
             row[f"kernel_ms_{m}"] = kernel_ms(steps[row["variant"], m], 20)
@@ -247,10 +252,11 @@ def main() -> None:
             if k in r[f"kernel_ms_{m}"]:  # (no merge kernel in a fusedmerge variant)
                 best[f"{k} [1,{m}]"] = (r["variant"], r[f"kernel_ms_{m}"][k])
     print("best tile per kernel: " + "; ".join(f"{k}: {v[0]} {v[1]:.4f} ms" for k, v in best.items()))
-    print(
-        f"graphs-layers   [1,1] {layers['1']:.3f} ms  [1,8] {layers['8']:.3f} ms  tree [1,{tree.shape[1]}] "
-        f"{layers['tree']:.3f} ms (the same shapes, side by side)"
-    )
+    if layers is not None:
+        print(
+            f"graphs-layers   [1,1] {layers['1']:.3f} ms  [1,8] {layers['8']:.3f} ms  tree [1,{tree.shape[1]}] "
+            f"{layers['tree']:.3f} ms (the same shapes, side by side)"
+        )
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
