@@ -20,6 +20,22 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirty-first session's plan (the thirtieth: one H100 for three commands, then no machine lent; warm start 12.0 s;
+# built after, unmeasured: Tiles.matvec_rows, a block's (or a tree's) matmuls as the token's matrix-vector
+# products, off by default; the head's cast in its copy; the draft step without its positions' add). Name a kind
+# on EVERY call; one command (the sed sets the default in the machine's copy only; decode_steps times each):
+#   export BUDGET=560 O=/root/out; TILES_ARGS="--no-layers --tree-nodes 15 --variants default,mv8,mv8-ks1,mv8-ks2,\
+#     mv8-p4k,mv8-p16k,mv8-ks1-p16k,mv16,mv16-ks1 --calls 100" bash benchmarks/gpu_prepare.sh part tiles; \
+#     mv $O/kernel_tiles.json $O/kernel_tiles-mv.json; TILES_ARGS="--no-layers --tree-nodes 31 --variants \
+#     default,mv16,mv32,mv32-ks1 --calls 100" bash benchmarks/gpu_prepare.sh tiles; mv $O/kernel_tiles.json \
+#     $O/kernel_tiles-mv32.json; for r in 1 8 16; do sed -i "s/    matvec_rows: int = [0-9]*$/    matvec_rows: \
+#     int = $r/" src/dflashkit/target/kernels.py; ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15 \
+#     --no-warm-start" bash benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.json $O/decode_steps-mv$r.json; \
+#     mv $O/decode_steps.log $O/decode_steps-mv$r.log; done        # carry .whl
+#     NOTES "A block's matmuls as matrix-vector products": the block [1,8] 0.654 -> 0.52-0.56 ms predicted; the
+#     winner becomes Tiles' default (and, if mv32 makes a 31-node tree cheap, AUTO_TREE_BUDGET follows)
+#   then the parts, `part join heldout`, and the table on auto as the thirtieth session ran it (command 7)
+# Thirtieth session, as run: RESULTS (commands 1-7 on one H100; then three refusals and no machine lent).
 # Thirtieth session's plan (the twenty-ninth, one H100: trees of 15 serve 2.23/2.48/2.36/2.42x against the chain's
 # 1.97/2.14/2.13/2.26x and `--tree-budget auto` takes them at T = 0; the warm start 17.0 s, 4.4 s of it compiling
 # Python source; built after: fingerprint.critical(), PYTHONPYCACHEPREFIX here, decode_steps' start with the

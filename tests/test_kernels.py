@@ -186,8 +186,8 @@ def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(
     out = torch.empty(4, w.vocab_size, device=device)
     decode_by_kernels(w, cache, ids, start, out, tiles=tiles)
     torch.testing.assert_close(out, logits(w, x[0]), atol=2e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="both its positions and its mask"):
-        decode_by_kernels(w, cache, ids, start, out, tiles=tiles, seen=seen[:4, :4])
+    with pytest.raises(ValueError, match="gives its mask with its positions"):
+        decode_by_kernels(w, cache, ids, start, out, tiles=tiles, positions=positions[:4])
 
 
 @pytest.mark.parametrize("device", DEVICES)

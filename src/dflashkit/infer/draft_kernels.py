@@ -114,15 +114,11 @@ def kernel_draft_step(
     row_start: Tensor,
     block: Tensor,
     block_start: Tensor,
-    offsets: Tensor,
     out_logits: Tensor,
 ) -> None:
     """``graph_engine.draft_step`` through the kernels: the context rows (features [1, B, n * hidden] from
     position ``row_start``) written into the drafter's cache, the block [1, B] anchored at ``block_start``
-    (its slots at ``block_start`` + ``offsets`` [1, B]: 0 .. B-1) drafted over it, the drafted slots' float32
-    logits into ``out_logits`` [B-1, V]."""
+    (its slots at ``block_start`` + 0 .. B-1, a chain's positions, reading each other both ways) drafted over
+    it, the drafted slots' float32 logits into ``out_logits`` [B-1, V]."""
     write_context(dk, rows, row_start)
-    positions = block_start + offsets[0]
-    decode_by_kernels(
-        dk.weights, dk.cache, block, block_start, out_logits, positions=positions, seen=dk.seen, head_from=1
-    )
+    decode_by_kernels(dk.weights, dk.cache, block, block_start, out_logits, seen=dk.seen, head_from=1)

@@ -579,7 +579,7 @@ class GraphEngine:
 
     def _draft_args(self) -> tuple[Any, ...]:
         if self._dk is not None:
-            args = (self._rows, self._row_start, self._block, self._block_start, self._offsets)
+            args = (self._rows, self._row_start, self._block, self._block_start)
             return (self._dk, *args, self._draft_logits)
         drafter, cache = self._need_drafter(), self._dcache
         assert cache is not None

@@ -293,9 +293,10 @@ def decode_by_kernels(
 ) -> None:
     """The target over the new tokens ``ids`` [1, M] of the cache's first slot, written at positions
     ``start`` [1] + 0 .. M-1: their float32 logits into ``out_logits`` [M, V], and the outputs of the layers
-    ``keep`` (concatenated) into ``out_rows`` [1, M, n * hidden]. A token tree (``dflashkit.infer.tree``)
-    gives its nodes' rotary ``positions`` [M] (the root's + the depth) and ``seen`` [M, M] (bool: node i
-    reads node j, itself and its ancestors) in place of the causal rule among the new tokens. ``head_from``:
+    ``keep`` (concatenated) into ``out_rows`` [1, M, n * hidden]. ``seen`` [M, M] (bool or int8: new token i
+    reads new token j) in place of the causal rule among the new tokens: a token tree's (``dflashkit.infer.tree``:
+    each node reads itself and its ancestors) with its nodes' rotary ``positions`` [M] (the root's + the depth),
+    or a drafter's block (every slot reads every slot) at a chain's positions (no ``positions``). ``head_from``:
     the logits of the rows from there only (``out_logits`` [M - head_from, V]). Shape-static: a CUDA graph
     captures it."""
     m = ids.shape[1]
@@ -305,8 +306,8 @@ def decode_by_kernels(
             "slot_decoder.decode"
         )
     tree = seen is not None
-    if tree != (positions is not None):
-        raise ValueError("decode_by_kernels: a tree gives both its positions and its mask, a chain neither")
+    if positions is not None and not tree:
+        raise ValueError("decode_by_kernels: a tree gives its mask with its positions")
     k = _compiled()
     hidden = w.embed.shape[1]
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
