@@ -173,3 +173,25 @@ def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
     assert not out["failures"], "\n".join(out["failures"])
     # every kernel of a layer compiled with GDC off and on, for one token and a block, in both dtypes
     assert out["compiled"] >= 2 * 2 * 2 * len(KERNELS)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the benchmark records launches in the interpreter")
+@pytest.mark.skipif(not PTXAS.is_file(), reason="this Triton has no NVIDIA backend (ptxas)")
+def test_kernel_registers_reads_every_kernels_registers(tmp_path):
+    """``benchmarks/kernel_registers.py --smoke``: each kernel of a token's and a block's step compiled for
+    sm_90, with its registers and spills from ptxas (a token's matmuls as matrix-vector products, a block's
+    through tl.dot by default)."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "registers.json"
+    run = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "kernel_registers.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["kernel"] for r in rows} == {f"{k}_kernel" for k in KERNELS}
+    assert all(0 < r["registers"] <= 255 and r["spill_stores"] >= 0 for r in rows)
+    matmuls = {(r["step"], r["DOT"]) for r in rows if r["kernel"] == "qkv_kernel"}
+    assert matmuls == {("default [1,1]", False), ("default [1,8]", True)}

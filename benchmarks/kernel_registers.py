@@ -1,0 +1,175 @@
+"""The decoder kernels' register use under several ``Tiles``, on a machine without a GPU.
+
+A tile that makes a kernel spill registers is slow whatever else it does (the twenty-third session's broadcast
+blocks: 3.0-3.4 ms a block step). This records the matmul and attention kernels' launches of one embedded-shaped
+layer (a token, a block of 8, 16 and 32 rows) in Triton's interpreter, compiles each for sm_90 as the GPU would
+launch it (no operand upcast, dependent launch on), and reads the registers and spill bytes from ``ptxas -v``
+(the ptxas that ships with Triton): a check of a variant before it costs device time.
+
+    python benchmarks/kernel_registers.py --variants default,mv8,mv8-ks1      # the variants of kernel_tiles.py
+    python benchmarks/kernel_registers.py --smoke                             # a tiny layer, one variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def record(variants: list[str], rows: tuple[int, ...], smoke: bool) -> dict[str, list[dict]]:
+    """Each (variant, rows) step's kernel launches, recorded in the interpreter (this process)."""
+    import torch
+    import transformers
+
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
+    from dflashkit.target import kernels
+    from dflashkit.target.slot_decoder import DecoderWeights, SlotCache
+    from kernel_tiles import VARIANTS
+    from test_kernels_compile import Recorder
+
+    shape = (
+        dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+        if smoke
+        else dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    )
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=1, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=True, **shape
+    )
+    torch.manual_seed(0)
+    w = DecoderWeights.from_hf(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16))
+    original = kernels._compiled
+    real = original()
+    out: dict[str, list[dict]] = {}
+    try:
+        for name in variants:
+            for m in rows:
+                records: list[dict] = []
+                fakes = {
+                    k: Recorder("dflashkit.target.kernel_source", f"{k}_kernel", getattr(real, k), records)
+                    for k in kernels.KERNELS
+                }
+                kernels._compiled = lambda fakes=fakes: SimpleNamespace(**fakes)  # type: ignore[assignment]
+                cache = SlotCache(w, slots=1, capacity=256 if smoke else 1024)
+                ids, start = torch.zeros(1, m, dtype=torch.long), torch.tensor([100 if smoke else 400])
+                tiles = replace(VARIANTS[name], pdl=False)  # the interpreter runs no dependent launch
+                kernels.decode_by_kernels(w, cache, ids, start, torch.empty(m, w.vocab_size), tiles=tiles)
+                out[f"{name} [1,{m}]"] = records
+    finally:
+        kernels._compiled = original
+    return out
+
+
+def registers(ptx: str, ptxas: Path) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) of a kernel's PTX for sm_90a, by ``ptxas -v``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run(
+            [str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
+            capture_output=True,
+            text=True,
+        )
+    regs = re.search(r"Used (\d+) registers", run.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    if regs is None or spill is None:
+        raise RuntimeError(f"ptxas -v said nothing of registers: {run.stderr[-500:]}")
+    return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
+
+
+def compile_all(launches: dict[str, list[dict]]) -> list[dict]:
+    """Every recorded launch compiled for sm_90 (this process must have the interpreter off)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    target = GPUTarget("cuda", 90, 32)
+    rows, done = [], {}
+    for label, records in launches.items():
+        for r in records:
+            fn = getattr(importlib.import_module(r["module"]), r["name"])
+            constexpr = {p.name for p in fn.params if p.is_constexpr}
+            sig, consts, options = {}, {}, dict(r["options"])
+            for name, value in r["values"].items():
+                if name in constexpr:
+                    consts[name] = value
+                elif name in r["pointers"]:
+                    sig[name] = "*" + r["pointers"][name]
+                elif isinstance(value, float):
+                    sig[name] = "fp32"
+                else:
+                    sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if "UPCAST" in consts:  # the GPU's own operands (bf16 here: tl.dot's precision is the dtype's)
+                consts.update(UPCAST=False, PRECISION="tf32")
+            if "GDC" in constexpr:
+                consts["GDC"] = True
+                options["launch_pdl"] = True
+            key = json.dumps([r["name"], consts], sort_keys=True, default=str)
+            if key not in done:
+                sig.update({k: "constexpr" for k in consts})
+                kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
+                done[key] = registers(kernel.asm["ptx"], ptxas)
+            regs, stores, loads = done[key]
+            tile = {k: consts[k] for k in ("DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K") if k in consts}
+            rows.append(
+                dict(
+                    step=label,
+                    kernel=r["name"],
+                    registers=regs,
+                    spill_stores=stores,
+                    spill_loads=loads,
+                    **tile,
+                )
+            )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="default,mv8,mv8-ks1", help="comma-separated kernel_tiles VARIANTS")
+    p.add_argument("--rows", default="1,8,16,32", help="the steps' rows")
+    p.add_argument("--smoke", action="store_true", help="a tiny layer, the first variant, 1 and 8 rows")
+    p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    p.add_argument("--compile-from", type=Path, help=argparse.SUPPRESS)  # the child: compile these launches
+    args = p.parse_args()
+    if args.compile_from:
+        print(json.dumps(compile_all(json.loads(args.compile_from.read_text()))))
+        return
+    variants = args.variants.split(",")[:1] if args.smoke else args.variants.split(",")
+    rows = (1, 8) if args.smoke else tuple(int(r) for r in args.rows.split(","))
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton's first import: the launches run on the CPU
+    launches = record(variants, rows, args.smoke)
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "launches.json"
+        file.write_text(json.dumps(launches))
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
+        run = subprocess.run(
+            [sys.executable, __file__, "--compile-from", str(file)], capture_output=True, text=True, env=env
+        )
+    if run.returncode:
+        sys.exit(f"compiling for sm_90 failed:\n{run.stderr[-3000:]}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"{'step':18s} {'kernel':17s} {'regs':>4s} {'spills':>9s}  tile")
+    for r in result:
+        tile = " ".join(f"{k}={r[k]}" for k in ("DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K") if k in r)
+        spills = f"{r['spill_stores']}/{r['spill_loads']}"
+        print(f"{r['step']:18s} {r['kernel']:17s} {r['registers']:4d} {spills:>9s}  {tile}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
