@@ -5,7 +5,7 @@ GPU, or gives the interpreter's functions (TRITON_INTERPRET=1: the CPU tests), s
 Shapes: a step of M new tokens (M <= BLOCK_M, a power of 2), hidden H, query heads NQ, key/value heads NK,
 head dim D, MLP width I. A step's matmuls have a few rows and read far more weight than they compute, so each
 runs over many programs of a few output columns, the inner dimension in unrolled steps of BLOCK_K: for one
-token (DOT False) as a matrix-vector product (products broadcast over [rows, columns, inner] and summed in
+token or a few rows (DOT False) as matrix-vector products (broadcast over [rows, columns, inner] and summed in
 float32), for a block (DOT True) through ``tl.dot`` (tensor cores; rows padded to 16, at least 16 columns).
 The attention's score and value products go through ``tl.dot`` too. Each result is rounded to the model's
 dtype where the plain forward (``slot_decoder.decoder_layer``) rounds it.

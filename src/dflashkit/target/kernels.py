@@ -21,7 +21,8 @@ the attention:
 and after the last layer the plain forward's final norm and head (cuBLAS reads the vocabulary's rows near the
 memory's bandwidth). A step of M tokens (one, or a block) is 6 x layers launches, an embedding gather and the
 head's few kernels. One token's matmuls are matrix-vector products over many programs (a few output columns
-each: the weights are what a step reads); a block's go through ``tl.dot`` on the tensor cores. The kernels
+each: the weights are what a step reads); a block's go through ``tl.dot`` on the tensor cores (or, up to
+``Tiles.matvec_rows`` rows, the token's way, rows unpadded). The kernels
 round to the model's dtype where the plain forward (``slot_decoder.decoder_layer``) rounds, so in float32 they
 give its numbers up to summation order (tested against it, and the engine against the dynamic one token for
 token). Measured on the H200: benchmarks/RESULTS.md (twenty-third session) and ``benchmarks/kernel_tiles.py``.
