@@ -28,10 +28,12 @@
 #     mv8-p4k,mv8-p16k,mv8-ks1-p16k,mv16,mv16-ks1 --calls 100" bash benchmarks/gpu_prepare.sh part tiles; \
 #     mv $O/kernel_tiles.json $O/kernel_tiles-mv.json; TILES_ARGS="--no-layers --tree-nodes 31 --variants \
 #     default,mv16,mv32,mv32-ks1 --calls 100" bash benchmarks/gpu_prepare.sh tiles; mv $O/kernel_tiles.json \
-#     $O/kernel_tiles-mv32.json; for r in 1 8 16; do sed -i "s/    matvec_rows: int = [0-9]*$/    matvec_rows: \
-#     int = $r/" src/dflashkit/target/kernels.py; ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15 \
+#     $O/kernel_tiles-mv32.json; for r in 1 8; do sed -i "s/    matvec_rows: int = [0-9]*$/    matvec_rows: \
+#     int = $r/" src/dflashkit/target/kernels.py; ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15,31 \
 #     --no-warm-start" bash benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.json $O/decode_steps-mv$r.json; \
 #     mv $O/decode_steps.log $O/decode_steps-mv$r.log; done        # carry .whl
+#   the same loop again for r in 16 32 (its own command, on the warm machine: a 31-node tree's round with its
+#     32 rows the token's way; if it costs <= 10% over the chain, issue 16's tree goal is in reach at 31 nodes)
 #     NOTES "A block's matmuls as matrix-vector products": the block [1,8] 0.654 -> 0.52-0.56 ms predicted; the
 #     winner becomes Tiles' default (and, if mv32 makes a 31-node tree cheap, AUTO_TREE_BUDGET follows)
 #   then the parts, `part join heldout`, and the table on auto as the thirtieth session ran it (command 7)
