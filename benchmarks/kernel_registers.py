@@ -93,31 +93,18 @@ def compile_all(launches: dict[str, list[dict]]) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_kernels_compile import as_launched
+
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     target = GPUTarget("cuda", 90, 32)
     rows, done = [], {}
     for label, records in launches.items():
         for r in records:
             fn = getattr(importlib.import_module(r["module"]), r["name"])
-            constexpr = {p.name for p in fn.params if p.is_constexpr}
-            sig, consts, options = {}, {}, dict(r["options"])
-            for name, value in r["values"].items():
-                if name in constexpr:
-                    consts[name] = value
-                elif name in r["pointers"]:
-                    sig[name] = "*" + r["pointers"][name]
-                elif isinstance(value, float):
-                    sig[name] = "fp32"
-                else:
-                    sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if "UPCAST" in consts:  # the GPU's own operands (bf16 here: tl.dot's precision is the dtype's)
-                consts.update(UPCAST=False, PRECISION="tf32")
-            if "GDC" in constexpr:
-                consts["GDC"] = True
-                options["launch_pdl"] = True
+            sig, consts, options = as_launched(fn, r, gdc=True)  # dependent launch on
             key = json.dumps([r["name"], consts], sort_keys=True, default=str)
             if key not in done:
-                sig.update({k: "constexpr" for k in consts})
                 kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
                 done[key] = registers(kernel.asm["ptx"], ptxas)
             regs, stores, loads = done[key]

@@ -31,41 +31,23 @@ OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 # the child: each recorded launch compiled for sm_90 (and again with GDC on where the kernel takes it)
 CHILD = r"""
 import importlib, json, sys
+sys.path.insert(0, sys.argv[2])  # the tests' folder
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from test_kernels_compile import as_launched
 
 target = GPUTarget("cuda", 90, 32)
 failures, compiled, seen = [], 0, set()
 for r in json.load(open(sys.argv[1])):
     fn = getattr(importlib.import_module(r["module"]), r["name"])
-    constexpr = {p.name for p in fn.params if p.is_constexpr}
-    model_dtype = "bf16" if "bf16" in r["pointers"].values() else "fp32"
-    variants = [False, True] if "GDC" in constexpr else [None]
+    variants = [False, True] if any(p.name == "GDC" for p in fn.params) else [None]
     for gdc in variants:
-        sig, consts, options = {}, {}, dict(r["options"])
-        for name, value in r["values"].items():
-            if name in constexpr:
-                consts[name] = value
-            elif name in r["pointers"]:
-                sig[name] = "*" + r["pointers"][name]
-            elif isinstance(value, float):
-                sig[name] = "fp32"
-            else:
-                sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        if "UPCAST" in consts:  # the GPU's own operands: no upcast, tl.dot's precision as the dtype's
-            consts["UPCAST"] = False
-            consts["PRECISION"] = "ieee" if model_dtype == "fp32" else "tf32"
-        if gdc is not None:
-            consts["GDC"] = gdc
-            options.pop("launch_pdl", None)
-            if gdc:
-                options["launch_pdl"] = True
+        sig, consts, options = as_launched(fn, r, gdc)
         key = json.dumps([r["name"], sig, consts, options], sort_keys=True, default=str)
         if key in seen:
             continue
         seen.add(key)
-        sig.update({k: "constexpr" for k in consts})
         try:
             triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
             compiled += 1
@@ -73,6 +55,34 @@ for r in json.load(open(sys.argv[1])):
             failures.append(f"{r['name']} {consts}: {type(e).__name__}: {str(e)[-600:]}")
 print(json.dumps({"compiled": compiled, "failures": failures}))
 """
+
+
+def as_launched(fn, r: dict, gdc: bool | None) -> tuple[dict, dict, dict]:
+    """A launch ``Recorder`` recorded, of the jit function fn, as a GPU launches it: its signature (constants
+    marked), its constants and its options. The operands are not upcast and tl.dot's precision is the dtype's;
+    ``gdc`` True or False (where the kernel takes GDC): dependent launch on or off; None: as recorded."""
+    constexpr = {p.name for p in fn.params if p.is_constexpr}
+    model_dtype = "bf16" if "bf16" in r["pointers"].values() else "fp32"
+    sig, consts, options = {}, {}, dict(r["options"])
+    for name, value in r["values"].items():
+        if name in constexpr:
+            consts[name] = value
+        elif name in r["pointers"]:
+            sig[name] = "*" + r["pointers"][name]
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+    if "UPCAST" in consts:  # the GPU's own operands: no upcast, tl.dot's precision as the dtype's
+        consts["UPCAST"] = False
+        consts["PRECISION"] = "ieee" if model_dtype == "fp32" else "tf32"
+    if gdc is not None and "GDC" in constexpr:
+        consts["GDC"] = gdc
+        options.pop("launch_pdl", None)
+        if gdc:
+            options["launch_pdl"] = True
+    sig.update({k: "constexpr" for k in consts})
+    return sig, consts, options
 
 
 DTYPES = {
@@ -166,7 +176,11 @@ def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
     file.write_text(json.dumps(records))
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     run = subprocess.run(
-        [sys.executable, "-c", CHILD, str(file)], capture_output=True, text=True, timeout=900, env=env
+        [sys.executable, "-c", CHILD, str(file), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
