@@ -410,6 +410,10 @@ export PYTHONPATH=/tmp/site:$PWD/src
 # usable .pyc (its twenty-ninth-session warm start compiled 884 modules' source, 4.4 s of 17.0), where a user's
 # install has them from pip; with this, a second process reads what the first compiled, as on a user's machine
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$W/pycache}
+# (the thirtieth session's warm start still compiled 1,070 modules' source with it: an environment that forbids
+# writing bytecode would explain it; said here, and lifted, so that the first process writes what pip would have)
+echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}; bytecode folder: $(du -sh "$PYTHONPYCACHEPREFIX" 2>/dev/null | cut -f1)"
+unset PYTHONDONTWRITEBYTECODE
 DK="python3 -m dflashkit.cli"
 
 stage() { echo "=== $1 $(date +%T), ${SECONDS}s into this command"; }
