@@ -81,8 +81,9 @@ class Tiles:
     merge_in_attention: bool = False  # the attention's splits merged by the split that arrives last (no
     # merge kernel: 30 launches a step fewer; ``kernel_source.merged_rows``)
     # steps of at most this many rows (a block of 8, a tree of 16) through the token's matrix-vector products
-    # (the token's columns a program, rows unpadded, products on the CUDA cores) in place of ``tl.dot``, each
-    # program holding at most ``matvec_products`` of them at once (rows x columns x inner step); 1: a token only
+    # (the token's columns a program, rows unpadded, a row at a time against the weight tile, on the CUDA cores)
+    # in place of ``tl.dot``, each program holding at most ``matvec_products`` values of the weight's and the
+    # rows' tiles at once ((columns + rows) x inner step); 1: a token only
     matvec_rows: int = 1
     matvec_products: int = 8192
     warps: int = 4
@@ -113,7 +114,8 @@ class Tiles:
         if rows == 1:
             step = _pow2_floor(self.products // columns)
         elif self.matvec(rows):
-            step = _pow2_floor(self.matvec_products // (columns * _pow2(rows, least=1)))
+            # a program holds the weight tile and the rows' tile at once: (columns + rows) x step
+            step = _pow2_floor(self.matvec_products // (columns + _pow2(rows, least=1)))
         elif rows > 16:
             step = self.tree_inner
         else:
