@@ -75,6 +75,28 @@ def test_the_launchers_a_warm_up_built_travel_with_its_kernels(tmp_path, monkeyp
     assert [d.name for d in triton_cache.launchers(triton_cache.held(file))] == ["LLL", "UUU"]
 
 
+def test_the_launchers_a_warm_up_loaded_are_named_as_triton_stores_them(tmp_path, monkeypatch):
+    """A launcher found in the folder (built by an earlier process) is one the warm-up loaded all the same: its
+    entry is named by the sha256 of its source and the platform, as Triton's cache stores it."""
+    import hashlib
+
+    from triton.backends.nvidia import driver
+    from triton.runtime.build import platform_key
+
+    calls = []
+    monkeypatch.setattr(driver, "compile_module_from_src", lambda src, name, **kw: calls.append((src, name)))
+    with triton_cache.launchers_loaded() as loaded:
+        driver.compile_module_from_src(src="int launch;", name="__triton_launcher", include_dirs=[])
+    driver.compile_module_from_src(src="after", name="__triton_launcher")
+    assert calls == [("int launch;", "__triton_launcher"), ("after", "__triton_launcher")]
+    key = hashlib.sha256(("int launch;" + platform_key()).encode("utf-8")).hexdigest()
+    assert loaded == {key}, "recorded within the block only"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fake_launcher(tmp_path, key)
+    fake_launcher(tmp_path, "OTHER")
+    assert [d.name for d in triton_cache.launchers(loaded)] == [key]
+
+
 def test_a_foreign_or_unsafe_file_is_refused(tmp_path, monkeypatch):
     here = tmp_path / "here"
     fake_entry(here, "AAA", "qkv_kernel")

@@ -1095,10 +1095,11 @@ class GraphEngine:
                 seconds.kernels_loaded = triton_cache.load(path)
             except CompileCacheError as e:
                 seconds.notes.append(f"the kernels' cache not used: {e}")
-        yield
+        with triton_cache.launchers_loaded() as loaded:
+            yield
         held = triton_cache.held(path) if path.is_file() else set()
-        # the launchers this warm-up built (new in the folder) or the file held and unpacked
-        launchers = triton_cache.launchers((triton_cache.listing() - before) | held)
+        # the launchers this warm-up loaded (built or found), built (new in the folder), or the file held
+        launchers = triton_cache.launchers(loaded | (triton_cache.listing() - before) | held)
         if path.is_file() and {d.name for d in [*triton_cache.entries(names), *launchers]} <= held:
             return
         try:

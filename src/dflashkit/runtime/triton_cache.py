@@ -7,7 +7,7 @@ per set of its compile-time sizes, on its first call, and keeps the binary in it
 them, so the graphs engine's portable compile cache ``FILE`` gets a sibling, ``FILE.triton``: the cache
 entries of the named kernels and of their launchers (Triton builds each kernel signature's launcher with the C
 compiler, ~0.3-0.5 s apiece, into the same folder: a warm start that found the binaries but not them would still
-build ~30), packed, keyed by the environment as the compile cache is (the same torch build,
+build ~30; those the warm-up loaded, ``launchers_loaded``, whether it built them or found them there), packed, keyed by the environment as the compile cache is (the same torch build,
 CUDA, Triton and GPU type, or it is refused in one line), and unpacked into Triton's folder before a warm-up
 (an entry already there is kept). For speed only: one that does not fit or cannot be read or written is
 reported, never fatal.
@@ -15,11 +15,13 @@ reported, never fatal.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import os
 import tarfile
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dflashkit.runtime.compile_cache import CompileCacheError, check_environment, read_keyed, write_keyed
@@ -70,6 +72,35 @@ def launchers(keep: set[str], folder: Path | None = None) -> list[Path]:
         for d in folder.iterdir()
         if d.name in keep and d.is_dir() and any(f.name.startswith(built) for f in d.iterdir())
     )
+
+
+@contextlib.contextmanager
+def launchers_loaded() -> Iterator[set[str]]:
+    """The cache entries (by name) of the C modules Triton's CUDA driver loads within this block: a kernel
+    signature's launcher, each stored under the sha256 of its source and the platform
+    (``triton.runtime.build.compile_module_from_src``, wrapped where the driver calls it). Those it found in the
+    cache folder, built by an earlier process, count too: the folder's new entries alone would miss them, and a
+    file written on a machine that had them would make another machine build them again. Empty where this
+    Triton has no such function."""
+    loaded: set[str] = set()
+    try:
+        from triton.backends.nvidia import driver
+        from triton.runtime.build import platform_key
+
+        original = driver.compile_module_from_src
+    except (ImportError, AttributeError):
+        yield loaded
+        return
+
+    def recording(src: str, name: str, *args, **kwargs):
+        loaded.add(hashlib.sha256((src + platform_key()).encode("utf-8")).hexdigest())
+        return original(src, name, *args, **kwargs)
+
+    driver.compile_module_from_src = recording
+    try:
+        yield loaded
+    finally:
+        driver.compile_module_from_src = original
 
 
 def save(path: str | os.PathLike[str], names: Iterable[str], also: Iterable[Path] = ()) -> int:
