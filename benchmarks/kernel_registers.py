@@ -6,7 +6,7 @@ layer (a token, a block of 8, 16 and 32 rows) in Triton's interpreter, compiles 
 launch it (no operand upcast, dependent launch on), and reads the registers and spill bytes from ``ptxas -v``
 (the ptxas that ships with Triton): a check of a variant before it costs device time.
 
-    python benchmarks/kernel_registers.py --variants default,mv8,mv8-ks1      # the variants of kernel_tiles.py
+    python benchmarks/kernel_registers.py --variants default,qusplit1      # the variants of kernel_tiles.py
     python benchmarks/kernel_registers.py --smoke                             # a tiny layer, one variant
 """
 
@@ -124,7 +124,7 @@ def compile_all(launches: dict[str, list[dict]]) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="default,mv8,mv8-ks1", help="comma-separated kernel_tiles VARIANTS")
+    p.add_argument("--variants", default="default", help="comma-separated kernel_tiles VARIANTS")
     p.add_argument("--rows", default="1,8,16,32", help="the steps' rows")
     p.add_argument("--smoke", action="store_true", help="a tiny layer, the first variant, 1 and 8 rows")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")

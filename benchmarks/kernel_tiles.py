@@ -66,19 +66,8 @@ VARIANTS = {
     # or four programs a head group; a block of 8 (24 rows) unchanged at 32, in two at 16
     "arows32": Tiles(attention_rows=32),
     "arows16": Tiles(attention_rows=16),
-    # a block of 8 (mv8) or also a tree of 16 rows (mv16) through the token's matrix-vector products (its columns a
-    # program, rows unpadded) in place of tl.dot; with split-K as the default's, or none (ks1) or 2 shares (ks2);
-    # p4k / p16k: products a program holds at once (8,192 by default)
-    "mv8": Tiles(matvec_rows=8),
-    "mv8-ks1": Tiles(matvec_rows=8, qkv_splits=1, up_splits=1, residual_splits=1),
-    "mv8-ks2": Tiles(matvec_rows=8, qkv_splits=2, up_splits=2, residual_splits=2),
-    "mv8-p4k": Tiles(matvec_rows=8, matvec_products=4096),
-    "mv8-p16k": Tiles(matvec_rows=8, matvec_products=16384),
-    "mv8-ks1-p16k": Tiles(matvec_rows=8, qkv_splits=1, up_splits=1, residual_splits=1, matvec_products=16384),
-    "mv16": Tiles(matvec_rows=16),
-    "mv16-ks1": Tiles(matvec_rows=16, qkv_splits=1, up_splits=1, residual_splits=1),
-    "mv32": Tiles(matvec_rows=32),  # a tree of 31 nodes too (--tree-nodes 31)
-    "mv32-ks1": Tiles(matvec_rows=32, qkv_splits=1, up_splits=1, residual_splits=1),
+    # (a block's or a tree's matmuls as the token's matrix-vector products, variants mv8-mv32: measured 2.5-12x
+    # slower than tl.dot, thirty-first session, and taken out: benchmarks/NOTES.md)
     # each kernel launched after the one before it has ended (the default launches it while that one runs,
     # its first weight tile read: programmatic dependent launch, measured 2026-12-05)
     "serial": Tiles(pdl=False),

@@ -4,8 +4,6 @@ float32 (Llama with grouped heads, Qwen2 with biases; one token and a block; con
 several attention splits), and the "graphs-kernels" engine decodes as the dynamic engine token for token.
 Targets the kernels cannot run are refused with a message that says what to do."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -70,22 +68,16 @@ def tiny_model(kind: str = "llama", **extra):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("kind", "capacity", "chunks", "merge_in_attention", "matvec_rows"),
+    ("kind", "capacity", "chunks", "merge_in_attention"),
     [
-        ("llama", 64, (5, 1, 4, 1), False, 1),  # one split
-        ("qwen2", 64, (3, 4, 1), False, 1),
-        ("qwen3", 64, (3, 4, 1), False, 1),  # per-head query and key norms
-        ("llama", 320, (150, 4, 1, 4), False, 1),  # a context of several splits of 16 positions (prefilled)
-        ("llama", 320, (150, 4, 1, 4), True, 1),  # ... merged by the attention's last split
-        # blocks of up to 8 rows through matrix-vector products (with split-K for Qwen2 and Qwen3), 9 through tl.dot
-        ("qwen2", 64, (3, 8, 1, 9), False, 8),
-        ("qwen3", 64, (3, 8, 1, 5), False, 8),
-        ("llama", 320, (150, 8, 1, 4), False, 8),
+        ("llama", 64, (5, 1, 4, 1), False),  # one split
+        ("qwen2", 64, (3, 4, 1), False),
+        ("qwen3", 64, (3, 4, 1), False),  # per-head query and key norms
+        ("llama", 320, (150, 4, 1, 4), False),  # a context of several splits of 16 positions (prefilled)
+        ("llama", 320, (150, 4, 1, 4), True),  # ... merged by the attention's last split
     ],
 )
-def test_kernels_give_the_plain_forward_numbers(
-    kind, capacity, chunks, merge_in_attention, matvec_rows, device
-):
+def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in_attention, device):
     """Step after step (a prompt, then blocks and single tokens written after it) over the same cache, the
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
     (up to summation order); a step of more rows than the kernels take is refused."""
@@ -99,7 +91,6 @@ def test_kernels_give_the_plain_forward_numbers(
         if kind == "llama"
         else Tiles(residual_splits=2, qkv_splits=2, up_splits=4)
     )
-    tiles = dataclasses.replace(tiles, matvec_rows=matvec_rows)
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero, pos = torch.zeros(1, dtype=torch.long, device=device), 0
     gen = torch.Generator().manual_seed(1)
@@ -136,17 +127,14 @@ SIXTEEN_NODES = [-1, 0, 1, 2, 0, 4, 5, 1, 7, 0, 9, 3, 11, 4, 13, 14]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("parents", "capacity", "rows", "matvec_rows"),
+    ("parents", "capacity", "rows"),
     [
-        ([-1, 0, 1, 0, 3, 4, 1], 64, 64, 1),  # two branches: rows 1, 2, 6 and 3, 4, 5
-        (WIDE_TREE, 128, 64, 1),
-        (SIXTEEN_NODES, 64, 16, 1),  # an attention program of 16 rows at most
-        (SIXTEEN_NODES, 64, 16, 16),  # ... its matmuls as matrix-vector products
+        ([-1, 0, 1, 0, 3, 4, 1], 64, 64),  # two branches: rows 1, 2, 6 and 3, 4, 5
+        (WIDE_TREE, 128, 64),
+        (SIXTEEN_NODES, 64, 16),  # an attention program of 16 rows at most
     ],
 )
-def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(
-    parents, capacity, rows, matvec_rows, device
-):
+def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parents, capacity, rows, device):
     """A token tree after a prompt (each node turned by the root's position + its depth, reading the prompt,
     itself and its ancestors): the kernels' logits, kept features and cache rows equal ``slot_decoder.decode``
     under the tree's mask in float32; a chain step after it (the tree's rows overwritten) still does."""
@@ -155,7 +143,7 @@ def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(
     w = DecoderWeights.from_hf(tiny_model().to(device))
     # a tree's rows split-K too, and its attention's splits merged by the last (of each row tile)
     split = dict(qkv_splits=2, up_splits=2, merge_in_attention=True)
-    tiles = Tiles(attention_positions=16, splits=4, attention_rows=rows, matvec_rows=matvec_rows, **split)
+    tiles = Tiles(attention_positions=16, splits=4, attention_rows=rows, **split)
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(3)
@@ -236,13 +224,6 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     t = Tiles(products=16384, block_inner=256, tree_inner=512)
     assert [t.inner(2048, rows, 16) for rows in (2, 8, 16, 17, 64)] == [256, 256, 256, 512, 512]
     assert t.inner(192, 33, 16) == 256 and t.inner(2048, 1, 4) == 2048 and t.inner(8192, 1, 4) == 4096
-    # rows through matrix-vector products: columns a kernel's own, the step from the products a program holds
-    mv = Tiles(matvec_rows=8, matvec_products=8192)
-    assert [mv.matvec(r) for r in (1, 8, 9)] == [True, True, False]
-    assert [mv.columns("up", r) for r in (1, 8, 9)] == [4, 4, 16]
-    assert [mv.inner(2048, rows, 4) for rows in (2, 3, 8, 9)] == [1024, 1024, 512, 256]
-    with pytest.raises(ValueError, match="matvec_rows=6"):
-        Tiles(matvec_rows=6)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(DflashkitError, match="run on a GPU .*choose --engine graphs-layers"):
         check_runnable(torch.device("cpu"))

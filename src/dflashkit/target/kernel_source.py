@@ -5,7 +5,7 @@ GPU, or gives the interpreter's functions (TRITON_INTERPRET=1: the CPU tests), s
 Shapes: a step of M new tokens (M <= BLOCK_M, a power of 2), hidden H, query heads NQ, key/value heads NK,
 head dim D, MLP width I. A step's matmuls have a few rows and read far more weight than they compute, so each
 runs over many programs of a few output columns, the inner dimension in unrolled steps of BLOCK_K: for one
-token or a few rows (DOT False) as matrix-vector products (a row at a time against the weight tile, summed in
+token (DOT False) as a matrix-vector product (products broadcast over [rows, columns, inner] and summed in
 float32), for a block (DOT True) through ``tl.dot`` (tensor cores; rows padded to 16, at least 16 columns).
 The attention's score and value products go through ``tl.dot`` too. Each result is rounded to the model's
 dtype where the plain forward (``slot_decoder.decoder_layer``) rounds it.
@@ -71,17 +71,8 @@ def rows_times(a, w, DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.cons
     [BLOCK_M, BLOCK_N] float32, summed over this step of the inner dimension."""
     if DOT:
         out = dot(a.to(w.dtype), tl.trans(w), PRECISION, UPCAST)
-    elif a.shape[0] == 1:
-        out = tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     else:
-        # a few rows, one after another against the same weight tile, each the token's product (the tile's
-        # layout as the token's: one [rows, columns, inner] broadcast measured 2.5x a block's tl.dot)
-        rm = tl.arange(0, a.shape[0])
-        wf = w.to(tl.float32)
-        out = tl.zeros([a.shape[0], w.shape[0]], dtype=tl.float32)
-        for i in tl.static_range(a.shape[0]):
-            row = tl.sum(tl.where(rm[:, None] == i, a, 0.0), axis=0)
-            out = tl.where(rm[:, None] == i, tl.sum(wf * row[None, :], axis=1)[None, :], out)
+        out = tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     return out
 
 

@@ -21,8 +21,7 @@ the attention:
 and after the last layer the plain forward's final norm and head (cuBLAS reads the vocabulary's rows near the
 memory's bandwidth). A step of M tokens (one, or a block) is 6 x layers launches, an embedding gather and the
 head's few kernels. One token's matmuls are matrix-vector products over many programs (a few output columns
-each: the weights are what a step reads); a block's go through ``tl.dot`` on the tensor cores (or, up to
-``Tiles.matvec_rows`` rows, the token's way, rows unpadded). The kernels
+each: the weights are what a step reads); a block's go through ``tl.dot`` on the tensor cores. The kernels
 round to the model's dtype where the plain forward (``slot_decoder.decoder_layer``) rounds, so in float32 they
 give its numbers up to summation order (tested against it, and the engine against the dynamic one token for
 token). Measured on the H200: benchmarks/RESULTS.md (twenty-third session) and ``benchmarks/kernel_tiles.py``.
@@ -80,12 +79,6 @@ class Tiles:
     # 33 0.947 -> 0.931, one token unchanged (kernel_tiles, H100, 2026-12-05)
     merge_in_attention: bool = False  # the attention's splits merged by the split that arrives last (no
     # merge kernel: 30 launches a step fewer; ``kernel_source.merged_rows``)
-    # steps of at most this many rows (a block of 8, a tree of 16) through the token's matrix-vector products
-    # (the token's columns a program, rows unpadded, a row at a time against the weight tile, on the CUDA cores)
-    # in place of ``tl.dot``, each program holding at most ``matvec_products`` values of the weight's and the
-    # rows' tiles at once ((columns + rows) x inner step); 1: a token only
-    matvec_rows: int = 1
-    matvec_products: int = 8192
     warps: int = 4
     pdl: bool = True  # programmatic dependent launch where the GPU has it (``pdl_args``): its GPU test (a
     # captured step equal to the serial one, 200 replays) passed on an H200, one token 0.532 -> 0.436 ms and a
@@ -100,26 +93,19 @@ class Tiles:
                 "qkv_columns at least 2 (rotary pairs), block_columns and attention_rows at least 16 (tl.dot)"
             )
 
-    def matvec(self, rows: int) -> bool:
-        """Whether a step of ``rows`` rows takes matrix-vector products (else ``tl.dot``)."""
-        return rows <= self.matvec_rows
-
     def columns(self, kernel: str, rows: int) -> int:
-        return getattr(self, f"{kernel}_columns") if self.matvec(rows) else self.block_columns
+        return self.block_columns if rows > 1 else getattr(self, f"{kernel}_columns")
 
     def inner(self, k: int, rows: int, columns: int) -> int:
         """The inner dimension's step for a matmul of inner size k: a power of 2, at least 32, at most k's."""
-        # a block through tl.dot (up to 16 rows: it pads them to 16) takes ``block_inner``, a tree (more rows)
-        # ``tree_inner`` (measured: a 33-row tree step 1.36 -> 1.18 ms at 4x the step, 2026-12-05)
-        if rows == 1:
-            step = _pow2_floor(self.products // columns)
-        elif self.matvec(rows):
-            # a program holds the weight tile and the rows' tile at once: (columns + rows) x step
-            step = _pow2_floor(self.matvec_products // (columns + _pow2(rows, least=1)))
-        elif rows > 16:
+        # a block (up to 16 rows: tl.dot pads them to 16) takes ``block_inner``, a tree (more rows) ``tree_inner``
+        # (measured: a 33-row tree step 1.36 -> 1.18 ms at 4x the step, 2026-12-05)
+        if rows > 16:
             step = self.tree_inner
-        else:
+        elif rows > 1:
             step = self.block_inner
+        else:
+            step = _pow2_floor(self.products // columns)
         return max(32, min(_pow2(k), step))
 
 
@@ -205,9 +191,9 @@ def pdl_args(device: torch.device, wanted: bool = True) -> dict:
 
 def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
     """The launch arguments every kernel of a step of m rows takes (``common``), and those of its matmuls:
-    one token (or up to ``tiles.matvec_rows``) through matrix-vector products, a block through ``tl.dot``
-    over rows padded to 16."""
-    block = not tiles.matvec(m)
+    one token through matrix-vector products, a block through ``tl.dot`` over rows padded to 16 (a few rows
+    the token's way measured 2.5-12x slower: benchmarks/NOTES.md, thirty-first session)."""
+    block = m > 1
     upcast = interpreting()  # the interpreter's tl.dot takes float32 operands
     common = dict(
         num_warps=tiles.warps,
@@ -215,7 +201,7 @@ def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
         UPCAST=upcast,
         **pdl_args(w.embed.device, tiles.pdl),
     )
-    return common, dict(DOT=block, BLOCK_M=_pow2(m) if block else _pow2(m, least=1), **common)
+    return common, dict(DOT=block, BLOCK_M=_pow2(m) if block else 1, **common)
 
 
 def _launch_qkv(
