@@ -66,6 +66,12 @@ VARIANTS = {
     # or four programs a head group; a block of 8 (24 rows) unchanged at 32, in two at 16
     "arows32": Tiles(attention_rows=32),
     "arows16": Tiles(attention_rows=16),
+    # a block's and a tree's matmul kernels in 2, 1 or 8 warps a program (tl.dot's 16 x 16 tile is two m16n8
+    # products: 4 warps repeat half of it), alone and with 32 columns a program (block32: 4 warps)
+    "bwarps2": Tiles(block_warps=2),
+    "bwarps1": Tiles(block_warps=1),
+    "bwarps8": Tiles(block_warps=8),
+    "bwarps2-block32": Tiles(block_warps=2, block_columns=32),
     # (a block's or a tree's matmuls as the token's matrix-vector products, variants mv8-mv32: measured 2.5-12x
     # slower than tl.dot, thirty-first session, and taken out: benchmarks/NOTES.md)
     # each kernel launched after the one before it has ended (the default launches it while that one runs,

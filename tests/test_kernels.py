@@ -224,6 +224,15 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     t = Tiles(products=16384, block_inner=256, tree_inner=512)
     assert [t.inner(2048, rows, 16) for rows in (2, 8, 16, 17, 64)] == [256, 256, 256, 512, 512]
     assert t.inner(192, 33, 16) == 256 and t.inner(2048, 1, 4) == 2048 and t.inner(8192, 1, 4) == 4096
+    # a block's matmul kernels take their own warps; the token's, and every step's attention, the common ones
+    from dflashkit.target.kernels import _launch_args
+
+    w = DecoderWeights.from_hf(tiny_model())
+    for m, want in ((1, 4), (8, 2), (16, 2)):
+        common, matmul = _launch_args(w, m, Tiles(block_warps=2))
+        assert (common["num_warps"], matmul["num_warps"], matmul["DOT"]) == (4, want, m > 1)
+    with pytest.raises(ValueError, match="block_warps=3"):
+        Tiles(block_warps=3)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(DflashkitError, match="run on a GPU .*choose --engine graphs-layers"):
         check_runnable(torch.device("cpu"))

@@ -80,6 +80,9 @@ class Tiles:
     merge_in_attention: bool = False  # the attention's splits merged by the split that arrives last (no
     # merge kernel: 30 launches a step fewer; ``kernel_source.merged_rows``)
     warps: int = 4
+    # warps a program of a block's (or a tree's) matmul kernels: tl.dot's 16 x 16 tile is two m16n8 products,
+    # so of 4 warps two repeat the others' (the loads use all of them)
+    block_warps: int = 4
     pdl: bool = True  # programmatic dependent launch where the GPU has it (``pdl_args``): its GPU test (a
     # captured step equal to the serial one, 200 replays) passed on an H200, one token 0.532 -> 0.436 ms and a
     # block of 8 0.788 -> 0.686 (kernel_tiles, 2026-12-05)
@@ -201,7 +204,8 @@ def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
         UPCAST=upcast,
         **pdl_args(w.embed.device, tiles.pdl),
     )
-    return common, dict(DOT=block, BLOCK_M=_pow2(m) if block else 1, **common)
+    matmul = dict(common, num_warps=tiles.block_warps) if block else common
+    return common, dict(DOT=block, BLOCK_M=_pow2(m) if block else 1, **matmul)
 
 
 def _launch_qkv(
