@@ -20,6 +20,20 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirty-second session's plan (the thirty-first, one H100: the block's matmuls the token's way 2.5-12x slower than
+# tl.dot, taken out; the warm start 7.1 s, 2.5 s of it launchers the first process's file lacked, fixed after
+# (triton_cache.launchers_loaded); built after: Tiles.block_warps). Name a kind on EVERY call; `O=$OUT` (gpu_prepare
+# writes to $OUT); one command [carry .whl]:
+#   export BUDGET=560 O=$OUT; TILES_ARGS="--no-layers --tree-nodes 15 --variants default,bwarps2,bwarps1,bwarps8,\
+#     bwarps2-block32,block32 --calls 100" bash benchmarks/gpu_prepare.sh part tiles; mv $O/kernel_tiles.json \
+#     $O/kernel_tiles-bwarps.json; export ENGINES=graphs-kernels; DECODE_ARGS="--tree-budgets 15 --no-warm-start" \
+#     bash benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.json $O/decode_steps-first.json; \
+#     DECODE_ARGS="--tree-budgets 15 --start-profile 25" bash benchmarks/gpu_prepare.sh decode
+#     NOTES "A block's matmul kernels in fewer warps" (bwarps2: the block [1,8] 0.638 -> 0.60-0.63 ms) and "The warm
+#     start without source compiles" (the second decode's warm start: no launcher built, ~4.5-5 s)
+#   if bwarps2 (or another) wins the block and the tree: sed its block_warps into the machine's copy and decode again
+#   (round in AR tokens), then make it the default here; the table on auto as the thirtieth session's command 7
+# Thirty-first session, as run: RESULTS (commands 1-4 on H100s; five refusals cost ~600 s of the 1,800).
 # Thirty-first session's plan (the thirtieth: one H100 for three commands, then no machine lent; warm start 12.0 s;
 # built after, unmeasured: Tiles.matvec_rows, a block's (or a tree's) matmuls as the token's matrix-vector
 # products, off by default; the head's cast in its copy; the draft step without its positions' add). Name a kind
