@@ -305,13 +305,15 @@ def test_the_fp32_check_runs_on_float32_copies_and_names_a_difference(tiny, monk
         "engine": dec32.engine,
     }
     assert result["temperatures"]["0"]["responses"] == 6
-    # a compiled engine's check runs on its eager steps; every other engine checks itself
+    # an engine Inductor compiles is checked on its eager steps; every other engine checks itself (the
+    # kernels engine its own float32 kernels)
     assert bench.lossless_engine("graphs-compiled") == "graphs"
     assert bench.lossless_engine("graphs-layers") == "graphs"
-    assert [bench.lossless_engine(e) for e in ("dynamic", "static", "graphs")] == [
+    assert [bench.lossless_engine(e) for e in ("dynamic", "static", "graphs", "graphs-kernels")] == [
         "dynamic",
         "static",
         "graphs",
+        "graphs-kernels",
     ]
 
     make_lossy(monkeypatch, at=5, vocab=12)

@@ -7,10 +7,10 @@ temperature, every prompt is decoded speculatively and autoregressively on the s
 ratio. At T = 0 the rule is greedy; above 0 it is speculative rejection sampling (`Sampling(rule=
 "rejection")`), which keeps the target's distribution exactly. The fp32 lossless check decodes greedily in
 float32 (the run itself when it is float32, otherwise float32 copies of the target and drafter) and
-compares speculative and autoregressive output token for token; for a compiled engine it decodes on the
-same engine's eager steps (`lossless_engine`): the check is of the rounds, and compiling float32 copies
-of every step costs more than a minute on the GPU before the first measurement (the compiled steps'
-float32 output is held to the dynamic engine's by the GPU tests).
+compares speculative and autoregressive output token for token; for an engine Inductor compiles it decodes
+on the same engine's eager steps (`lossless_engine`): the check is of the rounds, and compiling float32
+copies of every step costs more than a minute on the GPU before the first measurement (the compiled steps'
+float32 output is held to the dynamic engine's by the GPU tests); graphs-kernels checks its own kernels.
 
 Multi-turn sets (MT-Bench) decode every turn, the next turn after the speculative reply to the last, as
 the paper's evaluation does; each turn's reply is one "response". Held-out records are decoded from each
@@ -642,10 +642,11 @@ def write_outputs(
 
 def lossless_engine(engine: str) -> str:
     """The engine of the fp32 lossless check for a run on ``engine``: its eager steps when it compiles them
-    (the same rounds and steps, captured as CUDA graphs but not compiled), else the same engine."""
+    with Inductor (the same rounds and steps, captured as CUDA graphs but not compiled), else the same engine:
+    graphs-kernels checks its own kernels (Triton compiles their float32 variants in seconds)."""
     from dflashkit.infer.engine import GRAPH_ENGINES  # which graphs engines compile their steps
 
-    return "graphs" if GRAPH_ENGINES.get(engine) else engine
+    return "graphs" if GRAPH_ENGINES.get(engine) not in (False, None, "kernels") else engine
 
 
 def lossless_result(bset: BenchSet, responses: list[Response], dtype: str, engine: str) -> dict[str, Any]:
