@@ -25,7 +25,7 @@
 # (triton_cache.launchers_loaded); built after: Tiles.block_warps). Name a kind on EVERY call; `O=$OUT` (gpu_prepare
 # writes to $OUT); one command [carry .whl]:
 #   export BUDGET=560 O=$OUT; TILES_ARGS="--no-layers --tree-nodes 15 --variants default,bwarps2,bwarps1,bwarps8,\
-#     bwarps2-block32,block32 --calls 100" bash benchmarks/gpu_prepare.sh part tiles; mv $O/kernel_tiles.json \
+#     bwarps2-block32,bwarps2-inner128,block32 --calls 100" bash benchmarks/gpu_prepare.sh part tiles; mv $O/kernel_tiles.json \
 #     $O/kernel_tiles-bwarps.json; export ENGINES=graphs-kernels; DECODE_ARGS="--tree-budgets 15 --no-warm-start" \
 #     bash benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.json $O/decode_steps-first.json; \
 #     DECODE_ARGS="--tree-budgets 15 --start-profile 25" bash benchmarks/gpu_prepare.sh decode

@@ -103,12 +103,13 @@ def compile_all(launches: dict[str, list[dict]]) -> list[dict]:
         for r in records:
             fn = getattr(importlib.import_module(r["module"]), r["name"])
             sig, consts, options = as_launched(fn, r, gdc=True)  # dependent launch on
-            key = json.dumps([r["name"], consts], sort_keys=True, default=str)
+            key = json.dumps([r["name"], consts, options], sort_keys=True, default=str)  # warps matter
             if key not in done:
                 kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
                 done[key] = registers(kernel.asm["ptx"], ptxas)
             regs, stores, loads = done[key]
             tile = {k: consts[k] for k in ("DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K") if k in consts}
+            tile["warps"] = options.get("num_warps", 4)
             rows.append(
                 dict(
                     step=label,
@@ -149,7 +150,9 @@ def main() -> None:
     result = json.loads(run.stdout.strip().splitlines()[-1])
     print(f"{'step':18s} {'kernel':17s} {'regs':>4s} {'spills':>9s}  tile")
     for r in result:
-        tile = " ".join(f"{k}={r[k]}" for k in ("DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K") if k in r)
+        tile = " ".join(
+            f"{k}={r[k]}" for k in ("DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "warps") if k in r
+        )
         spills = f"{r['spill_stores']}/{r['spill_loads']}"
         print(f"{r['step']:18s} {r['kernel']:17s} {r['registers']:4d} {spills:>9s}  {tile}")
     if args.out:

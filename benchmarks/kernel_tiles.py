@@ -72,6 +72,7 @@ VARIANTS = {
     "bwarps1": Tiles(block_warps=1),
     "bwarps8": Tiles(block_warps=8),
     "bwarps2-block32": Tiles(block_warps=2, block_columns=32),
+    "bwarps2-inner128": Tiles(block_warps=2, block_inner=128),  # bwarps2's output projection spills at 256
     # (a block's or a tree's matmuls as the token's matrix-vector products, variants mv8-mv32: measured 2.5-12x
     # slower than tl.dot, thirty-first session, and taken out: benchmarks/NOTES.md)
     # each kernel launched after the one before it has ended (the default launches it while that one runs,
