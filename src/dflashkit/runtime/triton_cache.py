@@ -7,9 +7,9 @@ per set of its compile-time sizes, on its first call, and keeps the binary in it
 them, so the graphs engine's portable compile cache ``FILE`` gets a sibling, ``FILE.triton``: the cache
 entries of the named kernels and of their launchers (Triton builds each kernel signature's launcher with the C
 compiler, ~0.3-0.5 s apiece, into the same folder: a warm start that found the binaries but not them would still
-build ~30; those the warm-up loaded, ``launchers_loaded``, whether it built them or found them there), packed, keyed by the environment as the compile cache is (the same torch build,
-CUDA, Triton and GPU type, or it is refused in one line), and unpacked into Triton's folder before a warm-up
-(an entry already there is kept). For speed only: one that does not fit or cannot be read or written is
+build ~30; those the warm-up loaded, ``launchers_loaded``, whether it built them or found them there), packed,
+keyed by the environment as the compile cache is (the same torch build, CUDA, Triton and GPU type, or it is
+refused in one line), and unpacked into Triton's folder before a warm-up (an entry already there is kept). For speed only: one that does not fit or cannot be read or written is
 reported, never fatal.
 """
 
