@@ -9,8 +9,8 @@ entries of the named kernels and of their launchers (Triton builds each kernel s
 compiler, ~0.3-0.5 s apiece, into the same folder: a warm start that found the binaries but not them would still
 build ~30; those the warm-up loaded, ``launchers_loaded``, whether it built them or found them there), packed,
 keyed by the environment as the compile cache is (the same torch build, CUDA, Triton and GPU type, or it is
-refused in one line), and unpacked into Triton's folder before a warm-up (an entry already there is kept). For speed only: one that does not fit or cannot be read or written is
-reported, never fatal.
+refused in one line), and unpacked into Triton's folder before a warm-up (an entry already there is kept).
+For speed only: one that does not fit or cannot be read or written is reported, never fatal.
 """
 
 from __future__ import annotations
