@@ -6,7 +6,7 @@ layer (a token, a block of 8, 16 and 32 rows) in Triton's interpreter, compiles 
 launch it (no operand upcast, dependent launch on), and reads the registers and spill bytes from ``ptxas -v``
 (the ptxas that ships with Triton): a check of a variant before it costs device time.
 
-    python benchmarks/kernel_registers.py --variants default,qusplit1      # the variants of kernel_tiles.py
+    python benchmarks/kernel_registers.py --variants default,qusplit1         # the variants of kernel_tiles.py
     python benchmarks/kernel_registers.py --smoke                             # a tiny layer, one variant
 """
 

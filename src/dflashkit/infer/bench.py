@@ -646,7 +646,8 @@ def lossless_engine(engine: str) -> str:
     graphs-kernels checks its own kernels (Triton compiles their float32 variants in seconds)."""
     from dflashkit.infer.engine import GRAPH_ENGINES  # which graphs engines compile their steps
 
-    return "graphs" if GRAPH_ENGINES.get(engine) not in (False, None, "kernels") else engine
+    inductor = GRAPH_ENGINES.get(engine) in (True, "layers")  # graphs-compiled, graphs-layers
+    return "graphs" if inductor else engine
 
 
 def lossless_result(bset: BenchSet, responses: list[Response], dtype: str, engine: str) -> dict[str, Any]:
