@@ -73,6 +73,15 @@ VARIANTS = {
     "bwarps8": Tiles(block_warps=8),
     "bwarps2-block32": Tiles(block_warps=2, block_columns=32),
     "bwarps2-inner128": Tiles(block_warps=2, block_inner=128),  # bwarps2's output projection spills at 256
+    # 32 or 64 columns a block's program (16 by default) with the split-K shares around it
+    "block64": Tiles(block_columns=64),
+    "block32-inner128": Tiles(block_columns=32, block_inner=128),
+    "block32-inner512": Tiles(block_columns=32, block_inner=512),
+    "block32-qusplit8": Tiles(block_columns=32, qkv_splits=8, up_splits=8),
+    "block32-ksplit8": Tiles(block_columns=32, residual_splits=8),
+    "block32-split8": Tiles(block_columns=32, qkv_splits=8, up_splits=8, residual_splits=8),
+    "block64-split8": Tiles(block_columns=64, qkv_splits=8, up_splits=8, residual_splits=8),
+    "block32-treeinner128": Tiles(block_columns=32, tree_inner=128),
     # (a block's or a tree's matmuls as the token's matrix-vector products, variants mv8-mv32: measured 2.5-12x
     # slower than tl.dot, thirty-first session, and taken out: benchmarks/NOTES.md)
     # each kernel launched after the one before it has ended (the default launches it while that one runs,

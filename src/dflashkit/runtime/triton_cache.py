@@ -16,7 +16,6 @@ For speed only: one that does not fit or cannot be read or written is reported, 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import tarfile
@@ -77,15 +76,14 @@ def launchers(keep: set[str], folder: Path | None = None) -> list[Path]:
 @contextlib.contextmanager
 def launchers_loaded() -> Iterator[set[str]]:
     """The cache entries (by name) of the C modules Triton's CUDA driver loads within this block: a kernel
-    signature's launcher, each stored under the sha256 of its source and the platform
-    (``triton.runtime.build.compile_module_from_src``, wrapped where the driver calls it). Those it found in the
-    cache folder, built by an earlier process, count too: the folder's new entries alone would miss them, and a
-    file written on a machine that had them would make another machine build them again. Empty where this
-    Triton has no such function."""
+    signature's launcher (``triton.runtime.build.compile_module_from_src``, wrapped where the driver calls it),
+    each named by the folder of the file it was loaded from, as Triton's cache manager named it (a name derived
+    from a hash of the source, whose scheme is Triton's own). Those it found in the cache folder, built by an
+    earlier process, count too: the folder's new entries alone would miss them, and a file written on a machine
+    that had them would make another machine build them again. Empty where this Triton has no such function."""
     loaded: set[str] = set()
     try:
         from triton.backends.nvidia import driver
-        from triton.runtime.build import platform_key
 
         original = driver.compile_module_from_src
     except (ImportError, AttributeError):
@@ -93,8 +91,11 @@ def launchers_loaded() -> Iterator[set[str]]:
         return
 
     def recording(src: str, name: str, *args, **kwargs):
-        loaded.add(hashlib.sha256((src + platform_key()).encode("utf-8")).hexdigest())
-        return original(src, name, *args, **kwargs)
+        module = original(src, name, *args, **kwargs)
+        file = getattr(module, "__file__", None)
+        if file:
+            loaded.add(Path(file).parent.name)
+        return module
 
     driver.compile_module_from_src = recording
     try:
