@@ -73,7 +73,8 @@ VARIANTS = {
     "bwarps8": Tiles(block_warps=8),
     "bwarps2-block32": Tiles(block_warps=2, block_columns=32),
     "bwarps2-inner128": Tiles(block_warps=2, block_inner=128),  # bwarps2's output projection spills at 256
-    # 32 or 64 columns a block's program (16 by default) with the split-K shares around it
+    # 16, 32 (the default since 2026-12-06) or 64 columns a block's program, with the split-K shares around it
+    "block16": Tiles(block_columns=16),
     "block64": Tiles(block_columns=64),
     "block32-inner128": Tiles(block_columns=32, block_inner=128),
     "block32-inner512": Tiles(block_columns=32, block_inner=512),

@@ -63,7 +63,10 @@ class Tiles:
     up_columns: int = 4  # gate and up columns each
     residual_columns: int = 4  # the output and down projections
     products: int = 16384
-    block_columns: int = 16
+    # a block's (or tree's) output columns a program: 16 x 32 is four m16n8 products, one for each of 4 warps
+    # (16 x 16 had two). Measured (kernel_tiles, one H100, 2026-12-06): 16 -> 32 the block [1,8] 0.640 -> 0.582
+    # ms, the tree [1,16] 0.695 -> 0.605
+    block_columns: int = 32
     block_inner: int = 256  # measured best of 64-1024 for [1,8] (kernel_tiles, 2026-12-05)
     tree_inner: int = 256  # the step for more than 16 rows (a tree's): block_inner's for 16 until measured
     attention_positions: int = 64
