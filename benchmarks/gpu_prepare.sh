@@ -20,6 +20,28 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirty-third session's plan (the thirty-second, one H100 for one command, then five calls with no machine: 32
+# columns a block's program, the block [1,8] 0.640 -> 0.582 and the tree [1,16] 0.695 -> 0.605, made the default;
+# the launchers' fix recorded hex names where Triton's folders are base32: fixed; built after: Tiles.tree_columns 16
+# for more than 16 rows). Name a kind on EVERY call (nvidia-h100-x1; on a refusal nvidia-h200 at once); `O=$OUT`;
+# one command [carry .whl]: the tiles first (their launchers cached, as a user's machine has them), then the warm
+# start and the round with the new default, then the old default's round on the same machine:
+#   export BUDGET=560 O=$OUT; TILES_ARGS="--no-layers --tree-nodes 15 --variants default,block16,block64,block32-split8,\
+#     block64-split8,block32-inner512 --calls 100" bash benchmarks/gpu_prepare.sh part tiles; mv $O/kernel_tiles.json \
+#     $O/kernel_tiles-block32.json; TILES_ARGS="--no-layers --tree-nodes 31 --variants default,treecolumns32,\
+#     treecolumns32-inner128 --calls 100" bash benchmarks/gpu_prepare.sh tiles; mv $O/kernel_tiles.json \
+#     $O/kernel_tiles-tree31.json; export ENGINES=graphs-kernels; DECODE_ARGS="--tree-budgets 15,31 --start-profile 25" \
+#     bash benchmarks/gpu_prepare.sh decode; cp $O/decode_steps.json $O/decode_steps-b32.json; mv $O/decode_steps.log \
+#     $O/decode_steps-b32.log; K=src/dflashkit/target/kernels.py; sed -i "s/    block_columns: int = 32$/    \
+#     block_columns: int = 16/" $K; DECODE_ARGS="--tree-budgets 15,31 --no-warm-start" bash benchmarks/gpu_prepare.sh \
+#     decode; mv $O/decode_steps.json $O/decode_steps-b16.json; cp $O/decode_steps-b32.json $O/decode_steps.json
+#     NOTES "A block's warps and columns, measured; the launchers' names": round ~0.73 ms (1.45-1.50 AR tokens),
+#     draft ~0.121 (0.25 token), tree-15 +8-11% over the chain, warm start ~5-6 s with no launcher built
+#   then the parts (`part` [.bench/p1 .whl], [p2], [p5], [p3], [p6], `part join heldout` [p4]) and the table on auto:
+#     BENCH_CAP=330 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=80 \
+#     BENCH_OUT=/root/work/b-auto BENCH_ARGS="--sets heldout,mtbench,gsm8k,humaneval --temperatures 0,1" \
+#     bash benchmarks/gpu_prepare.sh bench      (fp32 checked on graphs-kernels' own kernels: "engine" in lossless_fp32)
+# Thirty-second session, as run: RESULTS (command 1 on an H100; then refusals to the end of the device time).
 # Thirty-second session's plan (the thirty-first, one H100: the block's matmuls the token's way 2.5-12x slower than
 # tl.dot, taken out; the warm start 7.1 s, 2.5 s of it launchers the first process's file lacked, fixed after
 # (triton_cache.launchers_loaded); built after: Tiles.block_warps). Name a kind on EVERY call; `O=$OUT` (gpu_prepare

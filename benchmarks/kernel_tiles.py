@@ -82,7 +82,9 @@ VARIANTS = {
     "block32-ksplit8": Tiles(block_columns=32, residual_splits=8),
     "block32-split8": Tiles(block_columns=32, qkv_splits=8, up_splits=8, residual_splits=8),
     "block64-split8": Tiles(block_columns=64, qkv_splits=8, up_splits=8, residual_splits=8),
-    "block32-treeinner128": Tiles(block_columns=32, tree_inner=128),
+    # a tree of more than 16 rows in 32 columns a program (16 by default: 32 spills at 32 rows)
+    "treecolumns32": Tiles(tree_columns=32),
+    "treecolumns32-inner128": Tiles(tree_columns=32, tree_inner=128),
     # (a block's or a tree's matmuls as the token's matrix-vector products, variants mv8-mv32: measured 2.5-12x
     # slower than tl.dot, thirty-first session, and taken out: benchmarks/NOTES.md)
     # each kernel launched after the one before it has ended (the default launches it while that one runs,

@@ -54,7 +54,7 @@ class Tiles:
     bytes spread over many programs) and the products a program holds at once (columns x inner step: the
     inner step follows from it, the whole hidden size for one step). A block (more than one token, through
     ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner`` (any block: tl.dot pads its rows to 16);
-    ``tree_inner`` for more rows (a tree's). The attention's splits along the positions, positions per step
+    ``tree_columns`` and ``tree_inner`` for more rows (a tree's). The attention's splits along the positions, positions per step
     and rows per program, and whether the last split merges them (else a kernel of their own does); a block's
     split of the inner dimension in each matmul kernel (split-K: more programs for their few output columns);
     warps per program; dependent launch."""
@@ -67,6 +67,9 @@ class Tiles:
     # (16 x 16 had two). Measured (kernel_tiles, one H100, 2026-12-06): 16 -> 32 the block [1,8] 0.640 -> 0.582
     # ms, the tree [1,16] 0.695 -> 0.605
     block_columns: int = 32
+    # the same for more than 16 rows (a tree's): at 32 rows a 32-column gate/up program spills 700 bytes a
+    # thread (sm_90, kernel_registers.py), 16 columns none
+    tree_columns: int = 16
     block_inner: int = 256  # measured best of 64-1024 for [1,8] (kernel_tiles, 2026-12-05)
     tree_inner: int = 256  # the step for more than 16 rows (a tree's): block_inner's for 16 until measured
     attention_positions: int = 64
@@ -93,13 +96,18 @@ class Tiles:
     def __post_init__(self) -> None:
         sizes = {k: v for k, v in vars(self).items() if k not in ("warps", "pdl", "merge_in_attention")}
         odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
-        if odd or self.qkv_columns < 2 or self.block_columns < 16 or self.attention_rows < 16:
+        narrow = min(self.block_columns, self.tree_columns, self.attention_rows) < 16
+        if odd or self.qkv_columns < 2 or narrow:
             raise ValueError(
-                f"Tiles: {', '.join(odd) or 'qkv_columns, block_columns and attention_rows'}: each a power of 2, "
-                "qkv_columns at least 2 (rotary pairs), block_columns and attention_rows at least 16 (tl.dot)"
+                f"Tiles: {', '.join(odd) or 'qkv_columns, block_columns, tree_columns and attention_rows'}: each a "
+                "power of 2, qkv_columns at least 2 (rotary pairs), block_columns, tree_columns and attention_rows "
+                "at least 16 (tl.dot)"
             )
 
     def columns(self, kernel: str, rows: int) -> int:
+        """A program's output columns: a token's per kernel, a block's (up to 16 rows), a tree's (more)."""
+        if rows > 16:
+            return self.tree_columns
         return self.block_columns if rows > 1 else getattr(self, f"{kernel}_columns")
 
     def inner(self, k: int, rows: int, columns: int) -> int:
