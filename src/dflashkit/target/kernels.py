@@ -54,10 +54,10 @@ class Tiles:
     bytes spread over many programs) and the products a program holds at once (columns x inner step: the
     inner step follows from it, the whole hidden size for one step). A block (more than one token, through
     ``tl.dot``): ``block_columns`` (at least 16) and ``block_inner`` (any block: tl.dot pads its rows to 16);
-    ``tree_columns`` and ``tree_inner`` for more rows (a tree's). The attention's splits along the positions, positions per step
-    and rows per program, and whether the last split merges them (else a kernel of their own does); a block's
-    split of the inner dimension in each matmul kernel (split-K: more programs for their few output columns);
-    warps per program; dependent launch."""
+    ``tree_columns`` and ``tree_inner`` for more rows (a tree's). The attention's splits along the positions,
+    positions per step and rows per program, and whether the last split merges them (else a kernel of their
+    own does); a block's split of the inner dimension in each matmul kernel (split-K: more programs for their
+    few output columns); warps per program; dependent launch."""
 
     qkv_columns: int = 4  # even: rotary pairs
     up_columns: int = 4  # gate and up columns each
