@@ -20,7 +20,7 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Thirty-third session's plan (the thirty-second, one H100 for one command, then five calls with no machine: 32
+# Thirty-third session's plan (the thirty-second, one H100 for one command, then ten calls with no machine: 32
 # columns a block's program, the block [1,8] 0.640 -> 0.582 and the tree [1,16] 0.695 -> 0.605, made the default;
 # the launchers' fix recorded hex names where Triton's folders are base32: fixed; built after: Tiles.tree_columns 16
 # for more than 16 rows). Name a kind on EVERY call (nvidia-h100-x1; on a refusal nvidia-h200 at once); `O=$OUT`;

@@ -61,11 +61,13 @@ def main() -> None:
                 args.drafter,
                 "--sets",
                 args.set,
-                "--max-prompts",
-                str(args.max_prompts),
+                "--out",
+                out,
+                "--temperatures",
+                "0",
             ]
-            argv += ["--max-turns", "1", "--max-new-tokens", str(args.max_new_tokens), "--temperatures", "0"]
-            argv += ["--tree-budget", str(budget), "--dtype", args.dtype, "--out", out]
+            argv += ["--max-prompts", str(args.max_prompts), "--max-turns", "1", "--dtype", args.dtype]
+            argv += ["--max-new-tokens", str(args.max_new_tokens), "--tree-budget", str(budget)]
             cli.main(argv)
             result = json.loads(next(Path(out, "sets").glob("*.json")).read_text())["temperatures"]["0"]
         rows.append({"run": name, "build_temperature": t, "budget": budget, "tau": result["tau"]})

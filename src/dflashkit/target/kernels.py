@@ -46,6 +46,8 @@ from dflashkit.target.slot_decoder import DecoderWeights, LayerWeights, SlotCach
 
 KERNELS = ("qkv", "attention", "merge", "up", "residual")
 MAX_ROWS = 128  # new tokens a step: a token, a block or a tree (a prompt goes through the plain forward)
+# tl.dot's smallest tile: a block of up to this many rows is padded to it; more rows are a tree's
+DOT_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class Tiles:
     def __post_init__(self) -> None:
         sizes = {k: v for k, v in vars(self).items() if k not in ("warps", "pdl", "merge_in_attention")}
         odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
-        narrow = min(self.block_columns, self.tree_columns, self.attention_rows) < 16
+        narrow = min(self.block_columns, self.tree_columns, self.attention_rows) < DOT_ROWS
         if odd or self.qkv_columns < 2 or narrow:
             raise ValueError(
                 f"Tiles: {', '.join(odd) or 'qkv_columns, block_columns, tree_columns and attention_rows'}: each a "
@@ -105,8 +107,8 @@ class Tiles:
             )
 
     def columns(self, kernel: str, rows: int) -> int:
-        """A program's output columns: a token's per kernel, a block's (up to 16 rows), a tree's (more)."""
-        if rows > 16:
+        """A program's output columns: a token's per kernel, a block's (up to DOT_ROWS rows), a tree's (more)."""
+        if rows > DOT_ROWS:
             return self.tree_columns
         return self.block_columns if rows > 1 else getattr(self, f"{kernel}_columns")
 
@@ -114,7 +116,7 @@ class Tiles:
         """The inner dimension's step for a matmul of inner size k: a power of 2, at least 32, at most k's."""
         # a block (up to 16 rows: tl.dot pads them to 16) takes ``block_inner``, a tree (more rows) ``tree_inner``
         # (measured: a 33-row tree step 1.36 -> 1.18 ms at 4x the step, 2026-12-05)
-        if rows > 16:
+        if rows > DOT_ROWS:
             step = self.tree_inner
         elif rows > 1:
             step = self.block_inner
