@@ -657,11 +657,13 @@ for s in "$@"; do
       # BENCH_DATA=none: no dataset (the sets other than heldout need none)
       # BENCH_OUT: another folder for other settings (bench refuses to mix them into one, naming the difference)
       # BENCH_SUMMARY=none: no drafter_table.json (a run without T=0)
-      timeout $(cap ${BENCH_CAP:-420}) $DK bench --drafter ${DRAFTER:-$W/run-more/best} $([ "${BENCH_DATA:-}" = none ] || echo --data ${BENCH_DATA:-$W/more}) \
+      # cut by its cap with SIGABRT: Python's fault handler prints where it was (the thirty-third session's runs
+      # were cut three times, silently, in one compile)
+      timeout -s ABRT $(cap ${BENCH_CAP:-420}) python3 -X faulthandler -m dflashkit.cli bench --drafter ${DRAFTER:-$W/run-more/best} $([ "${BENCH_DATA:-}" = none ] || echo --data ${BENCH_DATA:-$W/more}) \
         --out ${BENCH_OUT:-$W/bench} \
         --max-prompts ${BENCH_PROMPTS:-40} --check-lossless --lossless-prompts 4 \
         $([ "${BENCH_SUMMARY:-}" = none ] || echo --summary "$OUT/drafter_table.json") ${BENCH_ARGS:-} 2>&1 \
-        | grep -v "Loading weights" | tail -30
+        | grep -v "Loading weights" | tail -60
       for f in bench.json bench.md bench.png; do cp "${BENCH_OUT:-$W/bench}/$f" "$OUT/" 2>/dev/null; done
       # each set as it finished, so that a bench cut by the limit still brings back the sets it measured
       mkdir -p "$OUT/sets" && cp "${BENCH_OUT:-$W/bench}"/sets/*.json "$OUT/sets/" 2>/dev/null ;;

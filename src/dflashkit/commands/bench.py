@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,7 @@ def _bench(args: argparse.Namespace) -> int:
             bar.update(task, advance=1, description=f"{label}: response tau {r.tau:.2f}")
 
         for bset in sets:
+            began = time.perf_counter()
             result = bench.run_set(
                 dec,
                 bset,
@@ -195,7 +197,8 @@ def _bench(args: argparse.Namespace) -> int:
             )
             path = bench.write_set(out, result)
             measured.append(bset.name)
-            console.print(f"{bset.name}: {bset.source}, written to {path}")
+            seconds = time.perf_counter() - began  # a log without the live bar still says where time went
+            console.print(f"{bset.name}: {bset.source}, {seconds:.0f} s, written to {path}")
     summary_path = Path(args.summary) if args.summary else None
     combined = bench.write_outputs(out, settings, _arguments(args), summary_path)
     console.print(bench_table(combined, measured))

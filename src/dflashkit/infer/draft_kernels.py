@@ -25,7 +25,15 @@ from torch import Tensor
 
 from dflashkit.model.drafter import DFlashDrafter, rope_inverse_frequencies
 from dflashkit.target.kernels import decode_by_kernels, unsupported, write_keys_values
-from dflashkit.target.slot_decoder import DecoderWeights, SlotCache, fused_layer, linear, rotary_table
+from dflashkit.target.slot_decoder import (
+    DecoderWeights,
+    SlotCache,
+    apply_rotary,
+    fused_layer,
+    linear,
+    rms_norm,
+    rotary_table,
+)
 
 
 @dataclass
@@ -106,6 +114,30 @@ def write_context(dk: DraftKernels, features: Tensor, start: Tensor) -> None:
     and each layer's keys and values of them (after ``hidden_norm``) written into the drafter's cache."""
     x = linear(features[0].to(dk.fc.dtype), dk.fc)
     write_keys_values(dk.weights, dk.cache, x, dk.hidden_norm, start)
+
+
+def write_prompt_context(dk: DraftKernels, features: Tensor) -> None:
+    """A prompt's context rows (features [1, P, n * hidden]) at positions 0 .. P-1: what ``write_context``
+    writes, through plain torch ops, as the target's prompt goes through the plain forward. A prompt comes in
+    any length, and the qkv kernel's programs for many rows are the largest the kernels have: compiled for
+    sm_90 with the drafter's head norms in float32 (the lossless check's dtype), 16 s at 32 rows and 43 s at
+    64 on this project's CPU, paid mid-generation by the first prompt of each row tile (on an H100 the bench's
+    float32 check stalled in that compile for minutes: benchmarks/NOTES.md, thirty-third session). Rounded
+    where the kernel rounds (the plain forward's places), so the two differ only in the order of sums."""
+    w = dk.weights
+    nq, nk, d = w.heads, w.kv_heads, w.head_dim
+    x = linear(features[0].to(dk.fc.dtype), dk.fc)
+    h = rms_norm(x, dk.hidden_norm, w.eps)
+    P = x.shape[0]
+    rotary = w.rotary[:P]  # positions 0 .. P-1
+    for i, layer in enumerate(w.layers):
+        bias = None if layer.qkv_bias is None else layer.qkv_bias[nq * d :]
+        kv = linear(h, layer.qkv[nq * d :], bias).view(P, 2 * nk, d)
+        k, v = kv[:, :nk], kv[:, nk:]
+        if layer.k_norm is not None:
+            k = rms_norm(k, layer.k_norm, w.eps)
+        dk.cache.k[i][0, :P] = apply_rotary(k, rotary)
+        dk.cache.v[i][0, :P] = v
 
 
 def kernel_draft_step(

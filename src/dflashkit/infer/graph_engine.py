@@ -85,7 +85,7 @@ from dflashkit.infer.draft_kernels import (
     draft_kernels,
     kernel_draft_step,
     unsupported_drafter,
-    write_context,
+    write_prompt_context,
 )
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
 from dflashkit.infer.sampling import Sampling, accept_sampled, probabilities, race, rejection_noise
@@ -741,7 +741,7 @@ class GraphEngine:
         if self.drafter is not None:
             features = torch.cat(kept, dim=-1)
             if self._dk is not None:
-                write_context(self._dk, features, start)
+                write_prompt_context(self._dk, features)
             else:
                 assert self._dcache is not None
                 positions = torch.arange(P, device=prompt.device)[None]
