@@ -20,6 +20,28 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirty-fourth session's plan (the thirty-third, one H100 throughout: 32-column blocks gave the round 0.822 ms,
+# 1.56 AR tokens, against 0.833 with 16, where kernel_tiles showed -0.058 ms on the block; the bench's fp32 check
+# stalled in a 210 s compile of the drafter's 128-row context program: a prompt's context now by torch ops; built
+# after: the draft step's context write split-K, no spill). Name a kind on EVERY call (nvidia-h100-x1; on a
+# refusal nvidia-h200 at once); `O=$OUT`. Command 1 [carry .whl] (~250 s): both widths' round, profiled in the
+# engine (block step, draft step, greedy round: which kernels gained), and the tiles at the decode's context:
+#   export BUDGET=560 O=$OUT ENGINES=graphs-kernels; DECODE_ARGS="--tree-budgets 15 --profile 50" bash \
+#     benchmarks/gpu_prepare.sh part decode; mv $O/decode_steps.log $O/decode_steps-b32.log; cp $O/decode_steps.json \
+#     $O/decode_steps-b32.json; TILES_ARGS="--no-layers --context 64 --tree-nodes 15 --variants default,block16,\
+#     block32-inner512 --calls 100" bash benchmarks/gpu_prepare.sh tiles; sed -i "s/block_columns: int = 32$/\
+#     block_columns: int = 16/" src/dflashkit/target/kernels.py; DECODE_ARGS="--tree-budgets 15 --profile 50 \
+#     --no-warm-start" bash benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.json $O/decode_steps-b16.json; \
+#     mv $O/decode_steps.log $O/decode_steps-b16.log; cp $O/decode_steps-b32.json $O/decode_steps.json
+#     NOTES "32-column blocks in the round, measured": the draft step -0.005 to -0.015 ms (its context write
+#     split-K); whether the block step's kernels gained in the engine (the profiles side by side)
+#   then `part` [.bench/p1 .whl], [p2], [p5], [p3], [p6]; the table on auto in two commands, one --out (bench.json
+#   merges its sets; each command ~4-5 min now that no prefill compiles a context program):
+#     BENCH_CAP=520 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=80 \
+#       BENCH_OUT=/root/work/b-auto BENCH_ARGS="--sets heldout,mtbench --temperatures 0,1" bash \
+#       benchmarks/gpu_prepare.sh part join heldout bench                                   # carry .bench/p4
+#     the same with BENCH_ARGS="--sets gsm8k,humaneval --temperatures 0,1" ... bench        # no carry
+# Thirty-third session, as run: RESULTS (every command on one H100; the bench stalled, diagnosed, fixed after).
 # Thirty-third session's plan (the thirty-second, one H100 for one command, then ten calls with no machine: 32
 # columns a block's program, the block [1,8] 0.640 -> 0.582 and the tree [1,16] 0.695 -> 0.605, made the default;
 # the launchers' fix recorded hex names where Triton's folders are base32: fixed; built after: Tiles.tree_columns 16

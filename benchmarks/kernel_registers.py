@@ -4,9 +4,13 @@ A tile that makes a kernel spill registers is slow whatever else it does (the tw
 blocks: 3.0-3.4 ms a block step). This records the matmul and attention kernels' launches of one embedded-shaped
 layer (a token, a block of 8, 16 and 32 rows) in Triton's interpreter, compiles each for sm_90 as the GPU would
 launch it (no operand upcast, dependent launch on), and reads the registers and spill bytes from ``ptxas -v``
-(the ptxas that ships with Triton): a check of a variant before it costs device time.
+(the ptxas that ships with Triton): a check of a variant before it costs device time. Each program's compile
+time and PTX size come with it: ``--context`` compiles a drafter's context write instead (the qkv kernel's key
+and value columns, with a DFlash drafter's head norms) for a prompt's row counts, in ``--dtype``.
 
     python benchmarks/kernel_registers.py --variants default,qusplit1         # the variants of kernel_tiles.py
+    python benchmarks/kernel_registers.py --context --rows 32,64,128 --dtype float32
+    python benchmarks/kernel_registers.py --head-norm --rows 8,16                 # a drafter's block step
     python benchmarks/kernel_registers.py --smoke                             # a tiny layer, one variant
 """
 
@@ -20,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,8 +32,17 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def record(variants: list[str], rows: tuple[int, ...], smoke: bool) -> dict[str, list[dict]]:
-    """Each (variant, rows) step's kernel launches, recorded in the interpreter (this process)."""
+def record(
+    variants: list[str],
+    rows: tuple[int, ...],
+    smoke: bool,
+    dtype: str = "bfloat16",
+    head_norm: bool = False,
+    context: bool = False,
+) -> dict[str, list[dict]]:
+    """Each (variant, rows) step's kernel launches, recorded in the interpreter (this process). ``head_norm``:
+    Qwen3-shaped layers (per-head query and key norms: a DFlash drafter's); ``context``: a drafter's context
+    write of that many rows instead of a step."""
     import torch
     import transformers
 
@@ -43,11 +57,20 @@ def record(variants: list[str], rows: tuple[int, ...], smoke: bool) -> dict[str,
         if smoke
         else dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
     )
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=1, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=True, **shape
+    head_norm = head_norm or context
+    make = transformers.Qwen3Config if head_norm else transformers.LlamaConfig
+    extra = dict(head_dim=shape["hidden_size"] // shape["num_attention_heads"]) if head_norm else {}
+    cfg = make(
+        num_hidden_layers=1,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        **shape,
+        **extra,
     )
     torch.manual_seed(0)
-    w = DecoderWeights.from_hf(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    w = DecoderWeights.from_hf(model)
     original = kernels._compiled
     real = original()
     out: dict[str, list[dict]] = {}
@@ -63,7 +86,11 @@ def record(variants: list[str], rows: tuple[int, ...], smoke: bool) -> dict[str,
                 cache = SlotCache(w, slots=1, capacity=256 if smoke else 1024)
                 ids, start = torch.zeros(1, m, dtype=torch.long), torch.tensor([100 if smoke else 400])
                 tiles = replace(VARIANTS[name], pdl=False)  # the interpreter runs no dependent launch
-                kernels.decode_by_kernels(w, cache, ids, start, torch.empty(m, w.vocab_size), tiles=tiles)
+                if context:
+                    x = torch.randn(m, w.embed.shape[1], dtype=w.dtype)
+                    kernels.write_keys_values(w, cache, x, w.layers[0].input_norm, start, tiles=tiles)
+                else:
+                    kernels.decode_by_kernels(w, cache, ids, start, torch.empty(m, w.vocab_size), tiles=tiles)
                 out[f"{name} [1,{m}]"] = records
     finally:
         kernels._compiled = original
@@ -105,9 +132,11 @@ def compile_all(launches: dict[str, list[dict]]) -> list[dict]:
             sig, consts, options = as_launched(fn, r, gdc=True)  # dependent launch on
             key = json.dumps([r["name"], consts, options], sort_keys=True, default=str)  # warps matter
             if key not in done:
+                began = time.perf_counter()
                 kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
-                done[key] = registers(kernel.asm["ptx"], ptxas)
-            regs, stores, loads = done[key]
+                seconds = time.perf_counter() - began
+                done[key] = (*registers(kernel.asm["ptx"], ptxas), seconds, len(kernel.asm["ptx"]) // 1024)
+            regs, stores, loads, seconds, ptx_kib = done[key]
             tile = {k: consts[k] for k in ("DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K") if k in consts}
             tile["warps"] = options.get("num_warps", 4)
             rows.append(
@@ -117,6 +146,8 @@ def compile_all(launches: dict[str, list[dict]]) -> list[dict]:
                     registers=regs,
                     spill_stores=stores,
                     spill_loads=loads,
+                    compile_s=round(seconds, 1),
+                    ptx_kib=ptx_kib,
                     **tile,
                 )
             )
@@ -128,6 +159,11 @@ def main() -> None:
     p.add_argument("--variants", default="default", help="comma-separated kernel_tiles VARIANTS")
     p.add_argument("--rows", default="1,8,16,32", help="the steps' rows")
     p.add_argument("--smoke", action="store_true", help="a tiny layer, the first variant, 1 and 8 rows")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--head-norm", action="store_true", help="a drafter's layers (per-head query and key norms)"
+    )
+    p.add_argument("--context", action="store_true", help="a drafter's context write of --rows rows")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     p.add_argument("--compile-from", type=Path, help=argparse.SUPPRESS)  # the child: compile these launches
     args = p.parse_args()
@@ -137,7 +173,7 @@ def main() -> None:
     variants = args.variants.split(",")[:1] if args.smoke else args.variants.split(",")
     rows = (1, 8) if args.smoke else tuple(int(r) for r in args.rows.split(","))
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton's first import: the launches run on the CPU
-    launches = record(variants, rows, args.smoke)
+    launches = record(variants, rows, args.smoke, args.dtype, args.head_norm, args.context)
     with tempfile.TemporaryDirectory() as tmp:
         file = Path(tmp) / "launches.json"
         file.write_text(json.dumps(launches))
@@ -148,13 +184,17 @@ def main() -> None:
     if run.returncode:
         sys.exit(f"compiling for sm_90 failed:\n{run.stderr[-3000:]}")
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    print(f"{'step':18s} {'kernel':17s} {'regs':>4s} {'spills':>9s}  tile")
+    print(f"{'step':18s} {'kernel':17s} {'regs':>4s} {'spills':>9s} {'compile':>8s} {'PTX':>8s}  tile")
     for r in result:
         tile = " ".join(
             f"{k}={r[k]}" for k in ("DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "warps") if k in r
         )
         spills = f"{r['spill_stores']}/{r['spill_loads']}"
-        print(f"{r['step']:18s} {r['kernel']:17s} {r['registers']:4d} {spills:>9s}  {tile}")
+        ptx = f"{r['ptx_kib']} KiB"
+        print(
+            f"{r['step']:18s} {r['kernel']:17s} {r['registers']:4d} {spills:>9s} {r['compile_s']:7.1f}s"
+            f" {ptx:>8s}  {tile}"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

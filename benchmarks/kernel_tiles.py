@@ -44,6 +44,7 @@ VARIANTS = {
     "splits4": Tiles(splits=4),
     "splits16": Tiles(splits=16),
     "block32": Tiles(block_columns=32),
+    "inner64": Tiles(block_inner=64),
     "inner128": Tiles(block_inner=128),
     "inner512": Tiles(block_inner=512),
     "inner1024": Tiles(block_inner=1024),

@@ -209,3 +209,24 @@ def test_kernel_registers_reads_every_kernels_registers(tmp_path):
     assert all(0 < r["registers"] <= 255 and r["spill_stores"] >= 0 for r in rows)
     matmuls = {(r["step"], r["DOT"]) for r in rows if r["kernel"] == "qkv_kernel"}
     assert matmuls == {("default [1,1]", False), ("default [1,8]", True)}
+    assert all(r["compile_s"] >= 0 and r["ptx_kib"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the benchmark records launches in the interpreter")
+@pytest.mark.skipif(not PTXAS.is_file(), reason="this Triton has no NVIDIA backend (ptxas)")
+def test_kernel_registers_compiles_a_drafters_context_write(tmp_path):
+    """``--context``: only the qkv kernel (a context write runs no layer), each program one head wide (the
+    drafter's head norms), in float32 as the lossless check launches it."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "context.json"
+    script = str(root / "benchmarks" / "kernel_registers.py")
+    run = subprocess.run(
+        [sys.executable, script, "--smoke", "--context", "--dtype", "float32", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["kernel"] for r in rows} == {"qkv_kernel"}
+    assert {r["BLOCK_N"] for r in rows if r["DOT"]} == {16}  # the smoke layer's head_dim

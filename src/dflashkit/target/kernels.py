@@ -273,15 +273,29 @@ def write_keys_values(
 ) -> None:
     """Every layer's keys and values of rows x [M, H] after ``norm`` (no layer runs over them: a drafter's
     context rows), turned and written at positions ``start`` [1] + 0 .. M-1 of the cache's first slot; in
-    launches of at most MAX_ROWS rows. Shape-static: a CUDA graph captures it."""
+    launches of at most MAX_ROWS rows, split-K as a block step's qkv (a drafter's keys and values are a few
+    column tiles: 6 programs a layer for the embedded target's drafter without it, and one head a program
+    spilled 668 bytes a thread at the whole inner dimension, where a share of it spills none: sm_90,
+    ``kernel_registers.py``, benchmarks/RESULTS.md, thirty-third session). Shape-static: a CUDA graph
+    captures it."""
+    most = min(x.shape[0], MAX_ROWS)
+    split = None
+    if most > 1 and tiles.qkv_splits > 1:
+        n = (w.heads + 2 * w.kv_heads) * w.head_dim
+        cols = w.head_dim if w.layers[0].q_norm is not None else tiles.columns("qkv", most)
+        partials = torch.empty(tiles.qkv_splits * most * n, dtype=torch.float32, device=x.device)
+        # the shares done per column tile: zero, and each launch leaves them zero
+        arrived = torch.zeros(triton_cdiv(n, cols), dtype=torch.int32, device=x.device)
+        split = (tiles.qkv_splits, partials, arrived)
     for a in range(0, x.shape[0], MAX_ROWS):
         rows = x[a : a + MAX_ROWS]
         at = start + a if a else start  # (no launch for the first, or only, piece)
         for i, layer in enumerate(w.layers):
             k_cache, v_cache = cache.k[i][0], cache.v[i][0]
             _launch_qkv(
-                w, layer, norm, rows, k_cache, k_cache, v_cache, at, None, tiles, w.heads * w.head_dim
-            )
+                w, layer, norm, rows, k_cache, k_cache, v_cache, at, None, tiles, w.heads * w.head_dim,
+                split if rows.shape[0] > 1 else None,
+            )  # fmt: skip
 
 
 def decode_by_kernels(
