@@ -120,9 +120,10 @@ def write_prompt_context(dk: DraftKernels, features: Tensor) -> None:
     """A prompt's context rows (features [1, P, n * hidden]) at positions 0 .. P-1: what ``write_context``
     writes, through plain torch ops, as the target's prompt goes through the plain forward. A prompt comes in
     any length, and the qkv kernel's programs for many rows are the largest the kernels have: compiled for
-    sm_90 with the drafter's head norms in float32 (the lossless check's dtype), 16 s at 32 rows and 43 s at
-    64 on this project's CPU, paid mid-generation by the first prompt of each row tile (on an H100 the bench's
-    float32 check stalled in that compile for minutes: benchmarks/NOTES.md, thirty-third session). Rounded
+    sm_90 with the drafter's head norms in float32 (the lossless check's dtype), 18 s at 32 rows, 44 s at 64
+    and 210 s at 128 on this project's CPU, paid mid-generation by the first prompt of each row tile (on an
+    H100 the bench's float32 check stalled in that compile for minutes: benchmarks/RESULTS.md, thirty-third
+    session). Rounded
     where the kernel rounds (the plain forward's places), so the two differ only in the order of sums."""
     w = dk.weights
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
