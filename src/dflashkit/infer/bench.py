@@ -643,7 +643,8 @@ def write_outputs(
 def lossless_engine(engine: str) -> str:
     """The engine of the fp32 lossless check for a run on ``engine``: its eager steps when it compiles them
     with Inductor (the same rounds and steps, captured as CUDA graphs but not compiled), else the same engine:
-    graphs-kernels checks its own kernels (Triton compiles their float32 variants in seconds)."""
+    graphs-kernels checks its own kernels (Triton compiles their float32 steps in seconds; a prompt's drafter
+    context, whose many-row float32 programs took minutes, goes through torch ops: ``write_prompt_context``)."""
     from dflashkit.infer.engine import GRAPH_ENGINES  # which graphs engines compile their steps
 
     inductor = GRAPH_ENGINES.get(engine) in (True, "layers")  # graphs-compiled, graphs-layers
