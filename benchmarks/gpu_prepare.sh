@@ -41,6 +41,7 @@
 #       BENCH_OUT=/root/work/b-auto BENCH_ARGS="--sets heldout,mtbench --temperatures 0,1" bash \
 #       benchmarks/gpu_prepare.sh part join heldout bench                                   # carry .bench/p4
 #     the same with BENCH_ARGS="--sets gsm8k,humaneval --temperatures 0,1" ... bench        # no carry
+#     (a machine lost between them keeps nothing: the parts again, and both commands into a fresh BENCH_OUT)
 # Thirty-third session, as run: RESULTS (every command on one H100; the bench stalled, diagnosed, fixed after).
 # Thirty-third session's plan (the thirty-second, one H100 for one command, then ten calls with no machine: 32
 # columns a block's program, the block [1,8] 0.640 -> 0.582 and the tree [1,16] 0.695 -> 0.605, made the default;
