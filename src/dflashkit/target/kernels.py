@@ -242,8 +242,8 @@ def _launch_qkv(
     m, hidden = x.shape
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     _, matmul = _launch_args(w, m, tiles)
-    head_norm = layer.q_norm is not None  # Qwen3: a program's columns are one head
-    cols = d if head_norm else tiles.columns("qkv", m)
+    head_norm = layer.q_norm is not None
+    cols = qkv_columns(w, tiles, m)
     assert col0 % cols == 0
     splits, parts, arrived = split or (1, x, start)
     step, share, n = shares(tiles, hidden, splits, m, cols)
@@ -258,6 +258,12 @@ def _launch_qkv(
         HEAD_NORM=head_norm, TREE=positions is not None, COL0=col0, SPLIT_K=n, SHARE=share,
         BLOCK_N=cols, BLOCK_K=step, **matmul,
     )  # fmt: skip
+
+
+def qkv_columns(w: DecoderWeights, tiles: Tiles, m: int) -> int:
+    """A qkv program's output columns over m rows: one head where the heads are normalised (Qwen3, a DFlash
+    drafter: the norm reads the whole head), else the tiles' for m rows."""
+    return w.head_dim if w.layers[0].q_norm is not None else tiles.columns("qkv", m)
 
 
 def shares(tiles: Tiles, inner: int, splits: int, m: int, columns: int) -> tuple[int, int, int]:
@@ -282,7 +288,7 @@ def write_keys_values(
     split = None
     if most > 1 and tiles.qkv_splits > 1:
         n = (w.heads + 2 * w.kv_heads) * w.head_dim
-        cols = w.head_dim if w.layers[0].q_norm is not None else tiles.columns("qkv", most)
+        cols = qkv_columns(w, tiles, most)
         partials = torch.empty(tiles.qkv_splits * most * n, dtype=torch.float32, device=x.device)
         # the shares done per column tile: zero, and each launch leaves them zero
         arrived = torch.zeros(triton_cdiv(n, cols), dtype=torch.int32, device=x.device)
@@ -352,7 +358,7 @@ def decode_by_kernels(
     act = torch.empty(m, width, dtype=w.dtype, device=x.device)
     # split-K (blocks only): each kernel's most shares; one buffer of partial sums and one of per-tile counts,
     # which the kernels use in turn (the counts zero: each launch leaves them zero), or dummies
-    qkv_cols = d if w.layers[0].q_norm is not None else t.columns("qkv", m)
+    qkv_cols = qkv_columns(w, t, m)
     split_k = {
         "qkv": t.qkv_splits if m > 1 else 1,
         "up": t.up_splits if m > 1 else 1,
