@@ -559,6 +559,10 @@ for s in "$@"; do
       stage tiles
       timeout $(cap 300) python3 benchmarks/kernel_tiles.py --out "$OUT/kernel_tiles.json" ${TILES_ARGS:-} 2>&1 \
         | grep -v "Loading weights\|Writing model" | tail -20 ;;
+    glue)
+      # no GGUF needed: a tree round's argmax, build and tail, torch against the tree kernels (round_glue.py)
+      stage glue
+      timeout $(cap 240) python3 benchmarks/round_glue.py --out "$OUT/round_glue.json" ${GLUE_ARGS:-} 2>&1 | tail -20 ;;
     ktests)
       # the decoder kernels against the plain forward on a random target (no GGUF needed)
       stage ktests

@@ -171,7 +171,6 @@ def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
         "residual_kernel",
     }
     assert any(r["values"].get("TREE") for r in records if r["name"] == "attention_kernel")
-    assert {r["values"].get("LOGITS", False) for r in records if r["name"] == "build_kernel"} == {False, True}
     file = tmp_path / "launches.json"
     file.write_text(json.dumps(records))
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}

@@ -95,8 +95,8 @@ def test_the_build_kernel_builds_the_torch_build_trees(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_build_from_logits_builds_the_softmax_trees(device):
-    """``tree_kernels.build_from_logits`` (the chunks' top-k, maxima and sums in one launch; their merge and the
-    build in another) writes ``build_tree(softmax(logits))``'s nodes: a vocabulary of several chunks and one of
+    """``tree_kernels.build_from_logits`` (the chunks' top-k, maxima and sums in one launch, each slot's merge in
+    another, the build in a third) writes ``build_tree(softmax(logits))``'s nodes: a vocabulary of several chunks and one of
     less than a chunk, a budget of 1, a tiny vocabulary (padding), and logits of -inf (probability 0)."""
     from dflashkit.infer.tree import tree_candidates
 
@@ -140,3 +140,65 @@ def test_the_keep_kernel_moves_the_path_rows_as_the_torch_keep(device):
             assert torch.equal(ours, ref), (n, path.nonzero().flatten().tolist())
             walked += int(path.sum()) > 1 and not bool(path[: int(path.sum())].all())
     assert walked >= 3, "paths whose rows move were kept"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_argmax_kernels_give_torchs_argmax(device):
+    """``tree_kernels.argmax`` equals ``logits.argmax(-1)``: one row and several, a vocabulary of several chunks
+    (its best in the last, partial one) and of less than one, the largest logit twice (the earlier column, as
+    torch), rows of -inf."""
+    gen = torch.Generator().manual_seed(4)
+    for rows, vocab, chunk in [(1, 5000, 2048), (16, 5000, 1024), (7, 300, 2048), (3, 2048, 512)]:
+        logits = torch.randn(rows, vocab, generator=gen)
+        logits[0, -2] = 9.0  # the best in the last chunk
+        if rows > 2:
+            logits[1, [17, vocab - 1]] = 9.5  # a tie across chunks: the earlier column
+            logits[2] = float("-inf")  # every column ties: the first
+        logits = logits.to(device)
+        out = torch.full((rows,), -1, dtype=torch.long, device=device)
+        tree_kernels.argmax(logits, out, chunk=chunk)
+        assert torch.equal(out, logits.argmax(-1)), (rows, vocab, chunk)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        tree_kernels.argmax(torch.zeros(4, 6, device=device).t(), out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_finish_kernel_leaves_the_torch_tree_rounds_state(device):
+    """``tree_kernels.finish`` writes what a greedy tree round's tail in torch writes (``graph_engine``
+    without the kernels: the context rows of the path then of the nodes after it, the round's outputs, the
+    next round's starts and anchor), for walked paths of several lengths and a feature width of several of
+    its programs."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = set()
+    for nodes in trees(device)[:4]:
+        n = nodes.shape[1]
+        b = min(8, n)
+        for _ in range(4):
+            choices = choices_along(nodes, gen)
+            start = torch.tensor([40], device=device)
+            walked = torch.empty(2 * n + 1, dtype=torch.long, device=device)
+            moves = torch.empty(2, n, dtype=torch.long, device=device)
+            tree_kernels.walk(nodes, choices, start, walked, moves)
+            tree_rows = torch.randn(n, 2100, generator=gen).to(device)
+            state = [
+                torch.full((b, 2100), -1.0, device=device),  # rows
+                torch.full((b + 1,), -1, dtype=torch.long, device=device),  # round_out
+                torch.tensor([3], device=device),  # row_start
+                torch.tensor([40], device=device),  # block_start
+                torch.full((b,), 9, dtype=torch.long, device=device),  # block
+            ]
+            ours = [t.clone() for t in state]
+            tree_kernels.finish(walked, moves, start, nodes, tree_rows, *ours)
+            rows, round_out, row_start, block_start, block = state
+            accepted = walked[:n].sum().view(1) - 1
+            at = moves[0, :b] - start
+            rows.copy_(tree_rows.index_select(0, at))
+            bonus = walked[2 * n :]
+            round_out.copy_(torch.cat([accepted, nodes[0].index_select(0, at[1:]), bonus]))
+            row_start.copy_(start)
+            block_start.add_(accepted + 1)
+            block[:1].copy_(bonus)
+            for mine, ref in zip(ours, state, strict=True):
+                assert torch.equal(mine, ref)
+            lengths.add(int(accepted))
+    assert len(lengths) >= 3, "paths of several lengths were finished"

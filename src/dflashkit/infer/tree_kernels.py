@@ -6,13 +6,16 @@ mask (``tree.ancestors``: each node and its ancestors), the walk (``tree.walk_ou
 ``tree.path_moves``: the accepted path and the cache rows that keep it as a chain) and the keep (those rows
 moved in every layer's keys and values). In torch they are a few dozen tiny kernels; here the build is torch's
 top-k and one launch (the candidates scored in one program, as integers that order as their float keys, and
-the budget's best taken by a bitonic top-k), or, in a greedy round, two launches from the drafted logits
-(``build_from_logits``: each chunk's top-k, maximum and sum of exponentials, then every slot's merge at once
-before the build; no softmax); the mask and the walk one launch each (every node's walk up its parents at
-once, until none moves: the tree's depth + 1 steps, the parents in registers, ``tl.gather``); the keep one
-launch, a program per layer moving only the rows that move. Same outputs as the torch functions (tested
-against them; on the CPU in Triton's interpreter; a tie between two branches' exact scores may be broken
-otherwise than torch's top-k breaks it). Imported only where Triton is (``target.kernels.triton_missing``).
+the budget's best taken by a bitonic top-k), or, in a greedy round, three launches from the drafted logits
+(``build_from_logits``: each chunk's top-k, maximum and sum of exponentials, then each slot's merge, then the
+build; no softmax); the mask and the walk one launch each (every node's walk up its parents at once, until
+none moves: the tree's depth + 1 steps, the parents in registers, ``tl.gather``); the keep one launch, a
+program per layer moving only the rows that move. A greedy round's target choices are ``argmax`` (two
+launches over many programs, where torch's reduction runs a few), and its tail after the keep (the next
+round's context rows and state, the round's outputs) is ``finish``, one launch. Same outputs as the torch
+functions (tested against them; on the CPU in Triton's interpreter; a tie between two branches' exact scores
+may be broken otherwise than torch's top-k breaks it). Imported only where Triton is
+(``target.kernels.triton_missing``).
 
 (No ``from __future__ import annotations`` here: Triton reads the ``tl.constexpr`` annotations.)
 """
@@ -23,7 +26,10 @@ import triton.language as tl
 from torch import Tensor
 
 # their names in Triton's cache folder
-KERNELS = ("ancestors_kernel", "walk_kernel", "build_kernel", "top_kernel", "keep_kernel")
+KERNELS = (
+    "ancestors_kernel", "walk_kernel", "build_kernel", "top_kernel", "keep_kernel", "slot_top_kernel",
+    "chunk_max_kernel", "row_argmax_kernel", "finish_kernel",
+)  # fmt: skip
 # logits a program of ``top_kernel`` reads: 24 programs a slot for a vocabulary of 49,152
 LOGITS_CHUNK = 2048
 
@@ -154,7 +160,7 @@ def top_kernel(
     CHUNKS: tl.constexpr,
     K: tl.constexpr,
 ):
-    """The first half of the build from logits (``build_from_logits``): program (s, c) reads chunk c of slot
+    """The first of the build from logits' launches (``build_from_logits``): program (s, c) reads chunk c of slot
     s's logits once and keeps what the softmax and the top-k need of it: its largest logit, its sum of
     exponentials below it, and its K largest logits, each packed with its column (the earlier column first
     among equal logits) into one int64 that orders as the pair."""
@@ -173,12 +179,8 @@ def top_kernel(
 
 @triton.jit
 def build_kernel(
-    TOP_P,  # [D, T] float32: each drafted slot's T most likely tokens' probabilities, descending (LOGITS:
-    # written here first, from KEYS, MAXES and SUMS)
-    TOP_IDS,  # [D, T] int64: their tokens (LOGITS: written here first)
-    KEYS,  # [D, CHUNKS, K] int64, MAXES and SUMS [D, CHUNKS] float32: ``top_kernel``'s (LOGITS only)
-    MAXES,
-    SUMS,
+    TOP_P,  # [D, T] float32: each drafted slot's T most likely tokens' probabilities, descending
+    TOP_IDS,  # [D, T] int64: their tokens
     CAND,  # [D + 3, C] int64: ``tree.tree_candidates``' table
     ANCHOR,  # [1] int64: the root's token
     NUMBER,  # [C] int64 scratch: each chosen candidate's node number
@@ -189,37 +191,10 @@ def build_kernel(
     N: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    LOGITS: tl.constexpr = False,
-    V: tl.constexpr = 1,
-    CHUNKS: tl.constexpr = 1,
-    K: tl.constexpr = 1,
-    BLOCK_K: tl.constexpr = 1,
-    BLOCK_D: tl.constexpr = 1,
 ):
     """``tree.build_tree`` after its top-k: every candidate branch scored (the sum of its ranks' log
     probabilities), the N best kept (ties to the shallower, then to the earlier column), numbered depth by
-    depth (best first; padding and branches of probability 0 last), with each node's token and parent.
-    LOGITS: the top-k first, from ``top_kernel``'s chunks (each slot's T best of its chunks' K best, their
-    probabilities exp(logit - logsumexp), the logsumexp from the chunks' maxima and sums)."""
-    if LOGITS:
-        # every slot's merge at once: [BLOCK_D, BLOCK_K] keys, each row's K best by one bitonic top-k along the
-        # row (seven one-row top-ks in turn took most of the build's 0.049 ms, H100)
-        sd = tl.arange(0, BLOCK_D)[:, None]
-        j = tl.arange(0, BLOCK_K)[None, :]
-        keys = tl.load(KEYS + sd * CHUNKS * K + j, mask=(sd < D) & (j < CHUNKS * K), other=-(2**63))
-        best = tl.topk(keys, K, 1)  # [BLOCK_D, K]
-        chunk = tl.arange(0, BLOCK_K // K)[None, :]
-        in_slot = (sd < D) & (chunk < CHUNKS)
-        maxes = tl.load(MAXES + sd * CHUNKS + chunk, mask=in_slot, other=float("-inf"))
-        real = tl.arange(0, BLOCK_D) < D  # rows past D: no slot (written nowhere)
-        top = tl.where(real, tl.max(maxes, 1), 0.0)
-        sums = tl.load(SUMS + sd * CHUNKS + chunk, mask=in_slot, other=0.0)
-        lse = top + tl.log(tl.where(real, tl.sum(sums * tl.exp(maxes - top[:, None]), 1), 1.0))
-        t = tl.arange(0, K)[None, :]
-        out = (sd < D) & (t < T)
-        tl.store(TOP_P + sd * T + t, tl.exp(_unordered(best) - lse[:, None]), mask=out)
-        tl.store(TOP_IDS + sd * T + t, V - 1 - (best & 0xFFFFFFFF), mask=out)
-        tl.debug_barrier()
+    depth (best first; padding and branches of probability 0 last), with each node's token and parent."""
     c = tl.arange(0, BLOCK_C)
     c_ok = c < C
     score = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -263,6 +238,105 @@ def build_kernel(
     tl.store(NODES, tl.load(ANCHOR))
     tl.store(NODES + (N + 1), 0)
     tl.store(NODES + 2 * (N + 1), 0)
+
+
+@triton.jit
+def slot_top_kernel(
+    KEYS,  # [D, CHUNKS, K] int64, MAXES and SUMS [D, CHUNKS] float32: ``top_kernel``'s
+    MAXES,
+    SUMS,
+    TOP_P,  # [D, T] float32 out: the slot's T most likely tokens' probabilities, descending
+    TOP_IDS,  # [D, T] int64 out: their tokens
+    T: tl.constexpr,
+    V: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr,
+):
+    """The second of the build from logits' launches, a program per slot (slot ``program_id(0)``): its T best
+    of its chunks' K best (``top_kernel``'s), their probabilities exp(logit - logsumexp), the logsumexp from
+    the chunks' maxima and sums."""
+    s = tl.program_id(0)
+    j = tl.arange(0, BLOCK_K)
+    keys = tl.load(KEYS + s * CHUNKS * K + j, mask=j < CHUNKS * K, other=-(2**63))
+    best = tl.topk(keys, K)  # [K], descending
+    c = tl.arange(0, BLOCK_CHUNKS)
+    maxes = tl.load(MAXES + s * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
+    top = tl.max(maxes, 0)
+    sums = tl.load(SUMS + s * CHUNKS + c, mask=c < CHUNKS, other=0.0)
+    lse = top + tl.log(tl.sum(sums * tl.exp(maxes - top), 0))
+    t = tl.arange(0, K)
+    tl.store(TOP_P + s * T + t, tl.exp(_unordered(best) - lse), mask=t < T)
+    tl.store(TOP_IDS + s * T + t, V - 1 - (best & 0xFFFFFFFF), mask=t < T)
+
+
+@triton.jit
+def chunk_max_kernel(LOGITS, KEYS, V: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """The first half of ``argmax``: program (r, c) writes KEYS[r, c], the largest of row r's logits in chunk c
+    packed with its column (the earlier column first among equal logits) into one int64 that orders as the
+    pair."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    v = c * CHUNK + tl.arange(0, CHUNK)
+    ok = v < V
+    x = tl.load(LOGITS + r * V + v, mask=ok, other=float("-inf"))
+    lowest = tl.full([CHUNK], -(2**63), dtype=tl.int64)
+    packed = tl.where(ok, (_ordered(x) << 32) | (V - 1 - v).to(tl.int64), lowest)
+    tl.store(KEYS + r * CHUNKS + c, tl.max(packed, 0))
+
+
+@triton.jit
+def row_argmax_kernel(KEYS, OUT, V: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """The second half of ``argmax``: OUT[r] the column of row r's largest chunk key."""
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    keys = tl.load(KEYS + r * CHUNKS + c, mask=c < CHUNKS, other=-(2**63))
+    tl.store(OUT + r, V - 1 - (tl.max(keys, 0) & 0xFFFFFFFF))
+
+
+@triton.jit
+def finish_kernel(
+    WALK,  # [2N + 1] int64: the walk's outputs (on the path, tokens, the target's token at its end)
+    MOVES,  # [2, N] int64: the walk's row moves (MOVES[0, j] - START: the path's j-th node, j < its length)
+    START,  # [1] int64: where the tree step wrote
+    NODES,  # [3, N] int64: the tree (row 0: the tokens)
+    TREE_ROWS,  # [N, W]: the tree step's context features
+    ROWS,  # [B, W] out: the next round's context rows (the path's, then the nodes after it)
+    ROUND_OUT,  # [B + 1] int64 out: accepted n, the path's B - 1 tokens after the root, the target's token
+    ROW_START,  # [1] int64 out: START
+    BLOCK_START,  # [1] int64 in and out: + n + 1
+    BLOCK,  # [B] int64 out: BLOCK[0] the next anchor (the target's token)
+    N: tl.constexpr,
+    B: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """A greedy tree round's last step after the walk and the keep: the next round's context rows (program p
+    copies columns p * BLOCK_W onwards of the B rows) and, in program 0, the round's outputs and the next
+    round's state."""
+    p = tl.program_id(0)
+    j = tl.arange(0, BLOCK_B)
+    j_ok = j < B
+    start = tl.load(START)
+    nodes = tl.load(MOVES + j, mask=j_ok, other=0) - start
+    w = p * BLOCK_W + tl.arange(0, BLOCK_W)
+    at = j_ok[:, None] & (w[None, :] < W)
+    rows = tl.load(TREE_ROWS + nodes[:, None] * W + w[None, :], mask=at)
+    tl.store(ROWS + j[:, None] * W + w[None, :], rows, mask=at)
+    if p == 0:
+        i = tl.arange(0, BLOCK_N)
+        n = tl.sum(tl.load(WALK + i, mask=i < N, other=0), 0) - 1
+        bonus = tl.load(WALK + 2 * N)
+        tokens = tl.load(NODES + nodes, mask=j_ok & (j > 0), other=0)
+        tl.store(ROUND_OUT + j, tokens, mask=j_ok & (j > 0))
+        tl.store(ROUND_OUT, n)
+        tl.store(ROUND_OUT + B, bonus)
+        tl.store(ROW_START, start)
+        tl.store(BLOCK_START, tl.load(BLOCK_START) + n + 1)
+        tl.store(BLOCK, bonus)
 
 
 def _pow2(n: int) -> int:
@@ -311,14 +385,16 @@ def build(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nodes: Tensor) 
     [3, N+1] (``tree.build_tree``'s nodes)."""
     t = min(out_nodes.shape[1] - 1, probs.shape[-1])
     top_p, top_ids = probs.float().topk(t, dim=-1)
-    _build(anchor, top_p, top_ids, candidates, out_nodes, (top_p, top_p, top_p), {})  # no chunks: unread
+    _build(anchor, top_p, top_ids, candidates, out_nodes)
 
 
 def build_from_logits(anchor: Tensor, logits: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
-    """``build`` from the drafted slots' float32 ``logits`` [D, V] instead of their probabilities, in two
+    """``build`` from the drafted slots' float32 ``logits`` [D, V] instead of their probabilities, in three
     launches and no softmax: ``top_kernel`` reads the logits once (each chunk's top-k, maximum and sum of
-    exponentials), then ``build_kernel`` merges the chunks into each slot's top-k and probabilities before it
-    builds. The tree of ``build(anchor, softmax(logits), ...)`` (the probabilities equal to rounding)."""
+    exponentials), ``slot_top_kernel`` merges each slot's chunks into its top-k and their probabilities (a
+    program a slot), then ``build_kernel`` builds. The tree of ``build(anchor, softmax(logits), ...)`` (the
+    probabilities equal to rounding). (The merge inside the build's one program, every slot's at once, took
+    0.030 ms with the chunks' launch against 0.018 for these three: H100, round_glue.py.)"""
     depth, vocab = logits.shape
     n = out_nodes.shape[1] - 1
     t = min(n, vocab)
@@ -334,22 +410,60 @@ def build_from_logits(anchor: Tensor, logits: Tensor, candidates: Tensor, out_no
     )
     top_p = torch.empty(depth, t, dtype=torch.float32, device=dev)
     top_ids = torch.empty(depth, t, dtype=torch.long, device=dev)
-    _build(anchor, top_p, top_ids, candidates, out_nodes, (keys, maxes, sums), dict(
-        LOGITS=True, V=vocab, CHUNKS=chunks, K=k, BLOCK_K=_block(chunks * k), BLOCK_D=_pow2(depth)
-    ))  # fmt: skip
+    slot_top_kernel[(depth,)](
+        keys, maxes, sums, top_p, top_ids, T=t, V=vocab, CHUNKS=chunks, K=k, BLOCK_K=_block(chunks * k),
+        BLOCK_CHUNKS=_block(chunks), num_warps=4,
+    )  # fmt: skip
+    _build(anchor, top_p, top_ids, candidates, out_nodes)
 
 
-def _build(
-    anchor: Tensor, top_p: Tensor, top_ids: Tensor, candidates: Tensor, out_nodes: Tensor,
-    chunks: tuple[Tensor, Tensor, Tensor], options: dict,
+def argmax(logits: Tensor, out: Tensor, chunk: int = 2048) -> None:
+    """``out.copy_(logits.argmax(-1))`` for float32 ``logits`` [R, V] (rows contiguous) in two launches: each
+    chunk's largest logit with its column (a program per row and chunk), then each row's largest (the earlier
+    column first among equal logits, as torch's argmax). torch's reduction runs few programs over a few rows of
+    a large vocabulary."""
+    rows, vocab = logits.shape
+    if logits.stride() != (vocab, 1) or not out.is_contiguous() or out.numel() != rows:
+        raise ValueError(
+            f"argmax: logits with contiguous rows (strides {logits.stride()}) and a contiguous output of "
+            f"{rows} (shape {tuple(out.shape)})"
+        )
+    chunk = min(chunk, _block(vocab))
+    chunks = triton.cdiv(vocab, chunk)
+    keys = torch.empty(rows, chunks, dtype=torch.long, device=logits.device)
+    chunk_max_kernel[(rows, chunks)](logits, keys, V=vocab, CHUNK=chunk, CHUNKS=chunks, num_warps=4)
+    row_argmax_kernel[(rows,)](keys, out, V=vocab, CHUNKS=chunks, BLOCK=_block(chunks), num_warps=1)
+
+
+def finish(
+    walked: Tensor, moves: Tensor, start: Tensor, nodes: Tensor, tree_rows: Tensor, rows: Tensor,
+    round_out: Tensor, row_start: Tensor, block_start: Tensor, block: Tensor,
 ) -> None:  # fmt: skip
+    """A greedy tree round's tail after the walk (``walked``, ``moves``) and the keep, in one launch: the next
+    round's context ``rows`` [B, W] (the tree step's ``tree_rows`` [N, W] of the path's nodes, then of the
+    nodes after it), ``round_out`` [B + 1] (accepted n, the path's B - 1 tokens after the root, the target's
+    token at its end), ``row_start`` = ``start``, ``block_start`` += n + 1, ``block[0]`` the target's token
+    (``graph_engine``'s tree round in torch: a dozen small kernels)."""
+    n, width = tree_rows.shape
+    b = rows.shape[0]
+    if b > n or rows.shape[1] != width or round_out.shape[0] != b + 1:
+        raise ValueError(
+            f"finish: rows {tuple(rows.shape)} and round_out {tuple(round_out.shape)} for a tree of {n}"
+        )
+    block_w = 1024
+    finish_kernel[(triton.cdiv(width, block_w),)](
+        walked, moves, start, nodes, tree_rows, rows, round_out, row_start, block_start, block,
+        N=n, B=b, W=width, BLOCK_N=_block(n), BLOCK_B=_block(b), BLOCK_W=block_w, num_warps=4,
+    )  # fmt: skip
+
+
+def _build(anchor: Tensor, top_p: Tensor, top_ids: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
     """``build_kernel``'s launch: its scratch, its sizes."""
     depth, t = top_p.shape
     n, c = out_nodes.shape[1] - 1, candidates.shape[1]
     block_c = _block(c)
     number = torch.empty(c, dtype=torch.long, device=top_p.device)
     build_kernel[(1,)](
-        top_p, top_ids, *chunks, candidates, anchor, number, out_nodes,
+        top_p, top_ids, candidates, anchor, number, out_nodes,
         D=depth, T=t, C=c, N=n, BLOCK_C=block_c, BLOCK_N=_block(n), num_warps=4 if block_c <= 2048 else 8,
-        **options,
     )  # fmt: skip
