@@ -20,6 +20,24 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirty-fifth session's plan (the thirty-fourth, one H100 throughout: the engine's profile at both widths showed
+# 32 columns gaining in the kernel sums (block -0.023 ms, tree step -0.046); a tree round's argmax, build merge
+# and tail as kernels (round_glue.py): the tree round 1.67 -> 1.62 AR tokens, the table 2.48 / 2.80 / 2.67 /
+# 2.78x). Name a kind on EVERY call (nvidia-h100-x1; on a refusal nvidia-h200 at once); `O=$OUT`. Witnesses: kernel
+# sums and the tree round, one machine, one command (two processes differ by ~2-4% on a captured step).
+# Command 1 [carry .whl] (~250 s): the build's chunks, then block_inner 512 (kernel_tiles' -0.02 ms on the block
+# and the tree three sessions running) against 256 in the engine, one machine:
+#   export BUDGET=560 O=$OUT ENGINES=graphs-kernels; GLUE_ARGS="--build-chunks 2048,1024,4096 --rows 16" bash \
+#     benchmarks/gpu_prepare.sh part glue; DECODE_ARGS="--tree-budgets 15 --profile 50 --no-warm-start" bash \
+#     benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.log $O/decode_steps-inner256.log; mv $O/decode_steps.json \
+#     $O/decode_steps-inner256.json; sed -i "s/block_inner: int = 256  #/block_inner: int = 512  #/" \
+#     src/dflashkit/target/kernels.py; DECODE_ARGS="--tree-budgets 15 --profile 50 --no-warm-start" bash \
+#     benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.json $O/decode_steps-inner512.json
+#   (check the sed's target first: `grep -n "block_inner: int" src/dflashkit/target/kernels.py`)
+#   Predictions: the build's chunks within +-0.003 ms of 2,048's 0.018; inner 512 the tree step's kernels -0.015 to
+#   -0.025 ms, the tree round 1.62 -> ~1.59 AR tokens. If it holds: adopt, check its registers
+#   (kernel_registers.py), then the table as this session ran it (two bench commands into one fresh BENCH_OUT).
+# Thirty-fourth session, as run: RESULTS "2026-12-06 (thirty-fourth session)".
 # Thirty-fourth session's plan (the thirty-third, one H100 throughout: 32-column blocks gave the round 0.822 ms,
 # 1.56 AR tokens, against 0.833 with 16, where kernel_tiles showed -0.058 ms on the block; the bench's fp32 check
 # stalled in a 210 s compile of the drafter's 128-row context program: a prompt's context now by torch ops; built

@@ -33,8 +33,7 @@ from dflashkit.infer.tree import build_tree, tree_candidates
 
 def timed(call: Callable[[], None], reps: int, replays: int, device: torch.device) -> float:
     """Milliseconds a call: ``reps`` calls captured as one CUDA graph, replayed ``replays`` times (median)."""
-    if device.type != "cuda":
-        call()
+    if device.type != "cuda":  # the smoke run: every call already ran once, checked
         return float("nan")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -98,16 +97,17 @@ def build_rows(args, dev: torch.device) -> list[dict]:
     nodes = torch.empty(3, args.nodes + 1, dtype=torch.long, device=dev)
     ref = build_tree(anchor, torch.softmax(logits, dim=-1), args.nodes, candidates).nodes
     row: dict = {"nodes": args.nodes, "candidates": candidates.shape[1]}
-    tree_kernels.build_from_logits(anchor, logits, candidates, nodes)
-    if not torch.equal(nodes, ref):
-        raise SystemExit("the build from logits: not build_tree's nodes")
-    row["kernels_ms"] = timed(
-        lambda: tree_kernels.build_from_logits(anchor, logits, candidates, nodes),
-        args.reps,
-        args.replays,
-        dev,
-    )
-    # the top-k of every chunk alone (the first of both builds' launches)
+    for chunk in args.build_chunks:  # the logits a program of the chunks' top-k reads
+        nodes.fill_(-1)
+        tree_kernels.build_from_logits(anchor, logits, candidates, nodes, chunk=chunk)
+        if not torch.equal(nodes, ref):
+            raise SystemExit(f"the build from logits in chunks of {chunk}: not build_tree's nodes")
+        name = "kernels_ms" if chunk == tree_kernels.LOGITS_CHUNK else f"kernels_chunks{chunk}_ms"
+        row[name] = timed(
+            lambda c=chunk: tree_kernels.build_from_logits(anchor, logits, candidates, nodes, chunk=c),
+            args.reps, args.replays, dev,
+        )  # fmt: skip
+    # the top-k of every chunk alone (the build's first launch), in the default's chunks
     vocab, chunk = args.vocab, min(tree_kernels.LOGITS_CHUNK, tree_kernels._block(args.vocab))
     chunks, k = -(-vocab // chunk), min(tree_kernels._block(args.nodes), chunk)
     keys = torch.empty(depth, chunks, k, dtype=torch.long, device=dev)
@@ -200,6 +200,12 @@ def main() -> None:
     p.add_argument("--width", type=int, default=5 * 576, help="context features a node")
     p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 7, 8, 16])
     p.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
+    p.add_argument(
+        "--build-chunks",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[tree_kernels.LOGITS_CHUNK],
+        help="the build's top-k chunks to time (the logits a program of its first launch reads)",
+    )
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--out", type=Path)

@@ -388,17 +388,20 @@ def build(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nodes: Tensor) 
     _build(anchor, top_p, top_ids, candidates, out_nodes)
 
 
-def build_from_logits(anchor: Tensor, logits: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
+def build_from_logits(
+    anchor: Tensor, logits: Tensor, candidates: Tensor, out_nodes: Tensor, chunk: int = LOGITS_CHUNK
+) -> None:
     """``build`` from the drafted slots' float32 ``logits`` [D, V] instead of their probabilities, in three
     launches and no softmax: ``top_kernel`` reads the logits once (each chunk's top-k, maximum and sum of
     exponentials), ``slot_top_kernel`` merges each slot's chunks into its top-k and their probabilities (a
     program a slot), then ``build_kernel`` builds. The tree of ``build(anchor, softmax(logits), ...)`` (the
     probabilities equal to rounding). (The merge inside the build's one program, every slot's at once, took
-    0.030 ms with the chunks' launch against 0.018 for these three: H100, round_glue.py.)"""
+    0.030 ms with the chunks' launch against 0.018 for these three: H100, round_glue.py.) ``chunk``: the logits
+    a program of ``top_kernel`` reads (a power of two)."""
     depth, vocab = logits.shape
     n = out_nodes.shape[1] - 1
     t = min(n, vocab)
-    chunk = min(LOGITS_CHUNK, _block(vocab))
+    chunk = min(chunk, _block(vocab))
     k = min(_block(t), chunk)
     chunks = triton.cdiv(vocab, chunk)
     dev = logits.device

@@ -72,7 +72,12 @@ class Tiles:
     # the same for more than 16 rows (a tree's): at 32 rows a 32-column gate/up program spills 700 bytes a
     # thread (sm_90, kernel_registers.py), 16 columns none
     tree_columns: int = 16
-    block_inner: int = 256  # measured best of 64-1024 for [1,8] (kernel_tiles, 2026-12-05)
+    # a block's inner step (a split's share of the down projection's 1,536 in one step; the other matmuls'
+    # shares of 576 stay one step of 256).
+    # Measured (one H100, 2026-12-06): 256 -> 512 kernel_tiles' block [1,8] -0.02 ms three sessions running; in
+    # the engine (decode_steps, one machine) its kernels -0.008 ms, the captured [1,8] 0.663 -> 0.633, the tree
+    # round 0.785 -> 0.762; no spill (kernel_registers.py)
+    block_inner: int = 512
     tree_inner: int = 256  # the step for more than 16 rows (a tree's): block_inner's for 16 until measured
     attention_positions: int = 64
     # an attention program's rows (new tokens x query heads of a group) at most: a tree of 16 rows and 3 query
