@@ -80,7 +80,8 @@ def tiny_model(kind: str = "llama", **extra):
 def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in_attention, device):
     """Step after step (a prompt, then blocks and single tokens written after it) over the same cache, the
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
-    (up to summation order); a step of more rows than the kernels take is refused."""
+    (up to summation order), the steps sharing the cache's split-K counters; a step of more rows than the
+    kernels take is refused."""
     w = DecoderWeights.from_hf(tiny_model(kind).to(device))
     # several attention splits for the long context; split-K in every matmul kernel for the Qwen2 and Qwen3
     # blocks (the last share adds the bias, or normalises each head, before the rotation), none for Llama's
@@ -116,6 +117,8 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in
                 cache.v[layer][0, :pos], ref_cache.v[layer][0, :pos], atol=1e-5, rtol=1e-5
             )
         assert not cache.k[0][0, pos:].any(), "a write past the step's tokens"
+        # the cache's counters, which every step's launches share, left zero for the next step
+        assert not cache.counts.any(), "a launch left a count behind"
     with pytest.raises(DflashkitError, match=f"at most {MAX_ROWS} new tokens"):
         decode_by_kernels(w, cache, torch.zeros(1, MAX_ROWS + 1, dtype=torch.long, device=device), start, out)
 

@@ -279,6 +279,14 @@ def shares(tiles: Tiles, inner: int, splits: int, m: int, columns: int) -> tuple
     return step, share, triton_cdiv(inner, share)
 
 
+def counters(cache: SlotCache, n: int) -> Tensor:
+    """n per-tile counters for a step's kernels, zero (each launch leaves them zero: a tile's last part resets
+    its count): the cache's own (the steps that write a cache run in turn), or new ones where it holds fewer."""
+    if n <= cache.counts.numel():
+        return cache.counts
+    return torch.zeros(n, dtype=torch.int32, device=cache.counts.device)
+
+
 def write_keys_values(
     w: DecoderWeights, cache: SlotCache, x: Tensor, norm: Tensor, start: Tensor, tiles: Tiles = Tiles()
 ) -> None:
@@ -295,8 +303,7 @@ def write_keys_values(
         n = (w.heads + 2 * w.kv_heads) * w.head_dim
         cols = qkv_columns(w, tiles, most)
         partials = torch.empty(tiles.qkv_splits * most * n, dtype=torch.float32, device=x.device)
-        # the shares done per column tile: zero, and each launch leaves them zero
-        arrived = torch.zeros(triton_cdiv(n, cols), dtype=torch.int32, device=x.device)
+        arrived = counters(cache, triton_cdiv(n, cols))  # the shares done per column tile
         split = (tiles.qkv_splits, partials, arrived)
     for a in range(0, x.shape[0], MAX_ROWS):
         rows = x[a : a + MAX_ROWS]
@@ -382,7 +389,7 @@ def decode_by_kernels(
     split_any = max(split_k.values()) > 1
     partials = torch.empty(sums, dtype=torch.float32, device=x.device) if split_any else x
     counts = max(tiles_most, nk * row_tiles) if split_any else nk * row_tiles if t.merge_in_attention else 0
-    arrived = torch.zeros(counts, dtype=torch.int32, device=x.device) if counts else start
+    arrived = counters(cache, counts) if counts else start
     grids = {
         "attention": (nk, splits, row_tiles),
         "merge": (m * nq,),

@@ -366,6 +366,11 @@ def apply_rotary_pairs(x: Tensor, pairs: Tensor) -> Tensor:
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
+# the counters a SlotCache holds for the decoder kernels: the embedded target's block step uses 48, an 8B
+# target's ~400 (its gate/up columns over 32-column tiles)
+KERNEL_COUNTS = 1024
+
+
 class SlotCache:
     """Keys and values of `slots` sequences (+1 scratch slot at index `slots`), one tensor pair per layer,
     [slot, position, kv head, head dim], allocated once. A slot holds one sequence at a time; positions
@@ -390,6 +395,9 @@ class SlotCache:
         self.values = torch.zeros(layers, *shape, **make)  # type: ignore[arg-type]
         self.k = list(self.keys.unbind(0))
         self.v = list(self.values.unbind(0))
+        # the decoder kernels' per-tile counters (split-K shares, attention splits done) for the steps that
+        # write this cache: zero, and every launch leaves them zero, so a captured step replays no fill
+        self.counts = torch.zeros(KERNEL_COUNTS, dtype=torch.int32, device=weights.device)
 
     @property
     def scratch(self) -> int:
