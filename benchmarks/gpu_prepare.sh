@@ -20,23 +20,26 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Thirty-fifth session's plan (the thirty-fourth, one H100 throughout: the engine's profile at both widths showed
-# 32 columns gaining in the kernel sums (block -0.023 ms, tree step -0.046); a tree round's argmax, build merge
-# and tail as kernels (round_glue.py): the tree round 1.67 -> 1.62 AR tokens, the table 2.48 / 2.80 / 2.67 /
-# 2.78x). Name a kind on EVERY call (nvidia-h100-x1; on a refusal nvidia-h200 at once); `O=$OUT`. Witnesses: kernel
-# sums and the tree round, one machine, one command (two processes differ by ~2-4% on a captured step).
-# Command 1 [carry .whl] (~250 s): the build's chunks, then block_inner 512 (kernel_tiles' -0.02 ms on the block
-# and the tree three sessions running) against 256 in the engine, one machine:
-#   export BUDGET=560 O=$OUT ENGINES=graphs-kernels; GLUE_ARGS="--build-chunks 2048,1024,4096 --rows 16" bash \
-#     benchmarks/gpu_prepare.sh part glue; DECODE_ARGS="--tree-budgets 15 --profile 50 --no-warm-start" bash \
-#     benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.log $O/decode_steps-inner256.log; mv $O/decode_steps.json \
-#     $O/decode_steps-inner256.json; sed -i "s/block_inner: int = 256  #/block_inner: int = 512  #/" \
-#     src/dflashkit/target/kernels.py; DECODE_ARGS="--tree-budgets 15 --profile 50 --no-warm-start" bash \
-#     benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.json $O/decode_steps-inner512.json
-#   (check the sed's target first: `grep -n "block_inner: int" src/dflashkit/target/kernels.py`)
-#   Predictions: the build's chunks within +-0.003 ms of 2,048's 0.018; inner 512 the tree step's kernels -0.015 to
-#   -0.025 ms, the tree round 1.62 -> ~1.59 AR tokens. If it holds: adopt, check its registers
-#   (kernel_registers.py), then the table as this session ran it (two bench commands into one fresh BENCH_OUT).
+# Thirty-fifth session's plan (the thirty-fourth, one H100 throughout: a tree round's argmax, build merge and tail as
+# kernels (1.67 -> 1.62 AR tokens; the table 2.48 / 2.80 / 2.67 / 2.78x); then, measured in its last device time, a
+# block's inner step 512 (tree round 1.64 -> 1.62) and the split-K counters held by the cache (1.59 -> 1.58; draft
+# 0.126 ms, 0.26 token): the table has not seen those two). Name a kind on EVERY call (nvidia-h100-x1; on a refusal
+# nvidia-h200 at once); `O=$OUT`. Witnesses: kernel sums and the tree round, one machine, one command (two
+# processes differ by ~2-4% on one captured step).
+# Command 1 [carry .whl] (~120 s): the summary's run with the warm start (decode_steps.json needs warm_start_s):
+#   export BUDGET=560 O=$OUT ENGINES=graphs-kernels; DECODE_ARGS="--tree-budgets 15 --profile 50" bash \
+#     benchmarks/gpu_prepare.sh part decode
+# then `part` [.bench/p1], [p2], [p5], [p3], [p6]; the table in two commands into one fresh BENCH_OUT, as the
+# thirty-fourth session ran it (RESULTS, commands 10-16):
+#   BENCH_CAP=420 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=80 \
+#     BENCH_OUT=/root/work/b-35 BENCH_ARGS="--sets heldout,mtbench --temperatures 0,1" bash benchmarks/gpu_prepare.sh \
+#     part join heldout bench                                                              # carry .bench/p4
+#   the same with BENCH_ARGS="--sets gsm8k,humaneval --temperatures 0,1" ... bench             # no carry
+# Prediction: T=0 speedups +2-4% over the thirty-fourth session's (the tree round 1.62 -> ~1.57-1.58 AR tokens):
+# MT-Bench ~2.53-2.58x (goal 2.5), GSM8K ~2.86-2.91x, HumanEval ~2.73-2.78x, held-out ~2.84-2.89x; same taus.
+# Next levers (CPU first): the draft step's torch ops around its kernels (the fc through cuBLAS split-K and its
+# reduce, the final norm, the head's float32 cast: ~0.012 ms of 0.126) and two int64 fills a round of unknown
+# origin (the profile's FillFunctor<long> x2: find them with the profiler's stacks).
 # Thirty-fourth session, as run: RESULTS "2026-12-06 (thirty-fourth session)".
 # Thirty-fourth session's plan (the thirty-third, one H100 throughout: 32-column blocks gave the round 0.822 ms,
 # 1.56 AR tokens, against 0.833 with 16, where kernel_tiles showed -0.058 ms on the block; the bench's fp32 check

@@ -40,9 +40,11 @@ Steps (fixed shapes, as the static engine's):
   of one tensor), so the caches are a chain's. A path that is the tree's first nodes (0 .. k-1) moves nothing
   and runs no step;
 - greedy tree round [N+1 nodes]: the draft step, the tree's build from the drafted slots' probabilities
-  (with "kernels": from their logits, the top-k and the softmax in the build's two kernels), the tree step, the walk along the target's argmax, the keep step and the next round's state, as one step:
-  a greedy tree round is one replay and one copy to the host, as a chain's (`greedy_round(tree=True)`, when
-  the budget holds a block: N+1 >= B).
+  (with "kernels": from their logits, the top-k and the softmax in the build's three kernels), the tree step,
+  the walk along the target's argmax, the keep step and the next round's state (with "kernels": the argmax
+  and that state by ``tree_kernels``' own kernels, a dozen small torch kernels fewer), as one step: a greedy
+  tree round is one replay and one copy to the host, as a chain's (`greedy_round(tree=True)`, when the budget
+  holds a block: N+1 >= B).
 
 With ``compile=True`` (the ``"graphs-compiled"`` engine; ``"graphs-layers"`` is ``compile="layers"`` below,
 and ``--engine auto`` takes ``"graphs-kernels"``, ``compile="kernels"``, on a GPU for bench and eval) each target step (the tree step included) and the draft step is first compiled by torch.compile

@@ -160,8 +160,8 @@ def top_kernel(
     CHUNKS: tl.constexpr,
     K: tl.constexpr,
 ):
-    """The first of the build from logits' launches (``build_from_logits``): program (s, c) reads chunk c of slot
-    s's logits once and keeps what the softmax and the top-k need of it: its largest logit, its sum of
+    """The first of the build from logits' launches (``build_from_logits``): program (s, c) reads chunk c of
+    slot s's logits once and keeps what the softmax and the top-k need of it: its largest logit, its sum of
     exponentials below it, and its K largest logits, each packed with its column (the earlier column first
     among equal logits) into one int64 that orders as the pair."""
     s = tl.program_id(0)
