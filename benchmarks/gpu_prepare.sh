@@ -38,8 +38,9 @@
 # Prediction: T=0 speedups +2-4% over the thirty-fourth session's (the tree round 1.62 -> ~1.57-1.58 AR tokens):
 # MT-Bench ~2.53-2.58x (goal 2.5), GSM8K ~2.86-2.91x, HumanEval ~2.73-2.78x, held-out ~2.84-2.89x; same taus.
 # Next levers (CPU first): the draft step's torch ops around its kernels (the fc through cuBLAS split-K and its
-# reduce, the final norm, the head's float32 cast: ~0.012 ms of 0.126) and two int64 fills a round of unknown
-# origin (the profile's FillFunctor<long> x2: find them with the profiler's stacks).
+# reduce, the final norm, the head's float32 cast: ~0.012 ms of 0.126; the drafter's head could write float32
+# itself, `torch.mm(h, W.t(), torch.float32, out=...)`, torch >= 2.8 on CUDA: its logits only rank drafts). (The
+# profiles' two FillFunctor<long> are decode_steps' own: it resets the round's starts before each profiled call.)
 # Thirty-fourth session, as run: RESULTS "2026-12-06 (thirty-fourth session)".
 # Thirty-fourth session's plan (the thirty-third, one H100 throughout: 32-column blocks gave the round 0.822 ms,
 # 1.56 AR tokens, against 0.833 with 16, where kernel_tiles showed -0.058 ms on the block; the bench's fp32 check
