@@ -133,14 +133,17 @@ def step_fn(w, cache, m: int, context: int, tiles: Tiles, tree: torch.Tensor | N
     return lambda: decode_by_kernels(w, cache, ids, start, out, tiles=tiles, **shape)
 
 
-def replay_ms(fn, calls: int) -> float:
-    """Median ms of the step captured as one CUDA graph (the first call compiles, the second warms)."""
+def replay_ms(fn, calls: int, reps: int = 1) -> float:
+    """Median ms of the step captured as one CUDA graph (the first call compiles, the second warms), over
+    ``calls`` replays; ``reps``: the graph holds that many calls in a row and a call's ms is a replay's share
+    (for steps of a few microseconds, whose replay would be mostly the events' own time)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(reps):
+            fn()
     times = []
     for _ in range(calls):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,7 +151,7 @@ def replay_ms(fn, calls: int) -> float:
         graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / reps)
     return statistics.median(times)
 
 

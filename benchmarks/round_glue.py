@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,34 +27,18 @@ if "--smoke" in sys.argv:
 import torch
 
 from dflashkit.infer import tree_kernels
+from dflashkit.infer.graph_engine import finish_step
 from dflashkit.infer.tree import build_tree, tree_candidates
 
 
 def timed(call: Callable[[], None], reps: int, replays: int, device: torch.device) -> float:
-    """Milliseconds a call: ``reps`` calls captured as one CUDA graph, replayed ``replays`` times (median)."""
+    """Milliseconds a call: ``reps`` calls captured as one CUDA graph, replayed ``replays`` times (median; as
+    kernel_tiles.py times a step)."""
     if device.type != "cuda":  # the smoke run: every call already ran once, checked
         return float("nan")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            call()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / reps)
-    return statistics.median(times)
+    from kernel_tiles import replay_ms
+
+    return replay_ms(call, replays, reps)
 
 
 def argmax_rows(args, dev: torch.device) -> list[dict]:
@@ -130,8 +113,8 @@ def build_rows(args, dev: torch.device) -> list[dict]:
 
 
 def finish_rows(args, dev: torch.device) -> list[dict]:
-    """The round's tail after the walk and the keep: torch's ops (as ``graph_engine._tree_round`` without the
-    finish kernel) against ``tree_kernels.finish``."""
+    """The round's tail after the walk and the keep: torch's ops (``graph_engine.finish_step``) against
+    ``tree_kernels.finish``."""
     n, b, width = args.nodes + 1, args.block, args.width
     gen = torch.Generator().manual_seed(2)
     logits = (torch.randn(args.block - 1, args.vocab, generator=gen) * 4).to(dev)
@@ -153,14 +136,9 @@ def finish_rows(args, dev: torch.device) -> list[dict]:
     rows, round_out, row_start, block_start, block = state
 
     def in_torch() -> None:
-        accepted = walked[:n].sum().view(1) - 1
-        at = moves[0, :b] - start
-        rows.copy_(tree_rows.index_select(1, at))
-        bonus = walked[2 * n :]
-        round_out.copy_(torch.cat([accepted, nodes[0].index_select(0, at[1:]), bonus]))
-        row_start.copy_(start)
-        block_start.add_(accepted + 1)
-        block[0, :1].copy_(bonus)
+        finish_step(
+            walked, moves, start, nodes, tree_rows[0], rows[0], round_out, row_start, block_start, block[0]
+        )
 
     def by_kernel() -> None:
         tree_kernels.finish(

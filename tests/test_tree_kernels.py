@@ -164,10 +164,11 @@ def test_the_argmax_kernels_give_torchs_argmax(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_finish_kernel_leaves_the_torch_tree_rounds_state(device):
-    """``tree_kernels.finish`` writes what a greedy tree round's tail in torch writes (``graph_engine``
-    without the kernels: the context rows of the path then of the nodes after it, the round's outputs, the
-    next round's starts and anchor), for walked paths of several lengths and a feature width of several of
-    its programs."""
+    """``tree_kernels.finish`` writes what a tree round's tail in torch writes (``graph_engine.finish_step``:
+    the context rows of the path then of the nodes after it, the round's outputs, the next round's starts and
+    anchor), for walked paths of several lengths and a feature width of several of its programs."""
+    from dflashkit.infer.graph_engine import finish_step
+
     gen = torch.Generator().manual_seed(5)
     lengths = set()
     for nodes in trees(device)[:4]:
@@ -189,18 +190,10 @@ def test_the_finish_kernel_leaves_the_torch_tree_rounds_state(device):
             ]
             ours = [t.clone() for t in state]
             tree_kernels.finish(walked, moves, start, nodes, tree_rows, *ours)
-            rows, round_out, row_start, block_start, block = state
-            accepted = walked[:n].sum().view(1) - 1
-            at = moves[0, :b] - start
-            rows.copy_(tree_rows.index_select(0, at))
-            bonus = walked[2 * n :]
-            round_out.copy_(torch.cat([accepted, nodes[0].index_select(0, at[1:]), bonus]))
-            row_start.copy_(start)
-            block_start.add_(accepted + 1)
-            block[:1].copy_(bonus)
+            finish_step(walked, moves, start, nodes, tree_rows, *state)
             for mine, ref in zip(ours, state, strict=True):
                 assert torch.equal(mine, ref)
-            lengths.add(int(accepted))
+            lengths.add(int(state[1][0]))  # accepted
     assert len(lengths) >= 3, "paths of several lengths were finished"
 
 

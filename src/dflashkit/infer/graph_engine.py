@@ -250,11 +250,32 @@ def kernel_argmax(logits: Tensor, out: Tensor) -> None:
     tree_kernels.argmax(logits, out)
 
 
+def finish_step(
+    walked: Tensor, moves: Tensor, start: Tensor, nodes: Tensor, tree_rows: Tensor, rows: Tensor,
+    round_out: Tensor, row_start: Tensor, block_start: Tensor, block: Tensor,
+) -> None:  # fmt: skip
+    """A fused tree round's tail after the walk (``walked``, ``moves``) and the keep: the next round's context
+    ``rows`` [B, W] (the tree step's ``tree_rows`` [N, W] of the path's j-th node for j below its length, else of
+    node j: rows past the path's end are masked by the drafter and never committed), ``round_out`` [B + 1]
+    (accepted n, those nodes' B - 1 tokens after the root, the target's token at the path's end), ``row_start``
+    = ``start``, ``block_start`` += n + 1, ``block[0]`` the target's token (the next anchor)."""
+    b = rows.shape[0]
+    accepted = walked[: nodes.shape[1]].sum().view(1) - 1  # the path's nodes after the root
+    at = moves[0, :b] - start  # B <= N: the moves cover the block
+    rows.copy_(tree_rows.index_select(0, at))
+    bonus = walked[2 * nodes.shape[1] :]
+    round_out.copy_(torch.cat([accepted, nodes[0].index_select(0, at[1:]), bonus]))
+    row_start.copy_(start)
+    block_start.add_(accepted + 1)
+    block[:1].copy_(bonus)
+
+
 def kernel_finish_step(
     walked: Tensor, moves: Tensor, start: Tensor, nodes: Tensor, tree_rows: Tensor, rows: Tensor,
     round_out: Tensor, row_start: Tensor, block_start: Tensor, block: Tensor,
 ) -> None:  # fmt: skip
-    """A tree round's tail after the keep in one launch (``tree_kernels.finish``), for "graphs-kernels"."""
+    """``finish_step`` in one launch (``tree_kernels.finish``; a dozen torch kernels in torch), for
+    "graphs-kernels"."""
     from dflashkit.infer import tree_kernels
 
     tree_kernels.finish(
@@ -691,7 +712,7 @@ class GraphEngine:
     def _tree_round(self, sampled: bool) -> None:
         """The body of both tree rounds: the target's choice at every node its argmax, or (``sampled``) its
         draw at ``_step_sampling``'s temperature from ``_tree_noise``."""
-        B, n, s = self.block_size, self._tree_inputs.shape[1], self._step_sampling
+        s = self._step_sampling
         self._draft_step()
         logits, candidates = self._draft_logits, self._tree_candidates
         # with the kernels, a greedy round's softmax and top-k are in the build's kernels
@@ -710,22 +731,11 @@ class GraphEngine:
         self._walk_step()
         self._keep_step()
         assert self._tree_rows is not None
-        if self._kernels:  # the tail below in one launch
-            kernel_finish_step(
-                self._walked_out, self._moves, self._start, self._tree_inputs, self._tree_rows[0], self._rows[0],
-                self._round_out, self._row_start, self._block_start, self._block[0],
-            )  # fmt: skip
-            return
-        accepted = self._walked_out[:n].sum().view(1) - 1  # the path's nodes after the root
-        # the path's j-th node for j < its length, else node j (rows and tokens past the path's end: masked by
-        # the drafter, never committed); B <= n, so the moves cover the block
-        nodes = self._moves[0, :B] - self._start
-        self._rows.copy_(self._tree_rows.index_select(1, nodes))
-        bonus = self._walked_out[2 * n :]
-        self._round_out.copy_(torch.cat([accepted, self._tree_inputs[0].index_select(0, nodes[1:]), bonus]))
-        self._row_start.copy_(self._start)
-        self._block_start.add_(accepted + 1)
-        self._block[0, :1].copy_(bonus)
+        finish = kernel_finish_step if self._kernels else finish_step
+        finish(
+            self._walked_out, self._moves, self._start, self._tree_inputs, self._tree_rows[0], self._rows[0],
+            self._round_out, self._row_start, self._block_start, self._block[0],
+        )  # fmt: skip
 
     def _run(self, key: tuple[Any, ...], step: Callable[[], None]) -> None:
         """One step: replayed (graphs: a warmed step is a replay, which cannot compile) or called; compiled
