@@ -34,7 +34,9 @@
 #   BENCH_CAP=420 DRAFTER=benchmarks/drafters/embedded-gpu-more BENCH_DATA=/root/work/heldout BENCH_PROMPTS=80 \
 #     BENCH_OUT=/root/work/b-35 BENCH_ARGS="--sets heldout,mtbench --temperatures 0,1" bash benchmarks/gpu_prepare.sh \
 #     part join heldout bench                                                              # carry .bench/p4
-#   the same with BENCH_ARGS="--sets gsm8k,humaneval --temperatures 0,1" ... bench             # no carry
+#   the same with BENCH_ARGS="--sets gsm8k,humaneval --temperatures 0,1" ... bench, then GTESTS_K=kernels ... gtests
+#   (no carry; the engine's GPU tests of the kernels engine need the joined GGUF: the thirty-fourth session ran
+#   them on a machine without it, and none ran)
 # Prediction: T=0 speedups +2-4% over the thirty-fourth session's (the tree round 1.62 -> ~1.57-1.58 AR tokens):
 # MT-Bench ~2.53-2.58x (goal 2.5), GSM8K ~2.86-2.91x, HumanEval ~2.73-2.78x, held-out ~2.84-2.89x; same taus.
 # Next levers (CPU first): the draft step's torch ops around its kernels (the fc through cuBLAS split-K and its
