@@ -274,8 +274,7 @@ def kernel_finish_step(
     walked: Tensor, moves: Tensor, start: Tensor, nodes: Tensor, tree_rows: Tensor, rows: Tensor,
     round_out: Tensor, row_start: Tensor, block_start: Tensor, block: Tensor,
 ) -> None:  # fmt: skip
-    """``finish_step`` in one launch (``tree_kernels.finish``; a dozen torch kernels in torch), for
-    "graphs-kernels"."""
+    """``finish_step`` in one launch (``tree_kernels.finish``), for "graphs-kernels"."""
     from dflashkit.infer import tree_kernels
 
     tree_kernels.finish(
