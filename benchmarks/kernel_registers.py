@@ -88,7 +88,8 @@ def record(
                 tiles = replace(VARIANTS[name], pdl=False)  # the interpreter runs no dependent launch
                 if context:
                     x = torch.randn(m, w.embed.shape[1], dtype=w.dtype)
-                    kernels.write_keys_values(w, cache, x, w.layers[0].input_norm, start, tiles=tiles)
+                    kv = kernels.key_value_weights(w)
+                    kernels.write_keys_values(w, kv, cache, x, w.layers[0].input_norm, start, tiles=tiles)
                 else:
                     kernels.decode_by_kernels(w, cache, ids, start, torch.empty(m, w.vocab_size), tiles=tiles)
                 out[f"{name} [1,{m}]"] = records

@@ -8,11 +8,12 @@ kernels a layer run it: the drafter's layers fused and reordered as the target's
 head dims in the kernels' rotary order, which only these kernels read). A draft step is then
 
 1. the context rows: the fused features through ``fc`` (one matmul), then each layer's keys and values of
-   ``hidden_norm`` of them written at their positions (one qkv kernel a layer, its key and value columns);
+   ``hidden_norm`` of them written at their positions (one qkv launch for every layer's key and value
+   columns);
 2. the block: the target's embedding of [anchor, mask x (B-1)], each layer in six kernels, the drafter's final
    norm and the target's head over the drafted slots,
 
-about 6 x layers + layers + 4 launches (the compiled draft step: ~46 kernels for 2 layers). Not for drafters
+about 6 x layers + 5 launches (the compiled draft step: ~46 kernels for 2 layers). Not for drafters
 with sliding-window layers (``unsupported_drafter``; the engine keeps the compiled draft step for those).
 """
 
@@ -24,7 +25,13 @@ import torch
 from torch import Tensor
 
 from dflashkit.model.drafter import DFlashDrafter, rope_inverse_frequencies
-from dflashkit.target.kernels import decode_by_kernels, unsupported, write_keys_values
+from dflashkit.target.kernels import (
+    KeyValueWeights,
+    decode_by_kernels,
+    key_value_weights,
+    unsupported,
+    write_keys_values,
+)
 from dflashkit.target.slot_decoder import (
     DecoderWeights,
     SlotCache,
@@ -39,12 +46,14 @@ from dflashkit.target.slot_decoder import (
 @dataclass
 class DraftKernels:
     """A drafter as the decoder kernels run it: its layers as a ``DecoderWeights`` (the target's embedding and
-    head, the drafter's final norm and rotary table), ``fc`` and ``hidden_norm`` for the context rows, its
-    keys and values (``cache``: one slot of the engine's capacity), and the block's mask (all ones)."""
+    head, the drafter's final norm and rotary table), ``fc``, ``hidden_norm`` and every layer's key and value
+    rows stacked (``kv``) for the context rows, its keys and values (``cache``: one slot of the engine's
+    capacity), and the block's mask (all ones)."""
 
     weights: DecoderWeights
     fc: Tensor  # [hidden, n * hidden]
     hidden_norm: Tensor  # [hidden]
+    kv: KeyValueWeights
     cache: SlotCache
     seen: Tensor  # [B, B] int8, all ones: every slot reads every slot
 
@@ -106,14 +115,14 @@ def draft_kernels(drafter: DFlashDrafter, target: DecoderWeights, capacity: int)
     seen = torch.ones(B, B, dtype=torch.int8, device=target.device)
     cache = SlotCache(weights, slots=1, capacity=capacity)
     fc, hidden_norm = (p.detach().to(dtype) for p in (drafter.fc.weight, drafter.hidden_norm.weight))
-    return DraftKernels(weights, fc, hidden_norm, cache, seen)
+    return DraftKernels(weights, fc, hidden_norm, key_value_weights(weights), cache, seen)
 
 
 def write_context(dk: DraftKernels, features: Tensor, start: Tensor) -> None:
     """The context rows of features [1, s, n * hidden] at positions ``start`` [1] + 0 .. s-1: fused by ``fc``,
     and each layer's keys and values of them (after ``hidden_norm``) written into the drafter's cache."""
     x = linear(features[0].to(dk.fc.dtype), dk.fc)
-    write_keys_values(dk.weights, dk.cache, x, dk.hidden_norm, start)
+    write_keys_values(dk.weights, dk.kv, dk.cache, x, dk.hidden_norm, start)
 
 
 def write_prompt_context(dk: DraftKernels, features: Tensor) -> None:

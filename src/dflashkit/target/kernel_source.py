@@ -140,11 +140,13 @@ def qkv_kernel(
     Q,  # [M, NQ*D] out: the turned queries
     KC,  # [capacity, NK, D] the layer's key cache (the engine's slot), written at START + m
     VC,  # the same for values
-    PARTS,  # [SPLIT_K, M, N] float32: each share's sum (SPLIT_K > 1), or a dummy
-    ARRIVED,  # [>= the column tiles] int32, zero: the shares done per column tile (SPLIT_K > 1), or a dummy
+    PARTS,  # [LAYERS, SPLIT_K, M, N] float32: each share's sum (SPLIT_K > 1), or a dummy
+    ARRIVED,  # [>= LAYERS x the column tiles] int32, zero: the shares done per column tile (SPLIT_K > 1), or a dummy
     eps,
     capacity,
+    cache_layers,  # LAYERS > 1: elements between one layer's cache and the next's (KC's and VC's)
     M,  # rows: a runtime value (a drafter's prompt context comes in any count; BLOCK_M is the compile's)
+    LAYERS: tl.constexpr,  # > 1: W, BIAS and KN stacked by layer, program axis 2 the layer (a drafter's context)
     H: tl.constexpr,
     NQD: tl.constexpr,
     NKD: tl.constexpr,
@@ -152,7 +154,6 @@ def qkv_kernel(
     HAS_BIAS: tl.constexpr,
     HEAD_NORM: tl.constexpr,  # each query and key head normalised before the rotation (BLOCK_N == D)
     TREE: tl.constexpr,
-    COL0: tl.constexpr,  # the first column (NQD: keys and values only), a multiple of BLOCK_N
     SPLIT_K: tl.constexpr,
     SHARE: tl.constexpr,  # the inner dimension's share a program sums: H, or cdiv(H, SPLIT_K), in steps of BLOCK_K
     DOT: tl.constexpr,
@@ -164,16 +165,29 @@ def qkv_kernel(
     GDC: tl.constexpr,
 ):
     """rms_norm(x) @ W.T (+ bias), each (even, odd) column pair of the queries and keys turned by its rotary
-    angle, the keys and values written into the cache: one program per BLOCK_N columns from COL0. Token m is
+    angle, the keys and values written into the cache: one program per BLOCK_N columns (NQD 0: W holds the
+    keys' and values' rows alone, a drafter's context). Token m is
     written at position START + m and turned by that position's angle, or (TREE) by the angle of POS[m].
     SPLIT_K > 1 (a block's few column tiles): program (n, s) sums the s-th share of the inner dimension, and
-    the share that arrives last for its tile adds them up and does the rest (``arrived_last``)."""
+    the share that arrives last for its tile adds them up and does the rest (``arrived_last``). LAYERS > 1:
+    program (n, s, l) does layer l's (the keys and values of every layer over the same rows, in one launch)."""
     pid = tl.program_id(0)
     dt = W.dtype.element_ty
     N: tl.constexpr = NQD + 2 * NKD
+    if LAYERS > 1:
+        layer = tl.program_id(2).to(tl.int64)
+        W += layer * N * H
+        if HAS_BIAS:
+            BIAS += layer * N
+        if HEAD_NORM:
+            KN += layer * D
+        KC += layer * cache_layers
+        VC += layer * cache_layers
+        PARTS += layer * SPLIT_K * M * N
+        ARRIVED += layer * tl.num_programs(0)
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
-    n0 = COL0 + pid * BLOCK_N  # this program's first column
+    n0 = pid * BLOCK_N  # this program's first column
     rn = n0 + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     k_lo = tl.program_id(1) * SHARE

@@ -228,7 +228,7 @@ def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
 
 def _launch_qkv(
     w: DecoderWeights,
-    layer: LayerWeights,
+    weights: LayerWeights | KeyValueWeights,
     norm: Tensor,
     x: Tensor,
     q: Tensor,
@@ -237,31 +237,35 @@ def _launch_qkv(
     start: Tensor,
     positions: Tensor | None,
     tiles: Tiles,
-    col0: int = 0,
     split: tuple[int, Tensor, Tensor] | None = None,
+    cache_layers: int = 0,
 ) -> None:
-    """The qkv kernel over rows x [M, H] after ``norm``: the columns from ``col0`` (0: queries, keys and
-    values; the queries' count: keys and values only), the queries into q, the keys and values into the
-    layer's cache [capacity, NK, D] at ``start`` + m, turned by those positions or by ``positions``.
-    ``split``: split-K's shares at most, its partial sums and its counts (``decode_by_kernels``)."""
+    """The qkv kernel over rows x [M, H] after ``norm``: a layer's (queries into q, keys and values into the
+    layer's cache [capacity, NK, D] at ``start`` + m, turned by those positions or by ``positions``), or
+    every layer's keys and values at once (``KeyValueWeights``: layer l's written ``cache_layers`` elements
+    after k_cache and v_cache, layer 0's). ``split``: split-K's shares at most, its partial sums and its
+    counts (``decode_by_kernels``)."""
     m, hidden = x.shape
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     _, matmul = _launch_args(w, m, tiles)
-    head_norm = layer.q_norm is not None
+    if isinstance(weights, KeyValueWeights):
+        layers, nqd = weights.kv.shape[0], 0
+        W, bias, q_norm, k_norm = weights.kv, weights.bias, weights.k_norm, weights.k_norm
+    else:
+        layers, nqd = 1, nq * d
+        W, bias, q_norm, k_norm = weights.qkv, weights.qkv_bias, weights.q_norm, weights.k_norm
     cols = qkv_columns(w, tiles, m)
-    assert col0 % cols == 0
     splits, parts, arrived = split or (1, x, start)
     step, share, n = shares(tiles, hidden, splits, m, cols)
-    grid = (triton_cdiv((nq + 2 * nk) * d - col0, cols), n)
-    dummy = layer.input_norm
+    grid = (triton_cdiv(nqd + 2 * nk * d, cols), n, layers)
+    dummy = norm
     _compiled().qkv[grid](
-        x, norm, layer.qkv, dummy if layer.qkv_bias is None else layer.qkv_bias,
-        dummy if layer.q_norm is None else layer.q_norm, dummy if layer.k_norm is None else layer.k_norm,
-        w.rotary_pairs, start, start if positions is None else positions, q, k_cache, v_cache,
-        parts, arrived, w.eps, k_cache.shape[0],
-        M=m, H=hidden, NQD=nq * d, NKD=nk * d, D=d, HAS_BIAS=layer.qkv_bias is not None,
-        HEAD_NORM=head_norm, TREE=positions is not None, COL0=col0, SPLIT_K=n, SHARE=share,
-        BLOCK_N=cols, BLOCK_K=step, **matmul,
+        x, norm, W, dummy if bias is None else bias, dummy if q_norm is None else q_norm,
+        dummy if k_norm is None else k_norm, w.rotary_pairs, start, start if positions is None else positions,
+        q, k_cache, v_cache, parts, arrived, w.eps, k_cache.shape[0], cache_layers,
+        M=m, LAYERS=layers, H=hidden, NQD=nqd, NKD=nk * d, D=d, HAS_BIAS=bias is not None,
+        HEAD_NORM=k_norm is not None and q_norm is not None, TREE=positions is not None, SPLIT_K=n,
+        SHARE=share, BLOCK_N=cols, BLOCK_K=step, **matmul,
     )  # fmt: skip
 
 
@@ -287,33 +291,62 @@ def counters(cache: SlotCache, n: int) -> Tensor:
     return torch.zeros(n, dtype=torch.int32, device=cache.counts.device)
 
 
+@dataclass(frozen=True)
+class KeyValueWeights:
+    """Every layer's key and value rows of its fused projection, stacked: ``kv`` [layers, 2 NK D, H], their
+    biases [layers, 2 NK D] and the key norms [layers, D] where the layers have them. What
+    ``write_keys_values`` reads (a drafter's context rows), built once (``key_value_weights``)."""
+
+    kv: Tensor
+    bias: Tensor | None
+    k_norm: Tensor | None
+
+
+def key_value_weights(w: DecoderWeights) -> KeyValueWeights:
+    """``w``'s layers' key and value rows stacked (copies: the layers keep their fused projections)."""
+    q = w.heads * w.head_dim
+    first = w.layers[0]
+    with torch.no_grad():
+        kv = torch.stack([layer.qkv[q:] for layer in w.layers]).contiguous()
+        bias = None if first.qkv_bias is None else torch.stack([lw.qkv_bias[q:] for lw in w.layers])  # type: ignore[index]
+        k_norm = None if first.k_norm is None else torch.stack([lw.k_norm for lw in w.layers])  # type: ignore[misc]
+    return KeyValueWeights(kv, bias, k_norm)
+
+
 def write_keys_values(
-    w: DecoderWeights, cache: SlotCache, x: Tensor, norm: Tensor, start: Tensor, tiles: Tiles = Tiles()
+    w: DecoderWeights,
+    kv: KeyValueWeights,
+    cache: SlotCache,
+    x: Tensor,
+    norm: Tensor,
+    start: Tensor,
+    tiles: Tiles = Tiles(),
 ) -> None:
-    """Every layer's keys and values of rows x [M, H] after ``norm`` (no layer runs over them: a drafter's
-    context rows), turned and written at positions ``start`` [1] + 0 .. M-1 of the cache's first slot; in
-    launches of at most MAX_ROWS rows, split-K as a block step's qkv (a drafter's keys and values are a few
-    column tiles: 6 programs a layer for the embedded target's drafter without it, and one head a program
-    spilled 668 bytes a thread at the whole inner dimension, where a share of it spills none: sm_90,
-    ``kernel_registers.py``, benchmarks/RESULTS.md, thirty-third session). Shape-static: a CUDA graph
-    captures it."""
+    """Every layer's keys and values (``kv``: ``w``'s, stacked) of rows x [M, H] after ``norm`` (no layer runs
+    over them: a drafter's context rows), turned and written at positions ``start`` [1] + 0 .. M-1 of the
+    cache's first slot: every layer in one launch (a program's layer its third index; a launch a layer was
+    ``layers - 1`` launches more a draft step), of at most MAX_ROWS rows, split-K as a block step's qkv (a
+    drafter's keys and values are a few column tiles: 6 programs a layer for the embedded target's drafter
+    without it, and one head a program spilled 668 bytes a thread at the whole inner dimension, where a share
+    of it spills none: sm_90, ``kernel_registers.py``, benchmarks/RESULTS.md, thirty-third session).
+    Shape-static: a CUDA graph captures it."""
     most = min(x.shape[0], MAX_ROWS)
+    layers, n = kv.kv.shape[:2]
     split = None
     if most > 1 and tiles.qkv_splits > 1:
-        n = (w.heads + 2 * w.kv_heads) * w.head_dim
         cols = qkv_columns(w, tiles, most)
-        partials = torch.empty(tiles.qkv_splits * most * n, dtype=torch.float32, device=x.device)
-        arrived = counters(cache, triton_cdiv(n, cols))  # the shares done per column tile
+        partials = torch.empty(layers * tiles.qkv_splits * most * n, dtype=torch.float32, device=x.device)
+        arrived = counters(cache, layers * triton_cdiv(n, cols))  # the shares done per layer and column tile
         split = (tiles.qkv_splits, partials, arrived)
+    k_cache, v_cache = cache.k[0][0], cache.v[0][0]
+    between = cache.keys.stride(0)  # one layer's cache to the next's (values alike)
     for a in range(0, x.shape[0], MAX_ROWS):
         rows = x[a : a + MAX_ROWS]
         at = start + a if a else start  # (no launch for the first, or only, piece)
-        for i, layer in enumerate(w.layers):
-            k_cache, v_cache = cache.k[i][0], cache.v[i][0]
-            _launch_qkv(
-                w, layer, norm, rows, k_cache, k_cache, v_cache, at, None, tiles, w.heads * w.head_dim,
-                split if rows.shape[0] > 1 else None,
-            )  # fmt: skip
+        _launch_qkv(
+            w, kv, norm, rows, k_cache, k_cache, v_cache, at, None, tiles, split if rows.shape[0] > 1 else None,
+            between,
+        )  # fmt: skip
 
 
 def decode_by_kernels(
