@@ -587,6 +587,10 @@ for s in "$@"; do
       # no GGUF needed: a tree round's argmax, build and tail, torch against the tree kernels (round_glue.py)
       stage glue
       timeout $(cap 240) python3 benchmarks/round_glue.py --out "$OUT/round_glue.json" ${GLUE_ARGS:-} 2>&1 | tail -20 ;;
+    dtiles)
+      # no GGUF needed: the drafter's draft step under several tiles (draft_tiles.py), a random drafter
+      stage dtiles
+      timeout $(cap 240) python3 benchmarks/draft_tiles.py --out "$OUT/draft_tiles.json" ${DTILES_ARGS:-} 2>&1 | tail -14 ;;
     ktests)
       # the decoder kernels against the plain forward on a random target (no GGUF needed)
       stage ktests

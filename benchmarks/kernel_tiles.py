@@ -47,6 +47,7 @@ VARIANTS = {
     "inner64": Tiles(block_inner=64),
     "inner128": Tiles(block_inner=128),
     "inner512": Tiles(block_inner=512),
+    "inner256": Tiles(block_inner=256),  # (the default before 2026-12-06)
     "inner1024": Tiles(block_inner=1024),
     "ksplit1": Tiles(residual_splits=1),
     "ksplit2": Tiles(residual_splits=2),
@@ -59,6 +60,7 @@ VARIANTS = {
     "usplit4": Tiles(qkv_splits=1, up_splits=4),
     "qusplit2": Tiles(qkv_splits=2, up_splits=2),
     "qusplit8": Tiles(qkv_splits=8, up_splits=8),
+    "qsplit8": Tiles(qkv_splits=8),  # (a drafter's qkv: one head a program, 15 column tiles)
     "fusedmerge": Tiles(merge_in_attention=True),  # no merge kernel: the attention's last split merges
     # a tree's matmul step (more than 16 rows; 256 by default, as 16 rows')
     "treeinner128": Tiles(tree_inner=128),

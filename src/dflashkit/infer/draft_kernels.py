@@ -19,7 +19,7 @@ with sliding-window layers (``unsupported_drafter``; the engine keeps the compil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ from torch import Tensor
 from dflashkit.model.drafter import DFlashDrafter, rope_inverse_frequencies
 from dflashkit.target.kernels import (
     KeyValueWeights,
+    Tiles,
     decode_by_kernels,
     key_value_weights,
     unsupported,
@@ -48,7 +49,8 @@ class DraftKernels:
     """A drafter as the decoder kernels run it: its layers as a ``DecoderWeights`` (the target's embedding and
     head, the drafter's final norm and rotary table), ``fc``, ``hidden_norm`` and every layer's key and value
     rows stacked (``kv``) for the context rows, its keys and values (``cache``: one slot of the engine's
-    capacity), and the block's mask (all ones)."""
+    capacity), the block's mask (all ones) and the kernels' tiles (the target's block step's;
+    ``benchmarks/draft_tiles.py`` measures others on the draft step)."""
 
     weights: DecoderWeights
     fc: Tensor  # [hidden, n * hidden]
@@ -56,6 +58,7 @@ class DraftKernels:
     kv: KeyValueWeights
     cache: SlotCache
     seen: Tensor  # [B, B] int8, all ones: every slot reads every slot
+    tiles: Tiles = field(default_factory=Tiles)
 
 
 def unsupported_drafter(drafter: DFlashDrafter) -> str | None:
@@ -122,7 +125,7 @@ def write_context(dk: DraftKernels, features: Tensor, start: Tensor) -> None:
     """The context rows of features [1, s, n * hidden] at positions ``start`` [1] + 0 .. s-1: fused by ``fc``,
     and each layer's keys and values of them (after ``hidden_norm``) written into the drafter's cache."""
     x = linear(features[0].to(dk.fc.dtype), dk.fc)
-    write_keys_values(dk.weights, dk.kv, dk.cache, x, dk.hidden_norm, start)
+    write_keys_values(dk.weights, dk.kv, dk.cache, x, dk.hidden_norm, start, dk.tiles)
 
 
 def write_prompt_context(dk: DraftKernels, features: Tensor) -> None:
@@ -163,4 +166,6 @@ def kernel_draft_step(
     (its slots at ``block_start`` + 0 .. B-1, a chain's positions, reading each other both ways) drafted over
     it, the drafted slots' float32 logits into ``out_logits`` [B-1, V]."""
     write_context(dk, rows, row_start)
-    decode_by_kernels(dk.weights, dk.cache, block, block_start, out_logits, seen=dk.seen, head_from=1)
+    decode_by_kernels(
+        dk.weights, dk.cache, block, block_start, out_logits, tiles=dk.tiles, seen=dk.seen, head_from=1
+    )
