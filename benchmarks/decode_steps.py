@@ -540,7 +540,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(TARGET_SHAPES))
-    ap.add_argument("--layers", type=int, default=2, help="drafter layers")
+    ap.add_argument("--layers", type=int, default=3, help="drafter layers (the served drafter's: 3)")
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--target-layers", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=64)
