@@ -93,6 +93,9 @@ VARIANTS = {
     # each kernel launched after the one before it has ended (the default launches it while that one runs,
     # its first weight tile read: programmatic dependent launch, measured 2026-12-05)
     "serial": Tiles(pdl=False),
+    # split-K 8 for the projections back to the residual: their kernel time at 16 rows -0.015 ms a step, the
+    # captured tree step +0.06 ms (2026-12-06, one H100, twice): with and without dependent launch
+    "ksplit8-serial": Tiles(residual_splits=8, pdl=False),
 }
 
 
