@@ -96,6 +96,9 @@ VARIANTS = {
     # split-K 8 for the projections back to the residual: their kernel time at 16 rows -0.015 ms a step, the
     # captured tree step +0.06 ms (2026-12-06, one H100, twice): with and without dependent launch
     "ksplit8-serial": Tiles(residual_splits=8, pdl=False),
+    # the same with only the residual kernels launched plainly (every other kernel by dependent launch)
+    "rserial": Tiles(residual_pdl=False),
+    "ksplit8-rserial": Tiles(residual_splits=8, residual_pdl=False),
 }
 
 

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from dflashkit.errors import DflashkitError  # noqa: E402
 from dflashkit.target.kernels import (  # noqa: E402
+    KERNELS,
     MAX_ROWS,
     Tiles,
     check_runnable,
@@ -261,6 +262,42 @@ def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
     assert pdl_args(cuda) == {"GDC": False}
 
 
+def test_the_residual_kernels_can_be_launched_without_dependent_launch(monkeypatch):
+    """``Tiles.residual_pdl`` off: the output and down projections' kernels are launched plainly (no GDC, no
+    launch_pdl) while every other kernel keeps dependent launch (the launches recorded, on a GPU with it)."""
+    from types import SimpleNamespace
+
+    from dflashkit.target import kernels
+
+    launches: list[tuple[str, dict]] = []
+
+    class Recorded:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, kw))
+
+    monkeypatch.setattr(kernels, "_compiled", lambda: SimpleNamespace(**{k: Recorded(k) for k in KERNELS}))
+    monkeypatch.setattr(
+        kernels,
+        "pdl_args",
+        lambda device, wanted=True: {"GDC": True, "launch_pdl": True} if wanted else {"GDC": False},
+    )
+    w = DecoderWeights.from_hf(tiny_model())
+    cache = SlotCache(w, slots=1, capacity=64)
+    ids, start = torch.zeros(1, 8, dtype=torch.long), torch.tensor([20])
+    for residual_pdl in (True, False):
+        launches.clear()
+        decode_by_kernels(
+            w, cache, ids, start, torch.empty(8, w.vocab_size), tiles=Tiles(residual_pdl=residual_pdl)
+        )
+        assert {name for name, _ in launches} == {"qkv", "attention", "merge", "residual", "up"}
+        for name, kw in launches:
+            plain = name == "residual" and not residual_pdl
+            assert kw["GDC"] is not plain and kw.get("launch_pdl", False) is not plain, (name, kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 33])
 def test_dependent_launches_give_the_serial_launches_numbers_replay_after_replay(m):
@@ -276,20 +313,30 @@ def test_dependent_launches_give_the_serial_launches_numbers_replay_after_replay
     start = torch.tensor([100], device="cuda")
     ids = torch.randint(5, 300, (1, m), device="cuda")
     outs, graphs = {}, {}
-    for pdl in (False, True):  # both captured (the head's cuBLAS call the same in both)
-        outs[pdl] = torch.empty(m, w.vocab_size, device="cuda")
-        decode_by_kernels(w, cache, ids, start, outs[pdl], tiles=Tiles(pdl=pdl))  # compiled
-        graphs[pdl] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[pdl]):
-            decode_by_kernels(w, cache, ids, start, outs[pdl], tiles=Tiles(pdl=pdl))
-    graphs[False].replay()
+    # serial, dependent launch, and dependent launch but for the residual kernels (a measurement's switch)
+    tiles = {
+        "serial": Tiles(pdl=False),
+        "pdl": Tiles(),
+        "mixed": Tiles(residual_pdl=False, residual_splits=8),
+    }
+    for name, t in tiles.items():  # all captured (the head's cuBLAS call the same in all)
+        outs[name] = torch.empty(m, w.vocab_size, device="cuda")
+        decode_by_kernels(w, cache, ids, start, outs[name], tiles=t)  # compiled
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            decode_by_kernels(w, cache, ids, start, outs[name], tiles=t)
+    graphs["serial"].replay()
     torch.cuda.synchronize()
-    assert outs[False].isfinite().all()
-    for _ in range(200):
-        outs[True].zero_()
-        graphs[True].replay()
-        torch.cuda.synchronize()
-        assert torch.equal(outs[True], outs[False])
+    assert outs["serial"].isfinite().all()
+    for name in ("pdl", "mixed"):
+        for _ in range(200 if name == "pdl" else 50):
+            outs[name].zero_()
+            graphs[name].replay()
+            torch.cuda.synchronize()
+            if name == "pdl" or m == 1:  # (one token takes no split-K: the mixed step's sums are the same)
+                assert torch.equal(outs[name], outs["serial"])
+            else:  # split-K 8 sums in another order: bf16's rounding apart, and the same from replay to replay
+                torch.testing.assert_close(outs[name], outs["serial"], atol=0.1, rtol=0.05)
 
 
 @pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")

@@ -100,8 +100,15 @@ class Tiles:
     # captured step equal to the serial one, 200 replays) passed on an H200, one token 0.532 -> 0.436 ms and a
     # block of 8 0.788 -> 0.686 (kernel_tiles, 2026-12-05)
 
+    # the residual kernels (output and down projections) by dependent launch too: off, each waits for the kernel
+    # before it to end and the next waits for it (a measurement's switch: split-K 8 there took 0.015 ms of kernel
+    # time off a tree step and added 0.06 ms to the captured step, where without dependent launch the two were
+    # level; benchmarks/NOTES.md, thirty-fifth session)
+    residual_pdl: bool = True
+
     def __post_init__(self) -> None:
-        sizes = {k: v for k, v in vars(self).items() if k not in ("warps", "pdl", "merge_in_attention")}
+        flags = ("warps", "pdl", "merge_in_attention", "residual_pdl")
+        sizes = {k: v for k, v in vars(self).items() if k not in flags}
         odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
         narrow = min(self.block_columns, self.tree_columns, self.attention_rows) < DOT_ROWS
         if odd or self.qkv_columns < 2 or narrow:
@@ -433,7 +440,9 @@ def decode_by_kernels(
         """The residual kernel's grid and sizes for a projection from ``inner`` columns."""
         step, share, n = shares(t, inner, split_k["residual"], m, cols["residual"])
         sizes = dict(M=m, H=hidden, K=inner, SPLIT_K=n, SHARE=share, BLOCK_N=cols["residual"])
-        return (triton_cdiv(hidden, cols["residual"]), n), dict(BLOCK_K=step, **sizes, **matmul)
+        plain = {k: v for k, v in matmul.items() if k not in ("GDC", "launch_pdl")}
+        launch = plain | pdl_args(x.device, t.pdl and t.residual_pdl)
+        return (triton_cdiv(hidden, cols["residual"]), n), dict(BLOCK_K=step, **sizes, **launch)
 
     o_grid, o_sizes = residual(nq * d)
     down_grid, down_sizes = residual(width)
