@@ -20,6 +20,21 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirty-sixth session's plan (the thirty-fifth, one H100 throughout: the table at the session's code 2.54 / 2.86 / 2.79 /
+# 2.82x, MT-Bench's 2.5x met; the served drafter's 3 layers now decode_steps' default, its draft step 0.143 ms = 0.30 AR
+# tokens; split-K 8 for the residual kernels: -0.015 ms of a tree step's kernel time, +0.06 ms captured under dependent
+# launch, level without). Name a kind on EVERY call (nvidia-h100-x1; on a refusal nvidia-h200 at once); `O=$OUT`.
+# Command 1 [carry .whl] (~60 s): which launch costs split-K 8 its 0.06 ms, interleaved (the first variant of a process
+# reads low):
+#   export BUDGET=300 O=$OUT; TILES_ARGS="--no-layers --tree-nodes 15 --variants default,ksplit8,rserial,ksplit8-rserial,\
+#     default,ksplit8-rserial,ksplit8 --calls 100" bash benchmarks/gpu_prepare.sh part tiles
+# Prediction: if the loss is the residual kernels' own pre-launched programs (or the next kernel's pre-launch meeting
+# them), ksplit8-rserial's tree step sits at or below rserial's, and rserial costs the default ~1 us a residual launch
+# (60: ~+0.03-0.06 ms); adopt ksplit8 only where its captured tree step beats the default's. If ksplit8-rserial loses
+# as ksplit8 does, the loss is in the split itself at 16 rows (NOTES, thirty-fifth session: what to try next).
+# Then `GTESTS_K=kernels ... gtests` needs the GGUF (the parts); `KTESTS_K="dependent" ... ktests` (the replay test's mixed
+# tiles) needs none.
+# Thirty-fifth session, as run: RESULTS "2026-12-06 (thirty-fifth session)".
 # Thirty-fifth session's plan (the thirty-fourth, one H100 throughout: a tree round's argmax, build merge and tail as
 # kernels (1.67 -> 1.62 AR tokens; the table 2.48 / 2.80 / 2.67 / 2.78x); then, measured in its last device time, a
 # block's inner step 512 (tree round 1.64 -> 1.62) and the split-K counters held by the cache (1.59 -> 1.58; draft
