@@ -166,8 +166,8 @@ def qkv_kernel(
 ):
     """rms_norm(x) @ W.T (+ bias), each (even, odd) column pair of the queries and keys turned by its rotary
     angle, the keys and values written into the cache: one program per BLOCK_N columns (NQD 0: W holds the
-    keys' and values' rows alone, a drafter's context). Token m is
-    written at position START + m and turned by that position's angle, or (TREE) by the angle of POS[m].
+    keys' and values' rows alone, a drafter's context). Token m is written at position START + m and turned by
+    that position's angle, or (TREE) by the angle of POS[m].
     SPLIT_K > 1 (a block's few column tiles): program (n, s) sums the s-th share of the inner dimension, and
     the share that arrives last for its tile adds them up and does the rest (``arrived_last``). LAYERS > 1:
     program (n, s, l) does layer l's (the keys and values of every layer over the same rows, in one launch)."""
