@@ -16,7 +16,6 @@ values within bf16's rounding). Timing does not depend on the weights: random on
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import asdict
@@ -31,6 +30,7 @@ from dflashkit.infer.draft_kernels import draft_kernels, kernel_draft_step, writ
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.slot_decoder import DecoderWeights
+from report import write_json
 
 DEFAULT_VARIANTS = "default,qsplit8,qusplit8,qusplit2,ksplit8,ksplit2,block16,block64,inner256"
 
@@ -117,10 +117,7 @@ def main() -> None:
         "context": args.context,
         "variants": results,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

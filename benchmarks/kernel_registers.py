@@ -29,6 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+from report import write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -196,10 +198,7 @@ def main() -> None:
             f"{r['step']:18s} {r['kernel']:17s} {r['registers']:4d} {spills:>9s} {r['compile_s']:7.1f}s"
             f" {ptx:>8s}  {tile}"
         )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Timing does not depend on the weights: random ones, nothing to carry.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ import torch
 from dflashkit.infer.tree import ancestors, build_tree
 from dflashkit.target.kernels import KERNELS, Tiles, decode_by_kernels
 from dflashkit.target.slot_decoder import DecoderWeights, SlotCache
+from report import write_json
 
 VARIANTS = {
     "default": Tiles(),
@@ -287,10 +287,7 @@ def main() -> None:
         "best_per_kernel": best,
         "graphs_layers_ms": layers,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,15 @@ def write_report(name: str, report: Any, out_dir: str | Path | None = None) -> P
     return path
 
 
+def write_json(path: Path | None, result: Any) -> None:
+    """Write ``result`` as JSON to ``path`` (a script's --out file), its folder made; nothing when None."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
 def fill_defaults(args: Any, defaults: dict[str, Any]) -> None:
     """Set each argument the command line left as None to its default (drivers' defaults differ in --smoke)."""
     for k, v in defaults.items():

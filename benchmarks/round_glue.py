@@ -15,7 +15,6 @@ target's (vocabulary 49,152, 576 x 5 context features) and its drafter's (block 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch
 from dflashkit.infer import tree_kernels
 from dflashkit.infer.graph_engine import finish_step
 from dflashkit.infer.tree import build_tree, tree_candidates
+from report import write_json
 
 
 def timed(call: Callable[[], None], reps: int, replays: int, device: torch.device) -> float:
@@ -198,9 +198,7 @@ def main() -> None:
         "build": build_rows(args, dev),
         "finish": finish_rows(args, dev),
     }
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":
