@@ -255,9 +255,9 @@ def _launch_qkv(
     m, hidden = x.shape
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     _, matmul = _launch_args(w, m, tiles)
-    if isinstance(weights, KeyValueWeights):
+    if isinstance(weights, KeyValueWeights):  # no query rows: no query norm
         layers, nqd = weights.kv.shape[0], 0
-        W, bias, q_norm, k_norm = weights.kv, weights.bias, weights.k_norm, weights.k_norm
+        W, bias, q_norm, k_norm = weights.kv, weights.bias, None, weights.k_norm
     else:
         layers, nqd = 1, nq * d
         W, bias, q_norm, k_norm = weights.qkv, weights.qkv_bias, weights.q_norm, weights.k_norm
@@ -271,7 +271,7 @@ def _launch_qkv(
         dummy if k_norm is None else k_norm, w.rotary_pairs, start, start if positions is None else positions,
         q, k_cache, v_cache, parts, arrived, w.eps, k_cache.shape[0], cache_layers,
         M=m, LAYERS=layers, H=hidden, NQD=nqd, NKD=nk * d, D=d, HAS_BIAS=bias is not None,
-        HEAD_NORM=k_norm is not None and q_norm is not None, TREE=positions is not None, SPLIT_K=n,
+        HEAD_NORM=k_norm is not None, TREE=positions is not None, SPLIT_K=n,
         SHARE=share, BLOCK_N=cols, BLOCK_K=step, **matmul,
     )  # fmt: skip
 
