@@ -673,6 +673,11 @@ for s in "$@"; do
       # rate; 4 and 5 layers); a later command resumes them
       prepare gsweep configs/embedded-gpu-sweep-greedy.yaml
       sweep gsweep configs/embedded-gpu-sweep-greedy.yaml gsweep ;;
+    bsweep)
+      # the drafter's block size and loss decay (configs/embedded-gpu-sweep-block.yaml): a smaller set of greedy
+      # replies on the third greedy set's prompts, then four variants of the drafter in git through the fan-out
+      prepare bsweep configs/embedded-gpu-sweep-block.yaml
+      sweep bsweep configs/embedded-gpu-sweep-block.yaml bsweep ;;
     dsweep)
       # distillation against the control on the same data (configs/embedded-gpu-distill.yaml): the third greedy
       # set as `gsweep` prepares it; KEEP_VARIANT=<name> brings back that variant's drafter instead of the best
