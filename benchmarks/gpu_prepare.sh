@@ -20,6 +20,13 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirty-sixth session, as run: RESULTS "2026-12-06 (thirty-sixth session)" (machines mostly refused: each refused
+# start cost 90 s of device time). Then, in order (each [carry]), as one warm machine:
+#   export BUDGET=300 O=$OUT; TILES_ARGS="--no-layers --tree-nodes 15 --variants default,mproj,default,mproj,\
+#     mproj-ksplit8,mproj --calls 100" bash benchmarks/gpu_prepare.sh part tiles; KTESTS_K="projection or dependent" \
+#     bash benchmarks/gpu_prepare.sh ktests                                      # [.bench/p1 .whl]
+#   bash benchmarks/gpu_prepare.sh part   # [p2], [p5], [p3], [p6]
+#   BUDGET=590 bash benchmarks/gpu_prepare.sh part join bsweep                     # [p4]: block 8 vs 16, loss decay
 # Thirty-sixth session's plan (the thirty-fifth, one H100 throughout: the table at the session's code 2.54 / 2.86 / 2.79 /
 # 2.82x, MT-Bench's 2.5x met; the served drafter's 3 layers now decode_steps' default, its draft step 0.143 ms = 0.30 AR
 # tokens; split-K 8 for the residual kernels: -0.015 ms of a tree step's kernel time, +0.06 ms captured under dependent
