@@ -62,8 +62,6 @@ VARIANTS = {
     "qusplit8": Tiles(qkv_splits=8, up_splits=8),
     "qsplit8": Tiles(qkv_splits=8),  # (a drafter's qkv: one head a program, 15 column tiles)
     "fusedmerge": Tiles(merge_in_attention=True),  # no merge kernel: the attention's last split merges
-    "mproj": Tiles(merge_in_projection=True),  # no merge kernel: the output projection merges what it reads
-    "mproj-ksplit8": Tiles(merge_in_projection=True, residual_splits=8),
     # a tree's matmul step (more than 16 rows; 256 by default, as 16 rows')
     "treeinner128": Tiles(tree_inner=128),
     "treeinner512": Tiles(tree_inner=512),

@@ -304,7 +304,7 @@ def test_auto_engine_is_the_fastest_lossless_one(target):
 
 
 def test_tree_budget_auto_takes_trees_where_they_were_measured_faster():
-    """--tree-budget auto: trees of 15 for greedy rounds on the kernels engine with a block of at most 8 (where
+    """--tree-budget auto: trees of 15 for greedy rounds on the kernels engine with a block of at most 16 (where
     they served faster than the chain side by side), the chain everywhere else; a number is taken as given."""
     from dflashkit.infer.engine import AUTO_TREE_BUDGET, resolve_tree_budget
 
@@ -312,7 +312,8 @@ def test_tree_budget_auto_takes_trees_where_they_were_measured_faster():
     assert resolve_tree_budget(None, "graphs-kernels", 8, 0.0) == 15
     assert resolve_tree_budget(None, "graphs-kernels", 4, 0.0) == 15
     assert resolve_tree_budget(None, "graphs-kernels", 8, 1.0) == 0  # sampled: the chain
-    assert resolve_tree_budget(None, "graphs-kernels", 16, 0.0) == 0  # a block not measured
+    assert resolve_tree_budget(None, "graphs-kernels", 16, 0.0) == 15  # measured: trees pay at block 16 too
+    assert resolve_tree_budget(None, "graphs-kernels", 32, 0.0) == 0  # a block not measured
     for engine in ("graphs", "graphs-layers", "static", "dynamic"):
         assert resolve_tree_budget(None, engine, 8, 0.0) == 0
     assert resolve_tree_budget(0, "graphs-kernels", 8, 0.0) == 0

@@ -69,17 +69,16 @@ def tiny_model(kind: str = "llama", **extra):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("kind", "capacity", "chunks", "merge"),
+    ("kind", "capacity", "chunks", "merge_in_attention"),
     [
-        ("llama", 64, (5, 1, 4, 1), None),  # one split
-        ("qwen2", 64, (3, 4, 1), None),
-        ("qwen3", 64, (3, 4, 1), None),  # per-head query and key norms
-        ("llama", 320, (150, 4, 1, 4), None),  # a context of several splits of 16 positions (prefilled)
-        ("llama", 320, (150, 4, 1, 4), "attention"),  # ... merged by the attention's last split
-        ("llama", 320, (150, 4, 1, 4), "projection"),  # ... merged as the output projection reads them
+        ("llama", 64, (5, 1, 4, 1), False),  # one split
+        ("qwen2", 64, (3, 4, 1), False),
+        ("qwen3", 64, (3, 4, 1), False),  # per-head query and key norms
+        ("llama", 320, (150, 4, 1, 4), False),  # a context of several splits of 16 positions (prefilled)
+        ("llama", 320, (150, 4, 1, 4), True),  # ... merged by the attention's last split
     ],
 )
-def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge, device):
+def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in_attention, device):
     """Step after step (a prompt, then blocks and single tokens written after it) over the same cache, the
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
     (up to summation order), the steps sharing the cache's split-K counters; a step of more rows than the
@@ -88,12 +87,7 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge, d
     # several attention splits for the long context; split-K in every matmul kernel for the Qwen2 and Qwen3
     # blocks (the last share adds the bias, or normalises each head, before the rotation), none for Llama's
     tiles = (
-        Tiles(
-            attention_positions=16,
-            splits=4,
-            merge_in_attention=merge == "attention",
-            merge_in_projection=merge == "projection",
-        )
+        Tiles(attention_positions=16, splits=4, merge_in_attention=merge_in_attention)
         if capacity > 64
         else Tiles(residual_splits=1, qkv_splits=1, up_splits=1)
         if kind == "llama"
@@ -137,26 +131,22 @@ SIXTEEN_NODES = [-1, 0, 1, 2, 0, 4, 5, 1, 7, 0, 9, 3, 11, 4, 13, 14]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("parents", "capacity", "rows", "merge"),
+    ("parents", "capacity", "rows"),
     [
-        ([-1, 0, 1, 0, 3, 4, 1], 64, 64, "attention"),  # two branches: rows 1, 2, 6 and 3, 4, 5
-        (WIDE_TREE, 128, 64, "attention"),
-        (SIXTEEN_NODES, 64, 16, "attention"),  # an attention program of 16 rows at most
-        (SIXTEEN_NODES, 64, 16, "projection"),  # the splits merged as the output projection reads them
+        ([-1, 0, 1, 0, 3, 4, 1], 64, 64),  # two branches: rows 1, 2, 6 and 3, 4, 5
+        (WIDE_TREE, 128, 64),
+        (SIXTEEN_NODES, 64, 16),  # an attention program of 16 rows at most
     ],
 )
-def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(
-    parents, capacity, rows, merge, device
-):
+def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parents, capacity, rows, device):
     """A token tree after a prompt (each node turned by the root's position + its depth, reading the prompt,
     itself and its ancestors): the kernels' logits, kept features and cache rows equal ``slot_decoder.decode``
     under the tree's mask in float32; a chain step after it (the tree's rows overwritten) still does."""
     from dflashkit.infer.tree import DraftTree, ancestors
 
     w = DecoderWeights.from_hf(tiny_model().to(device))
-    # a tree's rows split-K too, and its attention's splits merged by the last (of each row tile) or by the
-    # output projection
-    split = dict(qkv_splits=2, up_splits=2, **{f"merge_in_{merge}": True})
+    # a tree's rows split-K too, and its attention's splits merged by the last (of each row tile)
+    split = dict(qkv_splits=2, up_splits=2, merge_in_attention=True)
     tiles = Tiles(attention_positions=16, splits=4, attention_rows=rows, **split)
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero = torch.zeros(1, dtype=torch.long, device=device)

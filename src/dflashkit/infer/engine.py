@@ -556,7 +556,9 @@ def resolve_engine(
 # Measured side by side on one H100 (benchmarks/RESULTS.md, twenty-ninth session; a block-8 drafter, greedy):
 # speedup 2.23/2.48/2.36/2.42x against the chain's 1.97/2.14/2.13/2.26x on MT-Bench/GSM8K/HumanEval/held-out.
 AUTO_TREE_BUDGET = 15
-AUTO_TREE_MAX_BLOCK = 8  # the block sizes measured: a larger block's chain already fills the tree's rows
+# the block sizes measured: 8, and 16 (a block-16 drafter, trees of 15 against its chain, 40 prompts a set, one
+# H100: GSM8K 2.71x against 2.22x, HumanEval 2.89x against 2.22x; RESULTS, thirty-sixth session)
+AUTO_TREE_MAX_BLOCK = 16
 
 
 def resolve_tree_budget(requested: int | None, engine: str, block_size: int, temperature: float) -> int:

@@ -379,34 +379,6 @@ def merged_rows(PO, PM, PL, OUT, row, row_ok, rd, M: tl.constexpr, NQ: tl.conste
 
 
 @triton.jit
-def merged_columns(PO, PM, PL, rm, row_ok, k0, M: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr,
-                   SPLITS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
-    """The attention's output at rows rm and the BLOCK_K columns from k0 (whole heads: k0 and BLOCK_K
-    multiples of D), merged from the splits' parts, maxima and sums as ``merged_rows`` merges them and rounded
-    to DTYPE as the merge writes it: float32 [BLOCK_M, BLOCK_K]. What the output projection reads in place of
-    a merge kernel's output."""
-    HEADS: tl.constexpr = BLOCK_K // D
-    head = k0 // D + tl.arange(0, HEADS)
-    ok = row_ok[:, None] & (head < NQ)[None, :]  # [BLOCK_M, HEADS]
-    row = rm[:, None] * NQ + head[None, :]
-    top = tl.full(row.shape, float("-inf"), dtype=tl.float32)
-    # (loops, not unrolled: unrolled, the splits' loads spill at 16 rows, sm_90)
-    for s in range(SPLITS):
-        top = tl.maximum(top, tl.load(PM + s * (M * NQ) + row, mask=ok, other=0.0))
-    total = tl.zeros(row.shape, dtype=tl.float32)
-    out = tl.zeros([row.shape[0], HEADS, D], dtype=tl.float32)
-    rd = tl.arange(0, D)
-    for s in range(SPLITS):
-        at = s * (M * NQ) + row
-        weight = tl.exp(tl.load(PM + at, mask=ok, other=0.0) - top)
-        total += weight * tl.load(PL + at, mask=ok, other=0.0)
-        part = tl.load(PO + at[:, :, None] * D + rd[None, None, :], mask=ok[:, :, None], other=0.0)
-        out += part * weight[:, :, None]
-    out = tl.where(ok[:, :, None], out / tl.where(ok, total, 1.0)[:, :, None], 0.0)
-    return tl.reshape(out, [row.shape[0], BLOCK_K]).to(DTYPE).to(tl.float32)
-
-
-@triton.jit
 def merge_kernel(
     PO,  # [SPLITS, M*NQ, D] float32
     PM,  # [SPLITS, M*NQ]
@@ -507,15 +479,9 @@ def residual_kernel(
     X,  # [M, H] updated in place: x + a @ W.T
     PARTS,  # [SPLIT_K, M, H] float32: each share's sum (SPLIT_K > 1), or a dummy
     ARRIVED,  # [cdiv(H, BLOCK_N)] int32, zero: the shares done per column tile (SPLIT_K > 1), or a dummy
-    PM,  # MERGED: the attention splits' maxima [SPLITS, M*NQ] (A: their parts [SPLITS, M*NQ, D]), or a dummy
-    PL,  # MERGED: the splits' sums, or a dummy
     M: tl.constexpr,
     H: tl.constexpr,
     K: tl.constexpr,
-    MERGED: tl.constexpr,  # A is the attention's splits, merged here (``merged_columns``): no merge kernel
-    NQ: tl.constexpr,  # MERGED: the query heads, their dim and the splits
-    D: tl.constexpr,
-    SPLITS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SHARE: tl.constexpr,  # the inner dimension's share a program sums: cdiv(K, SPLIT_K) in steps of BLOCK_K
     DOT: tl.constexpr,
@@ -546,18 +512,12 @@ def residual_kernel(
     for k0 in tl.static_range(0, SHARE, BLOCK_K):
         rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        if MERGED:
-            a = merged_columns(
-                A, PM, PL, rm, row_ok, k_lo + k0, M, NQ, D, SPLITS, BLOCK_K, W.dtype.element_ty
-            )
-        else:
-            a = tl.load(A + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            a = a.to(tl.float32)
+        a = tl.load(A + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if GDC and k0 == 0:
             w = first
         else:
             w = weight_tile(W, rn, n_ok, rk, k_ok, K)
-        acc += rows_times(a, w, DOT, PRECISION, UPCAST)
+        acc += rows_times(a.to(tl.float32), w, DOT, PRECISION, UPCAST)
     last = True
     if SPLIT_K > 1:
         at = rm[:, None] * H + rn[None, :]

@@ -92,9 +92,6 @@ class Tiles:
     # 33 0.947 -> 0.931, one token unchanged (kernel_tiles, H100, 2026-12-05)
     merge_in_attention: bool = False  # the attention's splits merged by the split that arrives last (no
     # merge kernel: 30 launches a step fewer; ``kernel_source.merged_rows``)
-    # the splits merged where the output projection reads them instead (each program its rows and columns:
-    # ``kernel_source.merged_columns``; no merge kernel)
-    merge_in_projection: bool = False
     warps: int = 4
     # warps a program of a block's (or a tree's) matmul kernels: tl.dot's 16 x 16 tile is two m16n8 products,
     # so of 4 warps two repeat the others' (the loads use all of them)
@@ -110,14 +107,10 @@ class Tiles:
     residual_pdl: bool = True
 
     def __post_init__(self) -> None:
-        flags = ("warps", "pdl", "merge_in_attention", "merge_in_projection", "residual_pdl")
+        flags = ("warps", "pdl", "merge_in_attention", "residual_pdl")
         sizes = {k: v for k, v in vars(self).items() if k not in flags}
         odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
         narrow = min(self.block_columns, self.tree_columns, self.attention_rows) < DOT_ROWS
-        if self.merge_in_attention and self.merge_in_projection:
-            raise ValueError(
-                "Tiles: the attention's splits are merged in the attention or in the projection, not both"
-            )
         if odd or self.qkv_columns < 2 or narrow:
             raise ValueError(
                 f"Tiles: {', '.join(odd) or 'qkv_columns, block_columns, tree_columns and attention_rows'}: each a "
@@ -443,22 +436,16 @@ def decode_by_kernels(
         "up": (triton_cdiv(width, cols["up"]),),
     }
 
-    def residual(inner: int, merged: bool) -> tuple[tuple[int, int], dict]:
-        """The residual kernel's grid and sizes for a projection from ``inner`` columns (``merged``: from the
-        attention's splits, merged as it reads them)."""
+    def residual(inner: int) -> tuple[tuple[int, int], dict]:
+        """The residual kernel's grid and sizes for a projection from ``inner`` columns."""
         step, share, n = shares(t, inner, split_k["residual"], m, cols["residual"])
-        sizes = dict(M=m, H=hidden, K=inner, SPLIT_K=n, SHARE=share, BLOCK_N=cols["residual"], MERGED=merged)
-        sizes |= dict(NQ=nq, D=d, SPLITS=splits) if merged else dict(NQ=1, D=1, SPLITS=1)
-        if merged and step % d:
-            raise ValueError(
-                f"Tiles: the output projection merges whole heads: an inner step of {step} for {d}"
-            )
+        sizes = dict(M=m, H=hidden, K=inner, SPLIT_K=n, SHARE=share, BLOCK_N=cols["residual"])
         plain = {k: v for k, v in matmul.items() if k not in ("GDC", "launch_pdl")}
         launch = plain | pdl_args(x.device, t.pdl and t.residual_pdl)
         return (triton_cdiv(hidden, cols["residual"]), n), dict(BLOCK_K=step, **sizes, **launch)
 
-    o_grid, o_sizes = residual(nq * d, t.merge_in_projection)
-    down_grid, down_sizes = residual(width, False)
+    o_grid, o_sizes = residual(nq * d)
+    down_grid, down_sizes = residual(width)
     up_step, up_share, up_n = shares(t, hidden, split_k["up"], m, 2 * cols["up"])
     qkv_split = (split_k["qkv"], partials, arrived)
     kept = []
@@ -471,19 +458,16 @@ def decode_by_kernels(
             MERGE=t.merge_in_attention, BLOCK_R=min(attention_rows, t.attention_rows),
             BLOCK_N=t.attention_positions, **common,
         )  # fmt: skip
-        if t.merge_in_projection:
-            k.residual[o_grid](parts, layer.o, x, partials, arrived, tops, totals, **o_sizes)
-        else:
-            if not t.merge_in_attention:
-                k.merge[grids["merge"]](
-                    parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps, **pdl
-                )  # fmt: skip
-            k.residual[o_grid](attended, layer.o, x, partials, arrived, attended, attended, **o_sizes)
+        if not t.merge_in_attention:
+            k.merge[grids["merge"]](
+                parts, tops, totals, attended, M=m, NQ=nq, D=d, SPLITS=splits, num_warps=t.warps, **pdl
+            )  # fmt: skip
+        k.residual[o_grid](attended, layer.o, x, partials, arrived, **o_sizes)
         k.up[grids["up"] + (up_n,)](
             x, layer.post_norm, layer.gate_up, act, partials, arrived, w.eps, M=m, H=hidden, I=width,
             SPLIT_K=up_n, SHARE=up_share, BLOCK_N=cols["up"], BLOCK_K=up_step, **matmul,
         )  # fmt: skip
-        k.residual[down_grid](act, layer.down, x, partials, arrived, act, act, **down_sizes)
+        k.residual[down_grid](act, layer.down, x, partials, arrived, **down_sizes)
         if i in keep:
             kept.append(x.clone())  # x keeps changing in place
     # the final norm and the head: one matrix of the vocabulary's rows, which cuBLAS reads near the memory's
