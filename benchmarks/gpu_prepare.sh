@@ -20,6 +20,13 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirty-seventh session's plan: block 16 (the thirty-sixth: after 700 steps of continuation, trees of 15 served
+# HumanEval 2.89x against 2.79x, GSM8K level; held-out tau +2.2% and still rising). Name a kind on EVERY call and
+# chain the commands with no pause (a machine idles out after 30 s; a refused start costs 90 s of device time):
+# `part` [.bench/p1 .whl], [p2], [p5], [p3], [p6], then [p4] `BUDGET=590 SWEEP_OVERRIDES="train.max_steps=2100"
+# VARIANTS=b8,b16 bash benchmarks/gpu_prepare.sh part join bsweep` (the control and block 16 on more steps, ~4 passes
+# over its 16,600 records: raise the config's counts for more data; resume with `bsweep` alone), then the table with the kept b16 drafter (DRAFTER=/root/work/bsweep-runs/b16/best, as the
+# thirty-fifth session's commands) against the served one's.
 # Thirty-sixth session, as run: RESULTS "2026-12-06 (thirty-sixth session)" (machines mostly refused: each refused
 # start cost 90 s of device time). Then, in order (each [carry]), as one warm machine:
 #   export BUDGET=300 O=$OUT; TILES_ARGS="--no-layers --tree-nodes 15 --variants default,mproj,default,mproj,\
@@ -545,7 +552,7 @@ sweep() {  # name, config, dataset: the config's fan-out variants on a prepared 
   R=""; [ -d $W/$1-runs ] && R=--resume
   timeout $(cap 590) python3 benchmarks/drafter_sweep.py -c "$2" --data $W/$3 --out $W/$1-runs $R \
     --timeout $(( $(cap 590) - 40 )) ${VARIANTS:+--variants $VARIANTS} run.compile_cache=$W/compile-$1.cache \
-    2>&1 | grep -v "Loading weights" | tail -30
+    ${SWEEP_OVERRIDES:-} 2>&1 | grep -v "Loading weights" | tail -30
   for f in sweep.json sweep.md sweep.png; do cp "$W/$1-runs/$f" "$OUT/$1-$f" 2>/dev/null; done
   local best
   best=$(python3 -c "import json,sys; v=[r for r in json.load(open(sys.argv[1]))['variants'] if r.get('best_served_tau')]; \
