@@ -25,8 +25,9 @@
 # chain the commands with no pause (a machine idles out after 30 s; a refused start costs 90 s of device time):
 # `part` [.bench/p1 .whl], [p2], [p5], [p3], [p6], then [p4] `BUDGET=590 SWEEP_OVERRIDES="train.max_steps=2100"
 # VARIANTS=b8,b16 bash benchmarks/gpu_prepare.sh part join bsweep` (the control and block 16 on more steps, ~4 passes
-# over its 16,600 records: raise the config's counts for more data; resume with `bsweep` alone), then the table with the kept b16 drafter (DRAFTER=/root/work/bsweep-runs/b16/best, as the
-# thirty-fifth session's commands) against the served one's.
+# over its 16,600 records: raise the config's counts for more data; resume with `bsweep` alone), then the table
+# with the kept b16 drafter (DRAFTER=/root/work/bsweep-runs/b16/best, as the thirty-fifth session's commands)
+# against the served one's.
 # Thirty-sixth session, as run: RESULTS "2026-12-06 (thirty-sixth session)" (machines mostly refused: each refused
 # start cost 90 s of device time). Then, in order (each [carry]), as one warm machine:
 #   export BUDGET=300 O=$OUT; TILES_ARGS="--no-layers --tree-nodes 15 --variants default,mproj,default,mproj,\

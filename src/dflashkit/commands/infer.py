@@ -487,7 +487,7 @@ def add_tree_budget(p: argparse.ArgumentParser) -> None:
         help="verify a tree of N drafted nodes per round (the best branches of the drafter's per-slot top-k, "
         "one target pass, the longest branch the target agrees with; lossless) instead of the chain (0); "
         "auto (the default): trees of 15 where they were measured faster (greedy decoding on the "
-        "graphs-kernels engine, a block of at most 8), else the chain",
+        "graphs-kernels engine, a block of at most 16), else the chain",
     )
 
 
