@@ -693,6 +693,11 @@ for s in "$@"; do
       # replies on the third greedy set's prompts, then four variants of the drafter in git through the fan-out
       prepare bsweep configs/embedded-gpu-sweep-block.yaml
       sweep bsweep configs/embedded-gpu-sweep-block.yaml bsweep ;;
+    b16sweep)
+      # block 16 on more data (configs/embedded-gpu-sweep-b16.yaml): the third greedy set as `gsweep` prepares it,
+      # the served drafter trained on at block 16 at two rates through the fan-out; a later command resumes
+      prepare gsweep configs/embedded-gpu-sweep-greedy.yaml
+      sweep b16 configs/embedded-gpu-sweep-b16.yaml gsweep ;;
     dsweep)
       # distillation against the control on the same data (configs/embedded-gpu-distill.yaml): the third greedy
       # set as `gsweep` prepares it; KEEP_VARIANT=<name> brings back that variant's drafter instead of the best
