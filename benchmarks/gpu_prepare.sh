@@ -652,9 +652,13 @@ for s in "$@"; do
     tree)
       # tree vs chain at node budgets 8-64 on MT-Bench and the held-out set (graphs engine, bf16)
       stage tree
-      timeout $(cap 420) python3 benchmarks/tree_vs_chain.py --drafter ${DRAFTER:-$W/run-recipe/best} --data ${TREE_DATA:-$W/recipe} \
+      # the whole log in $OUT, and where it was when its cap cut it (SIGABRT: the fault handler; the thirty-seventh
+      # session's two runs on graphs-kernels with budgets up to 64 were cut silently)
+      PYTHONUNBUFFERED=1 timeout -s ABRT $(cap 420) python3 -X faulthandler benchmarks/tree_vs_chain.py \
+        --drafter ${DRAFTER:-$W/run-recipe/best} --data ${TREE_DATA:-$W/recipe} \
         --engine ${TREE_ENGINE:-graphs} --dtype bfloat16 --sets mtbench,heldout --budgets ${BUDGETS:-8,16,32,64} \
-        --max-prompts ${TREE_PROMPTS:-16} --max-new-tokens 256 --out "$OUT" ${TREE_ARGS:-} 2>&1 | grep -v "Loading weights" | tail -24 ;;
+        --max-prompts ${TREE_PROMPTS:-16} --max-new-tokens 256 --out "$OUT" ${TREE_ARGS:-} 2>&1 | grep -v "Loading weights" \
+        | tee "$OUT/tree_vs_chain.log" | tail -24 ;;
     placements)
       # the fan-out against capture + separate trainings; data parallel (one GPU: the one-rank cases)
       stage placements

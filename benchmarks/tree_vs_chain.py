@@ -270,10 +270,13 @@ def main() -> None:
     capacity = -(-capacity // bench.CAPACITY_STEP) * bench.CAPACITY_STEP
     # auto, resolved as bench resolves it (a long run: a compiled engine on a GPU)
     engine_name = resolve_engine(args.engine, target, max(budgets), long_run=True)
-    engines = {  # one engine per configuration: a static or graphs engine readies the tree step of its budget
-        name: ready_engine(engine_name, target, drafter, capacity=capacity, tree_budget=b or None)[0]
-        for name, b in configs
-    }
+    engines = {}  # one engine per configuration: a static or graphs engine readies the tree step of its budget
+    for name, b in configs:
+        t0 = time.perf_counter()
+        engine, _ = ready_engine(engine_name, target, drafter, capacity=capacity, tree_budget=b or None)
+        engines[name] = engine
+        # a cold compile of each budget's steps can take minutes: say where the time goes
+        print(f"{engine_name} engine for {name} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     budget_of = dict(configs)
     stopper = Stopper(eos)
     greedy = Sampling()
@@ -341,9 +344,10 @@ def main() -> None:
                 if not conv.prefixes:
                     replies.append(dec.reply_text(ar.tokens))
         result["sets"][bset.name] = summarise(rows, configs) | {"source": bset.source}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tree_vs_chain.json").write_text(json.dumps(result, indent=2) + "\n")
+        # each set as it finishes, so that a run cut short keeps the sets it measured
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tree_vs_chain.json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)
     (out / "tree_vs_chain.md").write_text(table)
     write_report("tree_vs_chain.json", result)
