@@ -325,8 +325,10 @@ def test_ready_configs_validate(tmp_path, monkeypatch):
         assert reference == held_out("configs/embedded-gpu-round-greedy.yaml")
         assert reference == held_out("configs/embedded-gpu-round-greedy2.yaml")  # past its `skip`
         assert reference == held_out("configs/embedded-gpu-sweep-greedy.yaml")
+        assert reference == held_out("configs/embedded-gpu-sweep-b16.yaml")
+        assert reference == held_out("configs/embedded-gpu-round-b16.yaml")
         # each greedy round trains on chitchat prompts no earlier one did
-        trained = [chitchat_train(n) for n in ("round-greedy", "round-greedy2", "sweep-greedy")]
+        trained = [chitchat_train(n) for n in ("round-greedy", "round-greedy2", "sweep-greedy", "round-b16")]
         assert all(trained) and len(set().union(*trained)) == sum(len(t) for t in trained)
     paper = load_config("configs/qwen3-8b-paper.yaml")
     assert (paper.drafter.layers, paper.drafter.block_size, paper.train.num_anchors, paper.train.max_len) == (
