@@ -5,7 +5,7 @@ The static engine's steps have fixed shapes, so a round costs the same whatever 
 tau x (seconds per autoregressive token) / (seconds per speculative round), exactly. This script measures both
 on a random-weight target of the embedded target's shape (SmolLM2-135M: 30 layers, hidden 576, vocabulary 49152;
 timing does not depend on the weights, so nothing has to be carried to the GPU) and a random drafter of
-`configs/embedded-gpu.yaml`'s shape (2 layers, block 8, 5 target layers), compiled and warmed up as
+the served drafter's shape (3 layers, block 16 since 2026-12-06: `--layers`, `--block`; 5 target layers), compiled and warmed up as
 `decode_speed.py` does. Per dtype it reports:
 
 - the loops: autoregressive ms/token and speculative ms/round from `autoregressive_generate` and
@@ -541,7 +541,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(TARGET_SHAPES))
     ap.add_argument("--layers", type=int, default=3, help="drafter layers (the served drafter's: 3)")
-    ap.add_argument("--block", type=int, default=8)
+    ap.add_argument(
+        "--block",
+        type=int,
+        default=16,
+        help="drafter block size (the served drafter's: 16; 8 before 2026-12-06)",
+    )
     ap.add_argument("--target-layers", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per loop")
