@@ -26,7 +26,12 @@
 # was cut twice with no output). Name a kind on EVERY call (nvidia-h100-x1; on a refusal nvidia-h200 once, then
 # wait out the "later means in about N min": each refused start costs 15-90 s of device time) and chain the
 # commands with no pause (a machine idles out after 30 s):
-#   `part` [.bench/p1 .whl], [p2], [p5], [p3], [p6] (2 s each), then
+#   [.bench/p1 .whl] (~250 s): where block 16's round grew (1.58 -> 1.62 AR tokens on GSM8K), block 8 against 16:
+#     export BUDGET=290 O=$OUT ENGINES=graphs-kernels; DECODE_ARGS="--block 8 --tree-budgets 15 --no-warm-start" \
+#     bash benchmarks/gpu_prepare.sh part decode; mv $O/decode_steps.json $O/decode_steps-b8.json; mv \
+#     $O/decode_steps.log $O/decode_steps-b8.log; DECODE_ARGS="--tree-budgets 15 --no-warm-start" bash \
+#     benchmarks/gpu_prepare.sh decode
+#   `part` [p2], [p5], [p3], [p6] (2 s each), then
 #   BUDGET=590 bash benchmarks/gpu_prepare.sh part join b16round          # [p4]: join + prepare ~170 s, train ~300 s
 #     (cut short: `BUDGET=300 bash benchmarks/gpu_prepare.sh b16round` resumes it)
 #   BENCH_CAP=280 DRAFTER=/root/work/run-b16round/best BENCH_DATA=/root/work/b16round BENCH_PROMPTS=80 \
