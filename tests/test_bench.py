@@ -10,7 +10,16 @@ import torch
 
 from dflashkit.cli import main
 from dflashkit.infer import bench
-from dflashkit.infer.bench import BenchSet, Conversation, Decoder, Response, decode_set, figures, run_set
+from dflashkit.infer.bench import (
+    BenchSet,
+    Conversation,
+    Decoder,
+    Response,
+    decode_set,
+    figures,
+    round_cost,
+    run_set,
+)
 from dflashkit.infer.sampling import Sampling, accept_sampled, probabilities, race, rejection_noise
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
@@ -122,7 +131,14 @@ def test_figures_pool_rounds_and_spread_over_responses():
         "ar_tokens_per_second"
     ] == pytest.approx(2.5)
     assert fig["speedup"] == pytest.approx(2.0) and fig["rule"] == "greedy"
-    assert figures([], 4, 1.0)["speedup"] is None and math.isnan(figures([], 4, 1.0)["tau"])
+    # a round's cost in AR tokens: 10 tokens in 6 rounds over 2 s, 10 AR tokens in 4 s -> (2 / 6) / (4 / 10)
+    assert fig["round_cost_ar_tokens"] == pytest.approx((2 / 6) / (4 / 10))
+    assert fig["round_cost_ar_tokens"] == pytest.approx(fig["tau"] / fig["speedup"])
+    empty = figures([], 4, 1.0)
+    assert empty["speedup"] is None and math.isnan(empty["tau"]) and empty["round_cost_ar_tokens"] is None
+    # an older bench.json, written before the key: from its tau and speedup
+    assert round_cost({"tau": 3.0, "speedup": 2.0}) == pytest.approx(1.5)
+    assert round_cost({"tau": 3.0, "speedup": None}) is None
 
 
 def test_reply_starts_are_where_each_supervised_run_begins():
@@ -400,11 +416,15 @@ def test_bench_writes_sets_table_json_figure_and_summary(
     table = json.loads(summary.read_text())
     assert set(table) == {"heldout", "twoturn"}
     assert table["twoturn"]["tau"] == two["temperatures"]["0"]["tau"] and "speedup" in table["twoturn"]
+    assert table["twoturn"]["round_cost_ar_tokens"] == pytest.approx(
+        table["twoturn"]["tau"] / table["twoturn"]["speedup"]
+    )
     assert result["summary_t0"] == table
     detail = json.loads((out / "sets" / "twoturn.json").read_text())["responses_detail"]["0"]
     assert [r["turn"] for r in detail] == [0, 1] and detail[1]["prompt_tokens"] > detail[0]["prompt_tokens"]
     assert (out / "bench.png").stat().st_size > 1000
-    assert "| twoturn | 0 | 1 (2) |" in (out / "bench.md").read_text()
+    md = (out / "bench.md").read_text()
+    assert "| twoturn | 0 | 1 (2) |" in md and "| round (AR tokens) |" in md
 
     # another set into the same folder joins the table; the earlier one is still there
     assert (

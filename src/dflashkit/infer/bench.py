@@ -391,7 +391,7 @@ def figures(responses: list[Response], block_size: int, temperature: float) -> d
     timed = [r for r in responses if r.ar_seconds is not None and r.ar_new_tokens is not None]
     ar_time = sum(r.ar_seconds or 0.0 for r in timed)
     ar_tps = sum(r.ar_new_tokens or 0 for r in timed) / ar_time if timed and ar_time > 0 else None
-    return {
+    fig: dict[str, Any] = {
         "temperature": temperature,
         "rule": "rejection" if temperature > 0 else "greedy",
         "responses": len(responses),
@@ -408,6 +408,19 @@ def figures(responses: list[Response], block_size: int, temperature: float) -> d
         "ar_tokens_per_second": ar_tps,
         "speedup": spec_tps / ar_tps if ar_tps else None,
     }
+    # what a round costs in autoregressive tokens (tau / speedup): with tau, what the speedup is made of
+    fig["round_cost_ar_tokens"] = round_cost(fig)
+    return fig
+
+
+def round_cost(fig: dict[str, Any]) -> float | None:
+    """A round's cost in autoregressive tokens, tau / speedup (the figure's own, or from an older bench.json's
+    tau and speedup)."""
+    cost = fig.get("round_cost_ar_tokens")
+    speedup = fig.get("speedup")
+    if cost is None and speedup and not math.isnan(speedup) and not math.isnan(fig["tau"]):
+        cost = fig["tau"] / speedup
+    return cost
 
 
 def temperature_key(t: float) -> str:
@@ -504,6 +517,7 @@ def summary(sets: dict[str, dict[str, Any]], temperature: str = SUMMARY_TEMPERAT
         table[name] = {
             "tau": fig["tau"],
             "speedup": fig["speedup"],
+            "round_cost_ar_tokens": round_cost(fig),
             "prompts": res["prompts"],
             "responses": fig["responses"],
             "ar_tokens_per_second": fig["ar_tokens_per_second"],
@@ -596,8 +610,9 @@ def markdown_table(bench: dict[str, Any]) -> str:
         "",
         f"`{bench['command']}`",
         "",
-        "| set | T | prompts (replies) | tau | tau p10-p90 | AR tok/s | spec tok/s | speedup | fp32 lossless |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| set | T | prompts (replies) | tau | tau p10-p90 | AR tok/s | spec tok/s | speedup | round (AR tokens) "
+        "| fp32 lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x: float | None, spec: str) -> str:
@@ -614,7 +629,7 @@ def markdown_table(bench: dict[str, Any]) -> str:
                 f"| {SET_TITLES.get(name, name)} | {key} | {res['prompts']} ({fig['responses']}) | "
                 f"{f(fig['tau'], '.2f')} | {f(sp['p10'], '.2f')}-{f(sp['p90'], '.2f')} | "
                 f"{f(fig['ar_tokens_per_second'], '.1f')} | {f(fig['spec_tokens_per_second'], '.1f')} | "
-                f"{f(fig['speedup'], '.2f')}x | {lossless} |"
+                f"{f(fig['speedup'], '.2f')}x | {f(round_cost(fig), '.2f')} | {lossless} |"
             )
     return "\n".join(lines) + "\n"
 
