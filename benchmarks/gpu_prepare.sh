@@ -566,6 +566,12 @@ train() {  # name, config
   for f in metrics.jsonl training.png summary.json; do cp "$W/run-$1/$f" "$OUT/$1-$f" 2>/dev/null; done
 }
 
+train_resumable() {  # name, config: `train`, resuming $W/run-<name> where a checkpoint is (a train cut by its
+  # cap is checkpointed), else moving an earlier run aside
+  local r="--move-aside"; [ -f $W/run-$1/checkpoints/latest ] && r="--resume"
+  TRAIN_OVERRIDES="$r ${TRAIN_OVERRIDES:-}" train "$1" "$2"
+}
+
 sweep() {  # name, config, dataset: the config's fan-out variants on a prepared dataset (a later call resumes
   # them); the best variant's best drafter (or KEEP_VARIANT's) comes back in pieces, as `keep`'s does
   stage "sweep $1"
@@ -726,8 +732,7 @@ for s in "$@"; do
       # prepared, then trained (a train cut by its cap is checkpointed: the next `b16round` resumes it); `keep`
       # with KEEP=$W/run-b16round brings the drafter back
       prepare b16round configs/embedded-gpu-round-b16.yaml
-      R="--move-aside"; [ -f $W/run-b16round/checkpoints/latest ] && R="--resume"
-      TRAIN_OVERRIDES="$R ${TRAIN_OVERRIDES:-}" train b16round configs/embedded-gpu-round-b16.yaml ;;
+      train_resumable b16round configs/embedded-gpu-round-b16.yaml ;;
     dsweep)
       # distillation against the control on the same data (configs/embedded-gpu-distill.yaml): the third greedy
       # set as `gsweep` prepares it; KEEP_VARIANT=<name> brings back that variant's drafter instead of the best
@@ -752,15 +757,13 @@ for s in "$@"; do
     # on twice the recipe's prompts; cut by the command's limit (SIGTERM: the step under way is checkpointed),
     # the next call resumes it. train-fresh: from scratch at the recipe's first rate (the ninth session's run)
     train-more|train-fresh)
-      R="--move-aside"; [ -f $W/run-more/checkpoints/latest ] && R="--resume"
       F=""; [ $s = train-fresh ] && F="drafter.init=null train.lr=6e-4 train.max_steps=${FRESH_STEPS:-4500}"
-      TRAIN_OVERRIDES="$F $R ${TRAIN_OVERRIDES:-}" train more configs/embedded-gpu-more.yaml ;;
+      TRAIN_OVERRIDES="$F ${TRAIN_OVERRIDES:-}" train_resumable more configs/embedded-gpu-more.yaml ;;
     # the mixture with MATH and MBPP prompts beside the self-written ones (carry .bench/p1 with math.jsonl and
     # mbpp.jsonl from benchmarks/extract_prompts.py); its drafter from the one in git, resumed like train-more
     real) prepare real configs/embedded-gpu-real.yaml ;;
     train-real)
-      R="--move-aside"; [ -f $W/run-real/checkpoints/latest ] && R="--resume"
-      TRAIN_OVERRIDES="$R ${TRAIN_OVERRIDES:-}" train real configs/embedded-gpu-real.yaml ;;
+      train_resumable real configs/embedded-gpu-real.yaml ;;
     # one round of the drafter in one command (configs/embedded-gpu-round.yaml): a slice of the real-prompt
     # mixture sampled afresh (ROUND_SEED: data.sample_seed, new each session), the drafter in git trained on it
     # to the end of its schedule, and the best drafter brought back (`keep`) before the command's limit, so that

@@ -305,6 +305,8 @@ def main() -> None:
         },
         "sets": {},
     }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for bset in sets:
         rows = []
         for conv in bset.conversations:
@@ -345,8 +347,6 @@ def main() -> None:
                     replies.append(dec.reply_text(ar.tokens))
         result["sets"][bset.name] = summarise(rows, configs) | {"source": bset.source}
         # each set as it finishes, so that a run cut short keeps the sets it measured
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         (out / "tree_vs_chain.json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)
     (out / "tree_vs_chain.md").write_text(table)

@@ -414,13 +414,9 @@ def figures(responses: list[Response], block_size: int, temperature: float) -> d
 
 
 def round_cost(fig: dict[str, Any]) -> float | None:
-    """A round's cost in autoregressive tokens, tau / speedup (the figure's own, or from an older bench.json's
-    tau and speedup)."""
-    cost = fig.get("round_cost_ar_tokens")
-    speedup = fig.get("speedup")
-    if cost is None and speedup and not math.isnan(speedup) and not math.isnan(fig["tau"]):
-        cost = fig["tau"] / speedup
-    return cost
+    """A round's cost in autoregressive tokens: tau / speedup, from the figure's own tau and speedup (so an
+    older bench.json, written before the key, has it too); None without a measured baseline."""
+    return fig["tau"] / fig["speedup"] if fig.get("speedup") else None
 
 
 def temperature_key(t: float) -> str:
