@@ -1005,6 +1005,43 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     assert graph_engine.LAYER_STEP.graphs() == layer_graphs, "a tree step compiled the layer"
 
 
+def test_kernels_engine_builds_a_large_tree_with_torch(tmp_path, monkeypatch):
+    """A tree whose candidate table is beyond the build kernel's one program (64 nodes below 15 slots: 29,934
+    branches; its kernel did not finish compiling) is built by torch's top-k on the kernels engine: the engine
+    says so by its build step, the kernel refuses such a table in words, and the tree rounds still decode as
+    autoregressive decoding (the limit lowered here, so that the tiny drafter's table passes it)."""
+    pytest.importorskip("triton")
+    from dflashkit.infer import graph_engine, tree_kernels
+    from dflashkit.infer.tree import tree_candidates
+
+    big = tree_candidates(15, 49152, 64)
+    assert not tree_kernels.builds(big.shape[1]) and tree_kernels.builds(
+        tree_candidates(15, 49152, 32).shape[1]
+    )
+    with pytest.raises(ValueError, match="build this tree with tree.build_tree"):
+        tree_kernels.build(
+            torch.zeros(1, dtype=torch.long), torch.rand(15, 49152), big, torch.zeros(3, 65, dtype=torch.long)
+        )
+    tiny, d, layers = tiny_pair(tmp_path)
+    budget = 6
+    table = tree_candidates(d.config.block_size - 1, tiny.config.vocab_size, budget).shape[1]
+    small = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
+    assert small._build_fn is graph_engine.kernel_build_step
+    monkeypatch.setattr(tree_kernels, "MAX_BUILD_CANDIDATES", tree_kernels._block(table) // 2)
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
+    assert engine._build_fn is graph_engine.tree_build_step
+    builds = []
+    monkeypatch.setattr(
+        graph_engine,
+        "kernel_logits_build_step",
+        lambda *a: builds.append(1),  # must not run
+    )
+    prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()
+    ar = autoregressive_generate(tiny, prompt, 4, layer_ids=layers).tokens
+    out = speculative_generate(tiny, d, prompt, 4, engine=engine, tree_budget=budget)
+    assert out.tokens == ar and not builds
+
+
 @pytest.mark.cpu_compile
 def test_layers_engine_tree_rounds_decode_as_autoregressive(tmp_path):
     """compile="layers" with a tree budget on the CPU: warm-up compiles the tree step's layer, the build and

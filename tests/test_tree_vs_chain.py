@@ -97,3 +97,17 @@ def test_the_committed_tree_figures_follow_from_the_committed_benches():
     assert results["tree_tau_gain"] == pytest.approx(
         report["sets"]["mtbench"]["configs"][name]["tau_gain_vs_chain"]
     )
+
+
+def test_the_table_marks_rounds_run_as_separate_calls():
+    """A configuration whose rounds are not one captured step (a tree smaller than a block on a graphs engine)
+    says so in the table: it costs a round more, which the reader must not take for the tree's own cost."""
+    report = tree_vs_chain.report_from_bench(
+        _bench({"mtbench": (3.0, 2.0)}), _bench({"mtbench": (4.0, 2.0)}, tree_budget=8)
+    )
+    report["settings"]["one_step_rounds"] = {"chain": True, "tree-8": False}
+    table = tree_vs_chain.markdown({**report, "command": "c"})
+    assert "| mtbench | tree-8 (calls) |" in table and "| mtbench | chain |" in table
+    assert "(calls): rounds as separate calls" in table
+    report["settings"]["one_step_rounds"] = {"chain": True, "tree-8": True}
+    assert "(calls)" not in tree_vs_chain.markdown({**report, "command": "c"})

@@ -531,6 +531,13 @@ class GraphEngine:
             self._tree_probs = torch.zeros(self.block_size - 1, self.w.vocab_size, device=dev)
             # the rank branches the build scores: made here, once (a copy from the host cannot be captured)
             self._tree_candidates = tree_candidates(self.block_size - 1, self.w.vocab_size, n - 1, dev)
+            if (
+                self._kernels
+            ):  # a table beyond the build kernel's one program: torch's top-k, captured as eager
+                from dflashkit.infer import tree_kernels
+
+                fits = tree_kernels.builds(self._tree_candidates.shape[1])
+                self._build_fn = kernel_build_step if fits else tree_build_step
             # a sampled tree round's noise: the target's draw at every node (`sampling.choose`'s), written
             # before each replay
             self._tree_noise = torch.ones(n, self.w.vocab_size, dtype=torch.float32, device=dev)

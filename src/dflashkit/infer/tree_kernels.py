@@ -33,6 +33,15 @@ KERNELS = (
 # logits a program reads, in ``top_kernel`` and ``chunk_max_kernel``: 24 programs a row for a vocabulary of
 # 49,152 (round_glue.py, H100: 1,024 and 2,048 within 0.0011 ms of each other in both, 4,096 slower)
 LOGITS_CHUNK = 2048
+# the candidate branches ``build_kernel`` scores in its one program, at most: below 15 drafted slots a tree of 32
+# nodes has 3,576 (a block of 4,096), one of 64 has 29,934, whose one-program top-k and sort Triton had not
+# finished compiling after 200 s (H100, 2026-12-06); larger tables take torch's top-k (``tree.build_tree``)
+MAX_BUILD_CANDIDATES = 4096
+
+
+def builds(candidates: int) -> bool:
+    """Whether ``build_kernel`` builds from a candidate table of this many columns (``tree.tree_candidates``')."""
+    return _block(candidates) <= MAX_BUILD_CANDIDATES
 
 
 @triton.jit
@@ -465,6 +474,11 @@ def _build(anchor: Tensor, top_p: Tensor, top_ids: Tensor, candidates: Tensor, o
     """``build_kernel``'s launch: its scratch, its sizes."""
     depth, t = top_p.shape
     n, c = out_nodes.shape[1] - 1, candidates.shape[1]
+    if not builds(c):
+        raise ValueError(
+            f"build: {c} candidate branches are more than one program scores ({MAX_BUILD_CANDIDATES}): "
+            "build this tree with tree.build_tree"
+        )
     block_c = _block(c)
     number = torch.empty(c, dtype=torch.long, device=top_p.device)
     build_kernel[(1,)](
