@@ -20,6 +20,21 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Thirty-ninth session's plan (the thirty-eighth, one H100: a tree-15 round costs the same at block 8 and 16, 0.780
+# against 0.786 ms; the fourth greedy round gave held-out served tau 3.851 -> 3.876 but -1% tau on trees: not adopted;
+# the drafter in git over three processes GSM8K 2.88 / 2.92 / 3.05x, HumanEval 2.84 / 2.86 / 2.86x, its taus the same
+# to the token; tree vs chain on graphs-kernels at 8 / 16 / 32 nodes, MT-Bench tau +23 / +38 / +42% at round +37 /
+# +19 / +49%; 64 stuck in the build kernel's compile, mended: torch's top-k past 4,096 branches). Name a kind on
+# EVERY call (nvidia-h100-x1; on a refusal nvidia-h200 once) and chain the commands with no pause:
+#   `part` [.bench/p1 .whl], [p2], [p5], [p3], [p6] (2 s each; p6 holds the chitchat wheel since this session), then
+#   BUDGET=590 BUDGETS=15,64 TREE_PROMPTS=24 DRAFTER=benchmarks/drafters/embedded-gpu-more \
+#     TREE_DATA=/root/work/heldout TREE_ENGINE=graphs-kernels bash benchmarks/gpu_prepare.sh part join heldout tree  # [p4]
+#   here: python benchmarks/tree_vs_chain.py --from tree-vs-chain-15-s39.json --update-results 15 (tree_tau_gain at
+#   the served budget; decode_steps.json's is the twenty-ninth session's, block 8)
+# Prediction: tree-15 on MT-Bench +25-35% tau over the chain at +2-8% round cost (its [1, 16] step is the chain's
+# [1, 16] verify; command 1 of the thirty-eighth: +1.4% in the steps alone), so issue 16's tree goal (+30% at <=
+# +10%) met or within 5 points; tree-64 builds through torch (one captured graph still) at +35-45% round cost.
+# Thirty-eighth session, as run: RESULTS "2026-12-06 (thirty-eighth session)" (commands 1-11).
 # Thirty-eighth session's plan (the thirty-seventh, one H100: block 16 on the third greedy set took held-out served
 # tau 3.753 -> 3.851 and became the drafter in git; the table 2.65 / 2.88 / 2.84 / 3.00x, every tau goal met, GSM8K
 # and HumanEval 4% and 6% from 3x; train/serve +0.7% on all 196 held-out records; the tree stage on graphs-kernels
@@ -675,7 +690,7 @@ for s in "$@"; do
       timeout $(cap 240) python3 -m pytest -q -m gpu tests/test_graph_engine.py tests/test_engine.py 2>&1 \
         | tee "$OUT/pytest-etests.log" | tail -15 ;;
     tree)
-      # tree vs chain at node budgets 8-64 on MT-Bench and the held-out set (graphs engine, bf16)
+      # tree vs chain at node budgets 8-64 on MT-Bench and the held-out set (TREE_ENGINE, graphs by default; bf16)
       stage tree
       # the whole log in $OUT, and where it was when its cap cut it (SIGABRT: the fault handler; the thirty-seventh
       # session's two runs on graphs-kernels with budgets up to 64 were cut silently)
