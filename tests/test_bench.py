@@ -131,6 +131,11 @@ def test_figures_pool_rounds_and_spread_over_responses():
         "ar_tokens_per_second"
     ] == pytest.approx(2.5)
     assert fig["speedup"] == pytest.approx(2.0) and fig["rule"] == "greedy"
+    # per reply: AR 2 and 4 tokens/s, speedups 6 / 2 = 3 and 4 / 4 = 1
+    assert fig["ar_tokens_per_second_per_response"]["min"] == pytest.approx(2.0)
+    assert fig["ar_tokens_per_second_per_response"]["max"] == pytest.approx(4.0)
+    assert fig["speedup_per_response"]["mean"] == pytest.approx(2.0)
+    assert fig["speedup_per_response"]["max"] == pytest.approx(3.0)
     # a round's cost in AR tokens: 10 tokens in 6 rounds over 2 s, 10 AR tokens in 4 s -> (2 / 6) / (4 / 10)
     assert fig["round_cost_ar_tokens"] == pytest.approx((2 / 6) / (4 / 10))
     assert fig["round_cost_ar_tokens"] == pytest.approx(fig["tau"] / fig["speedup"])
