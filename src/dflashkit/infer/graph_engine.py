@@ -531,9 +531,9 @@ class GraphEngine:
             self._tree_probs = torch.zeros(self.block_size - 1, self.w.vocab_size, device=dev)
             # the rank branches the build scores: made here, once (a copy from the host cannot be captured)
             self._tree_candidates = tree_candidates(self.block_size - 1, self.w.vocab_size, n - 1, dev)
-            if (
-                self._kernels
-            ):  # a table beyond the build kernel's one program: torch's top-k, captured as eager
+            # the kernels engine: a table beyond the build kernel's one program builds by torch's top-k (eager,
+            # captured as any step)
+            if self._kernels:
                 from dflashkit.infer import tree_kernels
 
                 fits = tree_kernels.builds(self._tree_candidates.shape[1])
