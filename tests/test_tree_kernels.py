@@ -73,11 +73,16 @@ def test_the_tree_kernels_give_the_torch_functions_outputs(device):
 def test_the_build_kernel_builds_the_torch_build_trees(device):
     """``tree_kernels.build`` (torch's top-k, then one launch) writes ``build_tree``'s nodes: confident and
     flat slots, budgets from 1 to 64, a tiny vocabulary (padding), and tokens of probability 0 among the top
-    ones (more padding, which must land where the torch build puts it)."""
+    ones (more padding, which must land where the torch build puts it). A candidate table past its one
+    program's (7 slots, 64 nodes: 6,005 branches) is refused, naming the torch build."""
     from dflashkit.infer.tree import tree_candidates
 
     cases = [(7, 200, 1, 0.5), (7, 200, 8, 3.0), (7, 200, 31, 9.0), (7, 200, 32, 0.5), (7, 200, 32, 3.0)]
-    cases += [(7, 200, 64, 2.0), (15, 300, 16, 3.0), (3, 4, 20, 1.0), (2, 12, 16, "zeros")]
+    cases += [(5, 200, 64, 2.0), (15, 300, 16, 3.0), (3, 4, 20, 1.0), (2, 12, 16, "zeros")]
+    big = tree_candidates(7, 200, 64, device)
+    with pytest.raises(ValueError, match="build this tree with tree.build_tree"):
+        tree_kernels.build(torch.tensor([77], device=device), torch.rand(7, 200, device=device), big,
+                           torch.zeros(3, 65, dtype=torch.long, device=device))  # fmt: skip
     for seed, (slots, vocab, budget, sharp) in enumerate(cases):
         gen = torch.Generator().manual_seed(seed)
         if sharp == "zeros":  # 10 of the 12 tokens impossible in every slot: 6 branches for 16 nodes
