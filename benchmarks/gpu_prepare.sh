@@ -31,9 +31,10 @@
 #     TREE_DATA=/root/work/heldout TREE_ENGINE=graphs-kernels bash benchmarks/gpu_prepare.sh part join heldout tree  # [p4]
 #   here: python benchmarks/tree_vs_chain.py --from tree-vs-chain-15-s39.json --update-results 15 (tree_tau_gain at
 #   the served budget; decode_steps.json's is the twenty-ninth session's, block 8)
-# Prediction: tree-15 on MT-Bench +25-35% tau over the chain at +2-8% round cost (its [1, 16] step is the chain's
-# [1, 16] verify; command 1 of the thirty-eighth: +1.4% in the steps alone), so issue 16's tree goal (+30% at <=
-# +10%) met or within 5 points; tree-64 builds through torch (one captured graph still) at +35-45% round cost.
+# Prediction: tree-15 on MT-Bench +24-30% tau over the chain (the CPU, float32, 48 first turns: +26.5%) at +2-8% round
+# cost (its [1, 16] step is the chain's [1, 16] verify; command 1 of the thirty-eighth: +1.4% in the steps alone), so
+# issue 16's tree goal (+30% at <= +10%) within 6 points of its tau, its cost met; tree-64 builds through torch (one
+# captured graph still) at +35-45% round cost.
 # Thirty-eighth session, as run: RESULTS "2026-12-06 (thirty-eighth session)" (commands 1-11).
 # Thirty-eighth session's plan (the thirty-seventh, one H100: block 16 on the third greedy set took held-out served
 # tau 3.753 -> 3.851 and became the drafter in git; the table 2.65 / 2.88 / 2.84 / 3.00x, every tau goal met, GSM8K
