@@ -81,8 +81,8 @@ def test_the_build_kernel_builds_the_torch_build_trees(device):
     cases += [(5, 200, 64, 2.0), (15, 300, 16, 3.0), (3, 4, 20, 1.0), (2, 12, 16, "zeros")]
     big = tree_candidates(7, 200, 64, device)
     with pytest.raises(ValueError, match="build this tree with tree.build_tree"):
-        tree_kernels.build(torch.tensor([77], device=device), torch.rand(7, 200, device=device), big,
-                           torch.zeros(3, 65, dtype=torch.long, device=device))  # fmt: skip
+        out = torch.zeros(3, 65, dtype=torch.long, device=device)
+        tree_kernels.build(torch.tensor([77], device=device), torch.rand(7, 200, device=device), big, out)
     for seed, (slots, vocab, budget, sharp) in enumerate(cases):
         gen = torch.Generator().manual_seed(seed)
         if sharp == "zeros":  # 10 of the 12 tokens impossible in every slot: 6 branches for 16 nodes

@@ -393,8 +393,11 @@ def figures(responses: list[Response], block_size: int, temperature: float) -> d
     ar_tps = sum(r.ar_new_tokens or 0 for r in timed) / ar_time if timed and ar_time > 0 else None
     # per reply: the baseline's rate and the speedup (a process's drift moves the whole spread, a few slow replies
     # its tail; the thirty-eighth session read one drafter's GSM8K at 2.88-3.05x in three processes)
-    paired = [r for r in timed if r.ar_seconds and r.ar_new_tokens and r.spec_seconds > 0]
-    ar_rates = [(r.ar_new_tokens or 0) / (r.ar_seconds or 1.0) for r in paired]
+    paired = [
+        (r, r.ar_new_tokens / r.ar_seconds)
+        for r in timed
+        if r.ar_seconds and r.ar_new_tokens and r.spec_seconds > 0
+    ]
     fig: dict[str, Any] = {
         "temperature": temperature,
         "rule": "rejection" if temperature > 0 else "greedy",
@@ -411,10 +414,8 @@ def figures(responses: list[Response], block_size: int, temperature: float) -> d
         "spec_tokens_per_second": spec_tps,
         "ar_tokens_per_second": ar_tps,
         "speedup": spec_tps / ar_tps if ar_tps else None,
-        "ar_tokens_per_second_per_response": spread(ar_rates),
-        "speedup_per_response": spread(
-            [r.new_tokens / r.spec_seconds / rate for r, rate in zip(paired, ar_rates, strict=True)]
-        ),
+        "ar_tokens_per_second_per_response": spread([rate for _, rate in paired]),
+        "speedup_per_response": spread([r.new_tokens / r.spec_seconds / rate for r, rate in paired]),
     }
     # what a round costs in autoregressive tokens (tau / speedup): with tau, what the speedup is made of
     fig["round_cost_ar_tokens"] = round_cost(fig)
