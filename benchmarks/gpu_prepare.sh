@@ -20,6 +20,10 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
+# Fortieth session's plan: the thirty-ninth's, below, unrun (that session's device time went to a try that was cut off
+# before it kept anything). Its prediction, now from 48 MT-Bench first turns replayed exactly on the CPU
+# (`tree_policy.py`, float32, 128 tokens): trees of 15 +26.5% tau over the chain (8 / 16 / 24 / 32 nodes: +16.7 /
+# +27.8 / +32.4 / +36.4%), so bf16 on 24 prompts of 256 tokens should read +24-30%.
 # Thirty-ninth session's plan (the thirty-eighth, one H100: a tree-15 round costs the same at block 8 and 16, 0.780
 # against 0.786 ms; the fourth greedy round gave held-out served tau 3.851 -> 3.876 but -1% tau on trees: not adopted;
 # the drafter in git over three processes GSM8K 2.88 / 2.92 / 3.05x, HumanEval 2.84 / 2.86 / 2.86x, its taus the same

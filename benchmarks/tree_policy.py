@@ -32,7 +32,7 @@ flat slot).
 
     python benchmarks/tree_policy.py trace --drafter benchmarks/drafters/embedded-gpu-more --set mtbench \\
         --max-prompts 48 --max-new-tokens 128 --out /tmp/trace-mtbench.pt
-    python benchmarks/tree_policy.py replay /tmp/trace-mtbench.pt --fit /tmp/trace-gsm8k.pt --budget 15 --summary
+    python benchmarks/tree_policy.py replay /tmp/trace-mtbench.pt --fit /tmp/trace-gsm8k.pt --budgets 8,15,32 --summary
 """
 
 from __future__ import annotations
@@ -208,16 +208,10 @@ def replay_response(r: dict, policy: Policy, budget: int, max_new: int, eos: set
 # calibration: a node's chance of matching the target given that its parent matched
 
 
-def bin_of(p: float, bins: int) -> int:
-    """Bins of -log2 p: [0, 1/bins), ... up to 2^-12."""
-    return min(int(-math.log2(max(p, 1e-12)) * bins / 12 * 4), bins * 4 - 1) if p < 1 else 0
-
-
-def fit_calibration(traces: list[dict], bins: int) -> dict:
-    """Counts of (matches, nodes) per (depth group, on_main, rank 0 or not, probability bin) over every anchor
-    of ``traces``: a node counts when its parent is on the target's path (the target's tokens up to it are
-    each within their slot's top tokens) and it matches when its token is the target's."""
-    counts: dict[tuple[int, bool, bool, int], list[int]] = {}
+def observed_nodes(traces: list[dict]):
+    """Every node whose parent is on the target's path, at every anchor of ``traces``: (depth, on_main, rank,
+    drafter probability, matched). A slot's top tokens all count under the target's branch while that branch's
+    tokens are each within their slot's top tokens; ``on_main``: the branch so far holds only best tokens."""
     for tr in traces:
         for r in tr["responses"]:
             tokens, ids, probs = r["tokens"], r["ids"].tolist(), r["probs"].tolist()
@@ -226,36 +220,36 @@ def fit_calibration(traces: list[dict], bins: int) -> dict:
                 for d in range(1, len(ids[j]) + 1):
                     truth = tokens[j + d] if j + d < len(tokens) else None
                     for rank, (tok, p) in enumerate(zip(ids[j][d - 1], probs[j][d - 1], strict=True)):
-                        key = (min(d, 8), on_main, rank == 0, bin_of(p, bins))
-                        c = counts.setdefault(key, [0, 0])
-                        c[0] += tok == truth
-                        c[1] += 1
+                        yield d, on_main, rank, p, tok == truth
                     if truth not in ids[j][d - 1]:
                         break
                     on_main = on_main and ids[j][d - 1][0] == truth
+
+
+def bin_of(p: float, bins: int) -> int:
+    """The bin of -log2 p: ``bins`` a factor of 8, the last one from 2^-12 down."""
+    return min(int(-math.log2(max(p, 1e-12)) * bins / 3), 4 * bins - 1)
+
+
+def fit_calibration(traces: list[dict], bins: int) -> dict:
+    """Counts of (matched, nodes) per (depth up to 8, on_main, best token or not, probability bin)."""
+    counts: dict[tuple[int, bool, bool, int], list[int]] = {}
+    for d, on_main, rank, p, matched in observed_nodes(traces):
+        c = counts.setdefault((min(d, 8), on_main, rank == 0, bin_of(p, bins)), [0, 0])
+        c[0] += matched
+        c[1] += 1
     return {"bins": bins, "counts": counts}
 
 
 def calibration_summary(traces: list[dict]) -> list[dict]:
-    """Per depth, for a node whose parent is on the target's path: how often each slot's best token, and any
-    other of its top tokens, matches the target, beside the drafter's mean probability for them, split by
-    whether the parent's branch holds only best tokens (``on_main``)."""
+    """Per (depth, on_main, best token or not): how often such a node matches the target, beside the
+    drafter's mean probability for it."""
     sums: dict[tuple[int, bool, bool], list[float]] = {}
-    for tr in traces:
-        for r in tr["responses"]:
-            tokens, ids, probs = r["tokens"], r["ids"].tolist(), r["probs"].tolist()
-            for j in range(len(ids)):
-                on_main = True
-                for d in range(1, len(ids[j]) + 1):
-                    truth = tokens[j + d] if j + d < len(tokens) else None
-                    for rank, (tok, p) in enumerate(zip(ids[j][d - 1], probs[j][d - 1], strict=True)):
-                        s = sums.setdefault((d, on_main, rank == 0), [0.0, 0.0, 0.0])
-                        s[0] += tok == truth
-                        s[1] += p
-                        s[2] += 1
-                    if truth not in ids[j][d - 1]:
-                        break
-                    on_main = on_main and ids[j][d - 1][0] == truth
+    for d, on_main, rank, p, matched in observed_nodes(traces):
+        s = sums.setdefault((d, on_main, rank == 0), [0.0, 0.0, 0.0])
+        s[0] += matched
+        s[1] += p
+        s[2] += 1
     return [
         {"depth": d, "on_main": m, "best": b, "nodes": int(n), "matched": hits / n, "drafter_p": ps / n}
         for (d, m, b), (hits, ps, n) in sorted(sums.items())
@@ -297,8 +291,9 @@ def replay(args: argparse.Namespace) -> None:
         "product": product_policy,
         "product (best-first)": lambda pr, b: best_first(lambda d, r, p, m: p, pr, b),
     }
-    if args.summary:
-        for row in calibration_summary(traces):
+    summary = calibration_summary(traces) if args.summary else []
+    if summary:
+        for row in summary:
             print(
                 f"depth {row['depth']:2d} {'main' if row['on_main'] else 'off ':4s} "
                 f"{'best ' if row['best'] else 'other'} nodes {row['nodes']:6d} matched {row['matched']:.3f} "
@@ -308,14 +303,17 @@ def replay(args: argparse.Namespace) -> None:
         table = fit_calibration([torch.load(t, weights_only=False) for t in args.fit], args.bins)
         for prior in args.priors:
             policies[f"calibrated (prior {prior:g})"] = calibrated_policy(table, prior)
-        summary = calibration_summary([torch.load(t, weights_only=False) for t in args.fit])
-        policies["scaled"] = scaled_policy(summary)
+        policies["scaled"] = scaled_policy(
+            calibration_summary([torch.load(t, weights_only=False) for t in args.fit])
+        )
     rows = []
     for tr in traces:
         eos, max_new = set(tr["eos"]), tr["max_new_tokens"]
         chain_tau = None
-        for name, policy in policies.items():
-            budget = args.budget
+        runs = [(name, policy, budget) for budget in args.budgets for name, policy in policies.items()]
+        for name, policy, budget in runs:
+            if name == "chain" and chain_tau is not None:
+                continue  # the chain has no budget
             taus = [t for r in tr["responses"] for t in replay_response(r, policy, budget, max_new, eos)]
             tau = sum(taus) / len(taus)
             chain_tau = tau if name == "chain" else chain_tau
@@ -330,11 +328,19 @@ def replay(args: argparse.Namespace) -> None:
                     "gain_over_chain": gain,
                 }
             )
-            print(f"{tr['set']:10s} {name:26s} tau {tau:.3f}  {gain:+.1%}  ({len(taus)} rounds)", flush=True)
+            label = name if name == "chain" else f"{name}, {budget} nodes"
+            print(f"{tr['set']:10s} {label:36s} tau {tau:.3f}  {gain:+.1%}  ({len(taus)} rounds)", flush=True)
     if args.out:
         args.out.write_text(
             json.dumps(
-                {"budget": args.budget, "traces": args.traces, "fit": args.fit, "rows": rows}, indent=1
+                {
+                    "budgets": args.budgets,
+                    "traces": args.traces,
+                    "fit": args.fit,
+                    "rows": rows,
+                    "summary": summary,
+                },
+                indent=1,
             )
             + "\n"
         )
@@ -355,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     r = sub.add_parser("replay")
     r.add_argument("traces", nargs="+")
     r.add_argument("--fit", nargs="*", default=[], help="traces to fit the calibrated policy on")
-    r.add_argument("--budget", type=int, default=15)
+    r.add_argument("--budgets", type=lambda v: [int(b) for b in v.split(",")], default=[15])
     r.add_argument("--bins", type=int, default=4)
     r.add_argument("--priors", type=float, nargs="*", default=[4.0])
     r.add_argument("--summary", action="store_true", help="print matched rates against the drafter's p")
