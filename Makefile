@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports --no-cache  # the layers of pyproject.toml's [tool.importlinter]
-	$(PY) -m pytest -q -m "not llamacpp and not cpu_compile" --durations=12 tests  # the slowest twelve: where the minutes go
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not cpu_compile" --durations=12 tests  # one process a core; the slowest twelve: where the minutes go
 
 # Opt-in: the static engine's steps compiled by Inductor on the CPU (no command compiles them there: on a GPU the
 # same steps are captured, `pytest -m gpu`); ~4 minutes on 2 cores.

@@ -9,7 +9,9 @@ os.environ.setdefault(
     os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dflashkit-test-inductor-{os.getpid()}"),
 )
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# `make test` runs one pytest-xdist worker a core: each worker takes its share of the cores' threads
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _workers))
 
 # Without a GPU the decoder kernels (dflashkit.target.kernels) run in Triton's interpreter, which Triton reads
 # at its first import: before any test imports it.
