@@ -3,13 +3,13 @@
 At T = 0 a round's accepted path depends on two things only: the drafter's distributions at the round's anchor
 and the target's greedy continuation after it. Both are fixed by the prompt, whatever the earlier rounds
 accepted (the drafter's context is the committed tokens' target features, and the committed tokens are the
-target's greedy ones). So one pass that steps the target one token at a time and asks the drafter for its
-block at *every* position records all that any policy's rounds can meet, and any tree-building policy can be
+target's greedy ones). So one trace that asks the drafter for its block at *every* position records all that any policy's rounds can meet, and any tree-building policy can be
 replayed on it exactly, in milliseconds, without decoding again:
 
-    trace    decode each prompt greedily one token a round (the dynamic engine, float32 by default), and keep,
-             at every anchor, each drafted slot's top tokens and probabilities, and the target's continuation
-             (a drafted block past the end of the reply included, as the served walk sees it);
+    trace    decode each prompt greedily (float32 by default), read the target's features of the reply in one
+             pass, and ask the drafter for its block at every anchor, one context row at a time (the dynamic
+             engine); keep each drafted slot's top tokens and probabilities, and the target's continuation (a
+             drafted block past the end of the reply included, as the served walk sees it);
     replay   decode each trace with a policy: rounds from the first token, the tree the policy builds from the
              anchor's slots, the walk along the target's tokens, the same stopping rules as serving (EOS, the
              new-token limit), and print tau per policy.
@@ -102,7 +102,8 @@ def trace(args: argparse.Namespace) -> None:
     from dflashkit.target.hf import TargetModel
     from dflashkit.target.tokenizer import serving_tokenizer
 
-    torch.set_num_threads(args.threads) if args.threads else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     target = TargetModel.load("embedded", dtype=dtype, device="cpu")
     drafter = load_drafter(args.drafter, target, dtype=dtype, device="cpu", verify=False).eval()
@@ -157,9 +158,8 @@ def best_first(score: Callable[[int, int, float, bool], float], probs: torch.Ten
     D = probs.shape[0]
     p = probs.tolist()
     nodes = [(-1, 0, 0)]
-    frontier: list[
-        tuple[float, int, int, int, int, bool]
-    ] = []  # (-score, order, parent, depth, rank, on_main)
+    # (-score, order pushed, parent, depth, rank, on_main)
+    frontier: list[tuple[float, int, int, int, int, bool]] = []
     order = iter(range(1 << 62))  # ties: the node pushed first (shallower, then better ranked)
 
     def push(parent: int, depth: int, value: float, on_main: bool) -> None:
@@ -178,16 +178,16 @@ def best_first(score: Callable[[int, int, float, bool], float], probs: torch.Ten
     return nodes
 
 
-def walk(nodes: list[tuple[int, int, int]], slot_ids: torch.Tensor, future: Sequence[int]) -> int:
-    """Accepted drafted nodes: from the root, into the child whose token is the target's next, while one is."""
-    children: dict[int, dict[int, int]] = {}
-    for i, (parent, depth, r) in enumerate(nodes[1:], start=1):
-        children.setdefault(parent, {})[int(slot_ids[depth - 1, r])] = i
-    at, accepted = 0, 0
-    while accepted < len(future) and future[accepted] in children.get(at, {}):
-        at = children[at][future[accepted]]
-        accepted += 1
-    return accepted
+def accepted_nodes(nodes: list[tuple[int, int, int]], slot_ids: torch.Tensor, future: Sequence[int]) -> int:
+    """The drafted nodes serving's walk (``tree.accepted_path``) accepts: the target's choice after a node of
+    depth d is ``future[d]`` wherever the walk can reach it (its branch is the target's tokens so far)."""
+    from dflashkit.infer.tree import DraftTree, accepted_path
+
+    tokens = [0] + [int(slot_ids[depth - 1, r]) for _, depth, r in nodes[1:]]
+    tree = DraftTree.of(tokens, [parent for parent, _, _ in nodes])
+    choices = [future[depth] if depth < len(future) else -1 for _, depth, _ in nodes]
+    path, _ = accepted_path(tree, choices)
+    return len(path) - 1
 
 
 def replay_response(r: dict, policy: Policy, budget: int, max_new: int, eos: set[int]) -> list[int]:
@@ -197,7 +197,9 @@ def replay_response(r: dict, policy: Policy, budget: int, max_new: int, eos: set
     stopped = tokens[0] in eos
     while not stopped and n < max_new:
         j = n - 1  # the anchor
-        acc = walk(policy(r["probs"][j], budget), r["ids"][j], tokens[j + 1 : j + 1 + r["ids"].shape[1]])
+        acc = accepted_nodes(
+            policy(r["probs"][j], budget), r["ids"][j], tokens[j + 1 : j + 1 + r["ids"].shape[1]]
+        )
         taus.append(acc + 1)
         added = tokens[n : n + acc + 1][: max_new - n]
         stopped = any(t in eos for t in added)
@@ -300,12 +302,11 @@ def replay(args: argparse.Namespace) -> None:
                 f"drafter p {row['drafter_p']:.3f}"
             )
     if args.fit:
-        table = fit_calibration([torch.load(t, weights_only=False) for t in args.fit], args.bins)
+        fit = [torch.load(t, weights_only=False) for t in args.fit]
+        table = fit_calibration(fit, args.bins)
         for prior in args.priors:
             policies[f"calibrated (prior {prior:g})"] = calibrated_policy(table, prior)
-        policies["scaled"] = scaled_policy(
-            calibration_summary([torch.load(t, weights_only=False) for t in args.fit])
-        )
+        policies["scaled"] = scaled_policy(calibration_summary(fit))
     rows = []
     for tr in traces:
         eos, max_new = set(tr["eos"]), tr["max_new_tokens"]

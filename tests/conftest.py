@@ -18,7 +18,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _workers))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # The interpreter checks every int32 add, sub and mul for overflow, which a GPU build does only in debug
-    # mode; at the tests' small shapes no index comes near 2^31, and the checks cost 10-20% of the kernel tests.
+    # mode; at the tests' small shapes no index comes near 2^31, and the checks cost 10-25% of the kernel tests.
     try:
         import dataclasses
 
