@@ -701,7 +701,7 @@ for s in "$@"; do
       # session's two runs on graphs-kernels with budgets up to 64 were cut silently)
       PYTHONUNBUFFERED=1 timeout -s ABRT $(cap 420) python3 -X faulthandler benchmarks/tree_vs_chain.py \
         --drafter ${DRAFTER:-$W/run-recipe/best} --data ${TREE_DATA:-$W/recipe} \
-        --engine ${TREE_ENGINE:-graphs} --dtype bfloat16 --sets mtbench,heldout --budgets ${BUDGETS:-8,16,32,64} \
+        --engine ${TREE_ENGINE:-graphs} --dtype bfloat16 --sets ${TREE_SETS:-mtbench,heldout} --budgets ${BUDGETS:-8,16,32,64} \
         --max-prompts ${TREE_PROMPTS:-16} --max-new-tokens 256 --out "$OUT" ${TREE_ARGS:-} 2>&1 | grep -v "Loading weights" \
         | tee "$OUT/tree_vs_chain.log" | tail -24 ;;
     placements)
