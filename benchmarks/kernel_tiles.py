@@ -88,9 +88,10 @@ VARIANTS = {
     # a tree of more than 16 rows in 32 columns a program (16 by default: 32 spills at 32 rows)
     "treecolumns32": Tiles(tree_columns=32),
     "treecolumns32-inner128": Tiles(tree_columns=32, tree_inner=128),
-    # the same with 8 warps a matmul program (a block's too): half the registers a thread for the 32 x 32 tile
-    "treecolumns32-bwarps8": Tiles(tree_columns=32, block_warps=8),
-    "treecolumns64-bwarps8": Tiles(tree_columns=64, block_warps=8),
+    # a tree's rows past 16 in tiles of 16 rows, each a program of its own with a block's columns and inner step
+    # (at 32 rows in one tile the gate/up program holds 255 registers a thread: two programs a multiprocessor)
+    "treerows16": Tiles(tree_rows=16),
+    "treerows16-inner256": Tiles(tree_rows=16, block_inner=256),
     # (a block's or a tree's matmuls as the token's matrix-vector products, variants mv8-mv32: measured 2.5-12x
     # slower than tl.dot, thirty-first session, and taken out: benchmarks/NOTES.md)
     # each kernel launched after the one before it has ended (the default launches it while that one runs,

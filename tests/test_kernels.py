@@ -131,23 +131,27 @@ SIXTEEN_NODES = [-1, 0, 1, 2, 0, 4, 5, 1, 7, 0, 9, 3, 11, 4, 13, 14]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("parents", "capacity", "rows"),
+    ("parents", "capacity", "rows", "tree_rows"),
     [
-        ([-1, 0, 1, 0, 3, 4, 1], 64, 64),  # two branches: rows 1, 2, 6 and 3, 4, 5
-        (WIDE_TREE, 128, 64),
-        (SIXTEEN_NODES, 64, 16),  # an attention program of 16 rows at most
+        ([-1, 0, 1, 0, 3, 4, 1], 64, 64, 0),  # two branches: rows 1, 2, 6 and 3, 4, 5
+        (WIDE_TREE, 128, 64, 0),
+        (SIXTEEN_NODES, 64, 16, 0),  # an attention program of 16 rows at most
+        (WIDE_TREE, 128, 64, 16),  # the matmuls' 33 rows in tiles of 16, 16 and 1, a program each
     ],
 )
-def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parents, capacity, rows, device):
+def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(
+    parents, capacity, rows, tree_rows, device
+):
     """A token tree after a prompt (each node turned by the root's position + its depth, reading the prompt,
     itself and its ancestors): the kernels' logits, kept features and cache rows equal ``slot_decoder.decode``
-    under the tree's mask in float32; a chain step after it (the tree's rows overwritten) still does."""
+    under the tree's mask in float32, the split-K counters left zero; a chain step after it (the tree's rows
+    overwritten) still does."""
     from dflashkit.infer.tree import DraftTree, ancestors
 
     w = DecoderWeights.from_hf(tiny_model().to(device))
     # a tree's rows split-K too, and its attention's splits merged by the last (of each row tile)
     split = dict(qkv_splits=2, up_splits=2, merge_in_attention=True)
-    tiles = Tiles(attention_positions=16, splits=4, attention_rows=rows, **split)
+    tiles = Tiles(attention_positions=16, splits=4, attention_rows=rows, tree_rows=tree_rows, **split)
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(3)
@@ -172,6 +176,7 @@ def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(parent
     for layer in range(len(w.layers)):
         torch.testing.assert_close(cache.k[layer][0], ref_cache.k[layer][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cache.v[layer][0], ref_cache.v[layer][0], atol=1e-5, rtol=1e-5)
+    assert not cache.counts.any(), "a launch left a count behind"
     ids = torch.randint(5, 300, (1, 4), generator=gen).to(device)
     start = torch.tensor([38], device=device)
     x, _ = decode(w, ref_cache, ids, zero, start, kv_len=42)

@@ -149,11 +149,13 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
         # 4), for a block; the attention's splits merged by the last, for a token and a block; attention
         # programs of 16 rows
         w = engine.w
+        # programs of 16 rows over a step of 24 (tree_rows: the rows' tiles a program axis)
         variants = kernels.Tiles(qkv_splits=2, up_splits=2, merge_in_attention=True, attention_rows=16)
-        for m in (1, 8):
+        row_tiles = kernels.Tiles(tree_rows=16)
+        for m, tiles in ((1, variants), (8, variants), (24, row_tiles)):
             ids, start = torch.zeros(1, m, dtype=torch.long), torch.zeros(1, dtype=torch.long)
             cache = SlotCache(w, slots=1, capacity=64)
-            kernels.decode_by_kernels(w, cache, ids, start, torch.empty(m, w.vocab_size), tiles=variants)
+            kernels.decode_by_kernels(w, cache, ids, start, torch.empty(m, w.vocab_size), tiles=tiles)
     return records
 
 
@@ -171,6 +173,11 @@ def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
         "residual_kernel",
     }
     assert any(r["values"].get("TREE") for r in records if r["name"] == "attention_kernel")
+    assert {r["name"] for r in records if r["values"].get("ROW_TILES", 1) > 1} == {
+        "qkv_kernel",
+        "up_kernel",
+        "residual_kernel",
+    }
     file = tmp_path / "launches.json"
     file.write_text(json.dumps(records))
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}

@@ -66,6 +66,21 @@ def weight_tile(W, rows, rows_ok, rk, k_ok, K: tl.constexpr):
 
 
 @triton.jit
+def row_tile(ROW_TILES: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A matmul program's column tile and its rows [BLOCK_M]. ROW_TILES > 1 (a tree's rows in tiles of
+    BLOCK_M): program axis 0 holds (column tile, row tile) with the row tiles of a column tile side by side,
+    so that the programs reading one weight tile run together (the second read from the L2 cache); each
+    program is then a block's, and a tile of more rows would hold more registers than fit two programs to a
+    multiprocessor (255 a thread at 32 rows, sm_90)."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    if ROW_TILES > 1:
+        rm += (pid % ROW_TILES) * BLOCK_M
+        pid = pid // ROW_TILES
+    return pid, rm
+
+
+@triton.jit
 def rows_times(a, w, DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """a [BLOCK_M, BLOCK_K] (float32 holding model-dtype values) times a weight tile w [BLOCK_N, BLOCK_K]:
     [BLOCK_M, BLOCK_N] float32, summed over this step of the inner dimension."""
@@ -159,6 +174,7 @@ def qkv_kernel(
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROW_TILES: tl.constexpr,  # the rows' tiles of BLOCK_M (1: all rows in one)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns per program, even: BLOCK_N / 2 rotary pairs
     BLOCK_K: tl.constexpr,
@@ -170,8 +186,10 @@ def qkv_kernel(
     that position's angle, or (TREE) by the angle of POS[m].
     SPLIT_K > 1 (a block's few column tiles): program (n, s) sums the s-th share of the inner dimension, and
     the share that arrives last for its tile adds them up and does the rest (``arrived_last``). LAYERS > 1:
-    program (n, s, l) does layer l's (the keys and values of every layer over the same rows, in one launch)."""
-    pid = tl.program_id(0)
+    program (n, s, l) does layer l's (the keys and values of every layer over the same rows, in one launch).
+    ROW_TILES > 1: the rows in tiles of BLOCK_M, each a program of its own (``row_tile``)."""
+    tile = tl.program_id(0)  # the split-K counters' index: one per (column tile, row tile)
+    pid, rm = row_tile(ROW_TILES, BLOCK_M)
     dt = W.dtype.element_ty
     N: tl.constexpr = NQD + 2 * NKD
     if LAYERS > 1:
@@ -185,7 +203,6 @@ def qkv_kernel(
         VC += layer * cache_layers
         PARTS += layer * SPLIT_K * M * N
         ARRIVED += layer * tl.num_programs(0)
-    rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
     n0 = pid * BLOCK_N  # this program's first column
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -210,7 +227,7 @@ def qkv_kernel(
     if SPLIT_K > 1:
         at = rm[:, None] * N + rn[None, :]
         ok = row_ok[:, None] & n_ok[None, :]
-        acc, last = split_k_summed(acc, PARTS, ARRIVED, pid, at, ok, M * N, SPLIT_K, BLOCK_M, BLOCK_N)
+        acc, last = split_k_summed(acc, PARTS, ARRIVED, tile, at, ok, M * N, SPLIT_K, BLOCK_M, BLOCK_N)
     if last:
         turned_and_written(
             acc, BIAS, QN, KN, ROT, START, POS, Q, KC, VC, eps, capacity, rm, row_ok, n0, rn, n_ok, dt,
@@ -420,6 +437,7 @@ def up_kernel(
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROW_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -427,10 +445,10 @@ def up_kernel(
 ):
     """rms_norm(x), its gate and up projections for BLOCK_N columns, and SwiGLU's product. SPLIT_K > 1:
     program (n, s) sums the s-th share of the inner dimension; the last share of a tile adds them up and
-    does the product."""
-    pid = tl.program_id(0)
+    does the product. ROW_TILES > 1: the rows in tiles of BLOCK_M, each a program of its own (``row_tile``)."""
+    tile = tl.program_id(0)
+    pid, rm = row_tile(ROW_TILES, BLOCK_M)
     dt = W.dtype.element_ty
-    rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
@@ -460,11 +478,11 @@ def up_kernel(
         share = PARTS + tl.program_id(1) * (2 * M * I)
         share_written(share, gate, at, ok)
         share_written(share + M * I, up, at, ok)
-        last = arrived_last(ARRIVED, pid, SPLIT_K)
+        last = arrived_last(ARRIVED, tile, SPLIT_K)
         if last:
             gate = shares_summed(PARTS, at, ok, 2 * M * I, SPLIT_K, BLOCK_M, BLOCK_N)
             up = shares_summed(PARTS + M * I, at, ok, 2 * M * I, SPLIT_K, BLOCK_M, BLOCK_N)
-            tl.store(ARRIVED + pid, 0)
+            tl.store(ARRIVED + tile, 0)
     if last:
         gate = gate.to(dt).to(tl.float32)
         silu = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
@@ -487,6 +505,7 @@ def residual_kernel(
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROW_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -496,9 +515,10 @@ def residual_kernel(
     rounded to the model's dtype first, as the plain forward adds it). SPLIT_K > 1: program (n, s) sums the
     s-th share of the inner dimension (split-K: more programs for a matmul of few columns) and writes it to
     PARTS; the share that arrives last adds them up in order (the same sum whichever arrives last), does the
-    residual add and sets its tile's count back to zero for the next launch."""
-    pid = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
+    residual add and sets its tile's count back to zero for the next launch. ROW_TILES > 1: the rows in
+    tiles of BLOCK_M, each a program of its own (``row_tile``)."""
+    tile = tl.program_id(0)
+    pid, rm = row_tile(ROW_TILES, BLOCK_M)
     row_ok = rm < M
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < H
@@ -521,7 +541,7 @@ def residual_kernel(
     last = True
     if SPLIT_K > 1:
         at = rm[:, None] * H + rn[None, :]
-        acc, last = split_k_summed(acc, PARTS, ARRIVED, pid, at, ok, M * H, SPLIT_K, BLOCK_M, BLOCK_N)
+        acc, last = split_k_summed(acc, PARTS, ARRIVED, tile, at, ok, M * H, SPLIT_K, BLOCK_M, BLOCK_N)
     if last:
         x_at = X + rm[:, None] * H + rn[None, :]
         x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)

@@ -79,6 +79,12 @@ class Tiles:
     # round 0.785 -> 0.762; no spill (kernel_registers.py)
     block_inner: int = 512
     tree_inner: int = 256  # the step for more than 16 rows (a tree's): block_inner's for 16 until measured
+    # a matmul program's rows past 16 (a tree's): 0, all of a step's rows in one tile (tree_columns, tree_inner);
+    # 16 (or 32 ...), tiles of that many rows, each a program of its own with a block's columns and inner step.
+    # At 32 rows in one tile the gate/up program holds 255 registers a thread (sm_90, kernel_registers.py): two
+    # programs a multiprocessor, 384 programs in 1.45 waves; 16-row tiles hold ~128, one wave. Off until
+    # measured (kernel_tiles' treerows16)
+    tree_rows: int = 0
     attention_positions: int = 64
     # an attention program's rows (new tokens x query heads of a group) at most: a tree of 16 rows and 3 query
     # heads a group has 48, a block of 8 has 24. Measured (kernel_tiles, 2026-12-05, one H100): 16 against 64
@@ -108,18 +114,30 @@ class Tiles:
 
     def __post_init__(self) -> None:
         flags = ("warps", "pdl", "merge_in_attention", "residual_pdl")
-        sizes = {k: v for k, v in vars(self).items() if k not in flags}
+        sizes = {k: v for k, v in vars(self).items() if k not in flags and not (k == "tree_rows" and v == 0)}
         odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
         narrow = min(self.block_columns, self.tree_columns, self.attention_rows) < DOT_ROWS
+        narrow = narrow or 0 < self.tree_rows < DOT_ROWS
         if odd or self.qkv_columns < 2 or narrow:
             raise ValueError(
-                f"Tiles: {', '.join(odd) or 'qkv_columns, block_columns, tree_columns and attention_rows'}: each a "
-                "power of 2, qkv_columns at least 2 (rotary pairs), block_columns, tree_columns and attention_rows "
-                "at least 16 (tl.dot)"
+                f"Tiles: {', '.join(odd) or 'qkv_columns, block_columns, tree_columns, attention_rows, tree_rows'}:"
+                " each a power of 2, qkv_columns at least 2 (rotary pairs), block_columns, tree_columns and "
+                "attention_rows at least 16 (tl.dot), tree_rows 0 or at least 16"
             )
 
+    def tile_rows(self, rows: int) -> int:
+        """The rows of a matmul program's tile in a step of ``rows`` rows: all of them, or (``tree_rows``, past
+        DOT_ROWS rows) at most tree_rows."""
+        return min(rows, self.tree_rows) if self.tree_rows and rows > DOT_ROWS else rows
+
+    def row_tiles(self, rows: int) -> int:
+        """How many row tiles a matmul of ``rows`` rows takes (programs along axis 0 per column tile)."""
+        return -(-rows // self.tile_rows(rows))
+
     def columns(self, kernel: str, rows: int) -> int:
-        """A program's output columns: a token's per kernel, a block's (up to DOT_ROWS rows), a tree's (more)."""
+        """A program's output columns: a token's per kernel, a block's (up to DOT_ROWS rows), a tree's (more);
+        for a tile's rows (``tile_rows``)."""
+        rows = self.tile_rows(rows)
         if rows > DOT_ROWS:
             return self.tree_columns
         return self.block_columns if rows > 1 else getattr(self, f"{kernel}_columns")
@@ -127,7 +145,8 @@ class Tiles:
     def inner(self, k: int, rows: int, columns: int) -> int:
         """The inner dimension's step for a matmul of inner size k: a power of 2, at least 32, at most k's."""
         # a block (up to 16 rows: tl.dot pads them to 16) takes ``block_inner``, a tree (more rows) ``tree_inner``
-        # (measured: a 33-row tree step 1.36 -> 1.18 ms at 4x the step, 2026-12-05)
+        # (measured: a 33-row tree step 1.36 -> 1.18 ms at 4x the step, 2026-12-05); for a tile's rows
+        rows = self.tile_rows(rows)
         if rows > DOT_ROWS:
             step = self.tree_inner
         elif rows > 1:
@@ -230,7 +249,8 @@ def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
         **pdl_args(w.embed.device, tiles.pdl),
     )
     matmul = dict(common, num_warps=tiles.block_warps) if block else common
-    return common, dict(DOT=block, BLOCK_M=_pow2(m) if block else 1, **matmul)
+    rows = _pow2(tiles.tile_rows(m)) if block else 1
+    return common, dict(DOT=block, BLOCK_M=rows, ROW_TILES=tiles.row_tiles(m), **matmul)
 
 
 def _launch_qkv(
@@ -264,7 +284,7 @@ def _launch_qkv(
     cols = qkv_columns(w, tiles, m)
     splits, parts, arrived = split or (1, x, start)
     step, share, n = shares(tiles, hidden, splits, m, cols)
-    grid = (triton_cdiv(nqd + 2 * nk * d, cols), n, layers)
+    grid = (triton_cdiv(nqd + 2 * nk * d, cols) * tiles.row_tiles(m), n, layers)
     dummy = norm
     _compiled().qkv[grid](
         x, norm, W, dummy if bias is None else bias, dummy if q_norm is None else q_norm,
@@ -343,7 +363,8 @@ def write_keys_values(
     if most > 1 and tiles.qkv_splits > 1:
         cols = qkv_columns(w, tiles, most)
         partials = torch.empty(layers * tiles.qkv_splits * most * n, dtype=torch.float32, device=x.device)
-        arrived = counters(cache, layers * triton_cdiv(n, cols))  # the shares done per layer and column tile
+        # the shares done per layer, column tile and row tile
+        arrived = counters(cache, layers * triton_cdiv(n, cols) * tiles.row_tiles(most))
         split = (tiles.qkv_splits, partials, arrived)
     k_cache, v_cache = cache.k[0][0], cache.v[0][0]
     between = cache.keys.stride(0)  # one layer's cache to the next's (values alike)
@@ -421,7 +442,7 @@ def decode_by_kernels(
         split_k["up"] * 2 * m * width,
         split_k["residual"] * m * hidden,
     )
-    tiles_most = max(
+    tiles_most = t.row_tiles(m) * max(
         triton_cdiv((nq + 2 * nk) * d, qkv_cols),
         triton_cdiv(width, cols["up"]),
         triton_cdiv(hidden, cols["residual"]),
@@ -433,7 +454,7 @@ def decode_by_kernels(
     grids = {
         "attention": (nk, splits, row_tiles),
         "merge": (m * nq,),
-        "up": (triton_cdiv(width, cols["up"]),),
+        "up": (triton_cdiv(width, cols["up"]) * t.row_tiles(m),),
     }
 
     def residual(inner: int) -> tuple[tuple[int, int], dict]:
@@ -442,7 +463,8 @@ def decode_by_kernels(
         sizes = dict(M=m, H=hidden, K=inner, SPLIT_K=n, SHARE=share, BLOCK_N=cols["residual"])
         plain = {k: v for k, v in matmul.items() if k not in ("GDC", "launch_pdl")}
         launch = plain | pdl_args(x.device, t.pdl and t.residual_pdl)
-        return (triton_cdiv(hidden, cols["residual"]), n), dict(BLOCK_K=step, **sizes, **launch)
+        grid = (triton_cdiv(hidden, cols["residual"]) * t.row_tiles(m), n)
+        return grid, dict(BLOCK_K=step, **sizes, **launch)
 
     o_grid, o_sizes = residual(nq * d)
     down_grid, down_sizes = residual(width)
