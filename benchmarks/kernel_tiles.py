@@ -248,6 +248,12 @@ def main() -> None:
             steps[name, m] = fn
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
+        # said as soon as measured: a command cut by its time limit keeps these
+        print(
+            f"timed {name}: [1,1] {row['step_ms_1']:.3f} ms  [1,8] {row['step_ms_8']:.3f} ms  "
+            f"tree [1,{tree.shape[1]}] {row['step_ms_tree']:.3f} ms  ({row['seconds']:.0f} s)",
+            flush=True,
+        )
     # the graphs-layers engine's steps on the same shapes (the same random target, from a folder), before
     # any profile too
     import tempfile
