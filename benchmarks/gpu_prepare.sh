@@ -20,7 +20,7 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Forty-first session's plan: the fortieth's twelve calls started no machine (1,527 s of refused starts), so its plan
+# Forty-first session's plan: the fortieth's thirteen calls started no machine (1,542 s of refused starts), so its plan
 # stands, with a tree's rows in tiles of 16 first (`Tiles.tree_rows`, built then; NOTES "Fortieth session": the
 # prediction). Name a kind on EVERY call (nvidia-h100-x1; on a refusal nvidia-h200, after the wait it names) and
 # chain the commands with no pause:
