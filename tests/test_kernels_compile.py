@@ -149,9 +149,8 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
         # 4), for a block; the attention's splits merged by the last, for a token and a block; attention
         # programs of 16 rows
         w = engine.w
-        # programs of 16 rows over a step of 24 (tree_rows: the rows' tiles a program axis)
         variants = kernels.Tiles(qkv_splits=2, up_splits=2, merge_in_attention=True, attention_rows=16)
-        row_tiles = kernels.Tiles(tree_rows=16)
+        row_tiles = kernels.Tiles(tree_rows=16)  # a step of 24 rows in programs of 16 (a program axis)
         for m, tiles in ((1, variants), (8, variants), (24, row_tiles)):
             ids, start = torch.zeros(1, m, dtype=torch.long), torch.zeros(1, dtype=torch.long)
             cache = SlotCache(w, slots=1, capacity=64)

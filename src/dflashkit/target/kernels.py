@@ -284,7 +284,7 @@ def _launch_qkv(
     cols = qkv_columns(w, tiles, m)
     splits, parts, arrived = split or (1, x, start)
     step, share, n = shares(tiles, hidden, splits, m, cols)
-    grid = (triton_cdiv(nqd + 2 * nk * d, cols) * tiles.row_tiles(m), n, layers)
+    grid = (triton_cdiv(nqd + 2 * nk * d, cols) * matmul["ROW_TILES"], n, layers)
     dummy = norm
     _compiled().qkv[grid](
         x, norm, W, dummy if bias is None else bias, dummy if q_norm is None else q_norm,
@@ -413,6 +413,7 @@ def decode_by_kernels(
     width = w.layers[0].gate_up.shape[0] // 2
     t = tiles
     common, matmul = _launch_args(w, m, t)
+    matmul_row_tiles = matmul["ROW_TILES"]  # a matmul's programs per column tile (``Tiles.tree_rows``)
     pdl = {k: common[k] for k in ("GDC", "launch_pdl") if k in common}  # the merge's (no matmul options)
     cols = {name: t.columns(name, m) for name in ("up", "residual")}
     # splits along the positions: fewer for a cache that holds fewer steps of positions (a power of 2)
@@ -442,7 +443,7 @@ def decode_by_kernels(
         split_k["up"] * 2 * m * width,
         split_k["residual"] * m * hidden,
     )
-    tiles_most = t.row_tiles(m) * max(
+    tiles_most = matmul_row_tiles * max(
         triton_cdiv((nq + 2 * nk) * d, qkv_cols),
         triton_cdiv(width, cols["up"]),
         triton_cdiv(hidden, cols["residual"]),
@@ -454,7 +455,7 @@ def decode_by_kernels(
     grids = {
         "attention": (nk, splits, row_tiles),
         "merge": (m * nq,),
-        "up": (triton_cdiv(width, cols["up"]) * t.row_tiles(m),),
+        "up": (triton_cdiv(width, cols["up"]) * matmul_row_tiles,),
     }
 
     def residual(inner: int) -> tuple[tuple[int, int], dict]:
@@ -463,7 +464,7 @@ def decode_by_kernels(
         sizes = dict(M=m, H=hidden, K=inner, SPLIT_K=n, SHARE=share, BLOCK_N=cols["residual"])
         plain = {k: v for k, v in matmul.items() if k not in ("GDC", "launch_pdl")}
         launch = plain | pdl_args(x.device, t.pdl and t.residual_pdl)
-        grid = (triton_cdiv(hidden, cols["residual"]) * t.row_tiles(m), n)
+        grid = (triton_cdiv(hidden, cols["residual"]) * matmul_row_tiles, n)
         return grid, dict(BLOCK_K=step, **sizes, **launch)
 
     o_grid, o_sizes = residual(nq * d)
