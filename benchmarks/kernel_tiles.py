@@ -62,6 +62,9 @@ VARIANTS = {
     "qusplit8": Tiles(qkv_splits=8, up_splits=8),
     "qsplit8": Tiles(qkv_splits=8),  # (a drafter's qkv: one head a program, 15 column tiles)
     "fusedmerge": Tiles(merge_in_attention=True),  # no merge kernel: the attention's last split merges
+    # fewer attention programs along the positions for a drafter's short context (measured: slower)
+    "splits2": Tiles(splits=2),
+    "splits2-fusedmerge": Tiles(splits=2, merge_in_attention=True),
     # a tree's matmul step (more than 16 rows; 256 by default, as 16 rows')
     "treeinner128": Tiles(tree_inner=128),
     "treeinner512": Tiles(tree_inner=512),
@@ -89,8 +92,10 @@ VARIANTS = {
     "treecolumns32": Tiles(tree_columns=32),
     "treecolumns32-inner128": Tiles(tree_columns=32, tree_inner=128),
     # a tree's rows past 16 in tiles of 16 rows, each a program of its own with a block's columns and inner step
-    # (at 32 rows in one tile the gate/up program holds 255 registers a thread: two programs a multiprocessor)
+    # (at 32 rows in one tile the gate/up program holds 255 registers a thread: two programs a multiprocessor);
+    # the default since the forty-first session, and treerows0 the tile of all rows before it
     "treerows16": Tiles(tree_rows=16),
+    "treerows0": Tiles(tree_rows=0),
     "treerows16-inner256": Tiles(tree_rows=16, block_inner=256),
     # (a block's or a tree's matmuls as the token's matrix-vector products, variants mv8-mv32: measured 2.5-12x
     # slower than tl.dot, thirty-first session, and taken out: benchmarks/NOTES.md)

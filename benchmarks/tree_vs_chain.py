@@ -397,6 +397,12 @@ def update_results(report: dict[str, Any], source: str, config: str) -> None:
             }
             for k, r in rows.items()
         },
+        # every tree of the report beside it (MT-Bench): what the chosen budget was chosen from
+        "mtbench_budgets": {
+            c: {key: r[key] for key in ("tau_gain_vs_chain", "round_cost_vs_chain", "speedup")}
+            for c, r in report["sets"]["mtbench"]["configs"].items()
+            if c.startswith("tree-")
+        },
     }
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"{RESULTS}: tree_tau_gain {results['tree_tau_gain']:.3f} (MT-Bench, {name})")

@@ -227,13 +227,18 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
             Tiles(**narrow)
     with pytest.raises(ValueError, match="tree_inner=96"):
         Tiles(tree_inner=96)
-    # the matmul's inner step: a token's from the products a program holds, a block's and a tree's (more than
-    # 16 rows) their own, each at most the inner size
-    t = Tiles(products=16384, block_inner=256, tree_inner=512)
+    # the matmul's inner step: a token's from the products a program holds, a block's and (tree_rows=0: all of
+    # a step's rows in one tile) a tree's (more than 16 rows) their own, each at most the inner size
+    t = Tiles(products=16384, block_inner=256, tree_inner=512, tree_rows=0)
     assert [t.inner(2048, rows, 16) for rows in (2, 8, 16, 17, 64)] == [256, 256, 256, 512, 512]
     # a program's output columns: a token's per kernel, a block's up to 16 rows, a tree's beyond
-    t = Tiles(up_columns=4, block_columns=32, tree_columns=16)
+    t = Tiles(up_columns=4, block_columns=32, tree_columns=16, tree_rows=0)
     assert [t.columns("up", rows) for rows in (1, 2, 16, 17, 32)] == [4, 32, 32, 16, 16]
+    # by default a tree's rows go in tiles of 16: each tile a block's program (its columns and inner step)
+    t = Tiles(block_inner=256, tree_inner=512, block_columns=32, tree_columns=16)
+    assert [t.inner(2048, rows, 16) for rows in (8, 17, 64)] == [256, 256, 256]
+    assert [t.columns("up", rows) for rows in (8, 17, 64)] == [32, 32, 32]
+    assert [t.row_tiles(rows) for rows in (1, 16, 17, 21, 33)] == [1, 1, 2, 2, 3]
     assert t.inner(192, 33, 16) == 256 and t.inner(2048, 1, 4) == 2048 and t.inner(8192, 1, 4) == 4096
     # a block's matmul kernels take their own warps; the token's, and every step's attention, the common ones
     from dflashkit.target.kernels import _launch_args

@@ -69,8 +69,8 @@ class Tiles:
     # (16 x 16 had two). Measured (kernel_tiles, one H100, 2026-12-06): 16 -> 32 the block [1,8] 0.640 -> 0.582
     # ms, the tree [1,16] 0.695 -> 0.605
     block_columns: int = 32
-    # the same for more than 16 rows (a tree's): at 32 rows a 32-column gate/up program spills 700 bytes a
-    # thread (sm_90, kernel_registers.py), 16 columns none
+    # the same for more than 16 rows in one tile (a tree's, with tree_rows 0): at 32 rows a 32-column gate/up
+    # program spills 700 bytes a thread (sm_90, kernel_registers.py), 16 columns none
     tree_columns: int = 16
     # a block's inner step (a split's share of the down projection's 1,536 in one step; the other matmuls'
     # shares of 576 stay one step of 256).
@@ -78,13 +78,15 @@ class Tiles:
     # the engine (decode_steps, one machine) its kernels -0.008 ms, the captured [1,8] 0.663 -> 0.633, the tree
     # round 0.785 -> 0.762; no spill (kernel_registers.py)
     block_inner: int = 512
-    tree_inner: int = 256  # the step for more than 16 rows (a tree's): block_inner's for 16 until measured
+    tree_inner: int = 256  # the step for more than 16 rows in one tile (tree_rows 0)
     # a matmul program's rows past 16 (a tree's): 0, all of a step's rows in one tile (tree_columns, tree_inner);
     # 16 (or 32 ...), tiles of that many rows, each a program of its own with a block's columns and inner step.
     # At 32 rows in one tile the gate/up program holds 255 registers a thread (sm_90, kernel_registers.py): two
-    # programs a multiprocessor, 384 programs in 1.45 waves; 16-row tiles hold ~128, one wave. Off until
-    # measured (kernel_tiles' treerows16)
-    tree_rows: int = 0
+    # programs a multiprocessor, 384 programs in 1.45 waves; 16-row tiles hold ~128, one wave.
+    # Measured (one H100, 2026-12-07, kernel_tiles --tree-nodes 20): the tree step [1,21] 0.795 / 0.774 -> 0.655 ms,
+    # its up kernel alone to 0.201 ms; one token and a block of 8 level. In the engine (decode_steps, graphs-kernels)
+    # a tree-of-20 round +22.1% -> +12.2% over the chain's, a tree of 31 +30.3% -> +17.9%
+    tree_rows: int = 16
     attention_positions: int = 64
     # an attention program's rows (new tokens x query heads of a group) at most: a tree of 16 rows and 3 query
     # heads a group has 48, a block of 8 has 24. Measured (kernel_tiles, 2026-12-05, one H100): 16 against 64
