@@ -20,21 +20,11 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Forty-first session's plan: the fortieth's thirteen calls started no machine (1,542 s of refused starts), so its plan
-# stands, with a tree's rows in tiles of 16 first (`Tiles.tree_rows`, built then; NOTES "Fortieth session": the
-# prediction). Name a kind on EVERY call (nvidia-h100-x1; on a refusal nvidia-h200, after the wait it names) and
-# chain the commands with no pause:
-#   [.bench/p1 .whl] (~250 s): export O=$OUT BUDGET=400; TILES_ARGS="--no-layers --tree-nodes 20 --variants \
-#     default,treerows16,treerows16-inner256,default --calls 100" bash benchmarks/gpu_prepare.sh part tiles; \
-#     mv $O/kernel_tiles.json $O/kernel_tiles-t20.json; ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15,20,31 \
-#     --no-warm-start" bash benchmarks/gpu_prepare.sh decode; mv $O/decode_steps.json $O/decode_steps-rows0.json; \
-#     mv $O/decode_steps.log $O/decode_steps-rows0.log; sed -i 's/    tree_rows: int = 0/    tree_rows: int = 16/' \
-#     src/dflashkit/target/kernels.py; ENGINES=graphs-kernels DECODE_ARGS="--tree-budgets 15,20,31 --no-warm-start" \
-#     bash benchmarks/gpu_prepare.sh decode
-#   `part` [p2], [p5 p6] (one carry: 54 MiB with the tree), [p3]; then [p4] the fortieth session's tree stage below
-#   with BUDGETS=15,20,64 (after the same sed where treerows16 won: the machine's copy keeps it while warm).
-# Prediction: the tree step at 21 rows 0.66-0.72 ms with treerows16 against ~0.78-0.85; trees of 20 about +10-14%
-# round cost over the chain (17 rows: +19%); with ~+30% tau at 20 nodes, issue 16's tree goal at its edge.
+# Forty-first session, as run (one H100, no refusals; RESULTS "2026-12-07 (forty-first session)"): `part tiles` and
+# `decode` twice (tree_rows 16, then 0 by sed) [.bench/p1 .whl]; `part` [p2], [p5 p6], [p3]; `part join heldout tree`
+# [p4] with BUDGETS=15,20,31 TREE_PROMPTS=24; `tree` with BUDGETS=8,16,20,32,64; `part ktests` [.whl]; the five parts
+# again, then `tree gtests` with TREE_ARGS="--dtype float32"; `tree` with TREE_SETS=gsm8k,humaneval; `decode` with
+# --profile 50; `dtiles` with the attention's splits.
 # Fortieth session's plan: the thirty-ninth's, below, unrun (that session's device time went to a try that was cut off
 # before it kept anything). Its prediction, now from 48 MT-Bench first turns replayed exactly on the CPU
 # (`tree_policy.py`, float32, 128 tokens): trees of 15 +26.5% tau over the chain (8 / 16 / 24 / 32 nodes: +16.7 /
