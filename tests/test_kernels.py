@@ -57,7 +57,11 @@ def tiny_model(kind: str = "llama", **extra):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
+        # norms that are not ones, so that a kernel that dropped a norm's weight would show it
+        model.model.norm.weight.uniform_(0.5, 1.5)
         for layer in model.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
             if kind == "qwen2":  # biases that are not zero, so that a kernel that dropped them would show it
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
@@ -69,16 +73,24 @@ def tiny_model(kind: str = "llama", **extra):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("kind", "capacity", "chunks", "merge_in_attention"),
+    ("kind", "capacity", "chunks", "options"),
     [
-        ("llama", 64, (5, 1, 4, 1), False),  # one split
-        ("qwen2", 64, (3, 4, 1), False),
-        ("qwen3", 64, (3, 4, 1), False),  # per-head query and key norms
-        ("llama", 320, (150, 4, 1, 4), False),  # a context of several splits of 16 positions (prefilled)
-        ("llama", 320, (150, 4, 1, 4), True),  # ... merged by the attention's last split
+        ("llama", 64, (5, 1, 4, 1), {}),  # one split
+        ("qwen2", 64, (3, 4, 1), {}),
+        ("qwen3", 64, (3, 4, 1), {}),  # per-head query and key norms
+        ("llama", 320, (150, 4, 1, 4), {}),  # a context of several splits of 16 positions (prefilled)
+        (
+            "llama",
+            320,
+            (150, 4, 1, 4),
+            {"merge_in_attention": True},
+        ),  # ... merged by the attention's last split
+        # the final norm and the head in the head kernel: 16 vocabulary rows a program (320: 20 programs), one
+        # token's matrix-vector products and a block's tl.dot
+        ("qwen2", 64, (3, 4, 1), {"head_kernel": True, "head_columns": 16}),
     ],
 )
-def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in_attention, device):
+def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, options, device):
     """Step after step (a prompt, then blocks and single tokens written after it) over the same cache, the
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
     (up to summation order), the steps sharing the cache's split-K counters; a step of more rows than the
@@ -87,11 +99,11 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in
     # several attention splits for the long context; split-K in every matmul kernel for the Qwen2 and Qwen3
     # blocks (the last share adds the bias, or normalises each head, before the rotation), none for Llama's
     tiles = (
-        Tiles(attention_positions=16, splits=4, merge_in_attention=merge_in_attention)
+        Tiles(attention_positions=16, splits=4, **options)
         if capacity > 64
-        else Tiles(residual_splits=1, qkv_splits=1, up_splits=1)
+        else Tiles(residual_splits=1, qkv_splits=1, up_splits=1, **options)
         if kind == "llama"
-        else Tiles(residual_splits=2, qkv_splits=2, up_splits=4)
+        else Tiles(residual_splits=2, qkv_splits=2, up_splits=4, **options)
     )
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero, pos = torch.zeros(1, dtype=torch.long, device=device), 0
@@ -137,6 +149,7 @@ SIXTEEN_NODES = [-1, 0, 1, 2, 0, 4, 5, 1, 7, 0, 9, 3, 11, 4, 13, 14]
         (WIDE_TREE, 128, 64, 0),
         (SIXTEEN_NODES, 64, 16, 0),  # an attention program of 16 rows at most
         (WIDE_TREE, 128, 64, 16),  # the matmuls' 33 rows in tiles of 16, 16 and 1, a program each
+        (WIDE_TREE, 128, 64, -16),  # the same, and the head kernel's 33 rows in those tiles too
     ],
 )
 def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(
@@ -151,7 +164,10 @@ def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(
     w = DecoderWeights.from_hf(tiny_model().to(device))
     # a tree's rows split-K too, and its attention's splits merged by the last (of each row tile)
     split = dict(qkv_splits=2, up_splits=2, merge_in_attention=True)
-    tiles = Tiles(attention_positions=16, splits=4, attention_rows=rows, tree_rows=tree_rows, **split)
+    head = dict(head_kernel=True, head_columns=32) if tree_rows < 0 else {}
+    tiles = Tiles(
+        attention_positions=16, splits=4, attention_rows=rows, tree_rows=abs(tree_rows), **split, **head
+    )
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(3)

@@ -546,3 +546,49 @@ def residual_kernel(
         x_at = X + rm[:, None] * H + rn[None, :]
         x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
         tl.store(x_at, (x + acc.to(W.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def head_kernel(
+    X,  # [M, H] the last layer's output (the rows whose logits are wanted)
+    NORM,  # [H] the final norm
+    W,  # [V, H] the head: one row a vocabulary entry
+    OUT,  # [M, V] float32 logits out
+    eps,
+    M: tl.constexpr,
+    H: tl.constexpr,
+    V: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ROW_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """The final rms_norm and the head for BLOCK_N vocabulary entries: the logits rounded to the model's dtype
+    (as the plain forward's head returns them) and stored as float32. ROW_TILES > 1: the rows in tiles of
+    BLOCK_M, each a program of its own (``row_tile``)."""
+    pid, rm = row_tile(ROW_TILES, BLOCK_M)
+    dt = W.dtype.element_ty
+    row_ok = rm < M
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < V
+    if GDC:  # the first weight tile while the kernel before runs
+        rk0 = tl.arange(0, BLOCK_K)
+        first = weight_tile(W, rn, n_ok, rk0, rk0 < H, H)
+    wait_for_inputs(GDC)
+    scale = norm_scale(X, eps, rm, row_ok, H, BLOCK_M, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.static_range(0, H, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < H
+        h = normed(X, NORM, scale, rm, row_ok, rk, k_ok, H, dt)
+        if GDC and k0 == 0:
+            w = first
+        else:
+            w = weight_tile(W, rn, n_ok, rk, k_ok, H)
+        acc += rows_times(h, w, DOT, PRECISION, UPCAST)
+    ok = row_ok[:, None] & n_ok[None, :]
+    tl.store(OUT + rm[:, None] * V + rn[None, :], acc.to(dt).to(tl.float32), mask=ok)
