@@ -24,7 +24,8 @@
 # `decode` twice (tree_rows 16, then 0 by sed) [.bench/p1 .whl]; `part` [p2], [p5 p6], [p3]; `part join heldout tree`
 # [p4] with BUDGETS=15,20,31 TREE_PROMPTS=24; `tree` with BUDGETS=8,16,20,32,64; `part ktests` [.whl]; the five parts
 # again, then `tree gtests` with TREE_ARGS="--dtype float32"; `tree` with TREE_SETS=gsm8k,humaneval; `decode` with
-# --profile 50; `dtiles` with the attention's splits.
+# --profile 50; `dtiles` with the attention's splits. Then (after four refused starts, nvidia-h200 gave an H100) the
+# head kernel: `part tiles`, `dtiles`, `ktests` and `decode` twice, cuBLAS's head then ours by sed [.whl].
 # Fortieth session's plan: the thirty-ninth's, below, unrun (that session's device time went to a try that was cut off
 # before it kept anything). Its prediction, now from 48 MT-Bench first turns replayed exactly on the CPU
 # (`tree_policy.py`, float32, 128 tokens): trees of 15 +26.5% tau over the chain (8 / 16 / 24 / 32 nodes: +16.7 /

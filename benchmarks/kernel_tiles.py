@@ -62,11 +62,6 @@ VARIANTS = {
     "qusplit8": Tiles(qkv_splits=8, up_splits=8),
     "qsplit8": Tiles(qkv_splits=8),  # (a drafter's qkv: one head a program, 15 column tiles)
     "fusedmerge": Tiles(merge_in_attention=True),  # no merge kernel: the attention's last split merges
-    # the final norm and the head in one kernel of ours by dependent launch (cuBLAS's head, torch's norm and the
-    # cast's copy by default), 32, 16 or 64 vocabulary rows a program (128 spill on sm_90)
-    "headkernel": Tiles(head_kernel=True),
-    "headkernel-cols16": Tiles(head_kernel=True, head_columns=16),
-    "headkernel-cols64": Tiles(head_kernel=True, head_columns=64),
     # fewer attention programs along the positions for a drafter's short context (measured: slower)
     "splits2": Tiles(splits=2),
     "splits2-fusedmerge": Tiles(splits=2, merge_in_attention=True),

@@ -18,7 +18,7 @@ from dflashkit.infer.draft_kernels import (  # noqa: E402
 from dflashkit.infer.graph_engine import draft_step  # noqa: E402
 from dflashkit.model.config import config_for_target  # noqa: E402
 from dflashkit.model.drafter import DFlashDrafter, RMSNorm  # noqa: E402
-from dflashkit.target.kernels import Tiles, interpreting  # noqa: E402
+from dflashkit.target.kernels import interpreting  # noqa: E402
 from dflashkit.target.slot_decoder import DecoderWeights  # noqa: E402
 from test_kernels import tiny_model  # noqa: E402
 
@@ -48,15 +48,12 @@ def drafter_of(model, **update) -> DFlashDrafter:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("head_kernel", [False, True])
-def test_the_draft_step_through_the_kernels_gives_the_draft_steps_logits(device, head_kernel):
+def test_the_draft_step_through_the_kernels_gives_the_draft_steps_logits(device):
     model = tiny_model().to(device)
     w = DecoderWeights.from_hf(model)
     drafter = drafter_of(model).to(device)
     capacity, prompt = 64, 20
     dk = draft_kernels(drafter, w, capacity)
-    if head_kernel:  # the drafted slots' logits (the block's rows from 1) by the head kernel
-        dk.tiles = Tiles(head_kernel=True, head_columns=16)
     cache = drafter.new_static_cache(capacity)
     gen = torch.Generator().manual_seed(5)
     features = torch.randn(1, prompt, 2 * w.embed.shape[1], generator=gen).to(device)

@@ -73,24 +73,16 @@ def tiny_model(kind: str = "llama", **extra):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("kind", "capacity", "chunks", "options"),
+    ("kind", "capacity", "chunks", "merge_in_attention"),
     [
-        ("llama", 64, (5, 1, 4, 1), {}),  # one split
-        ("qwen2", 64, (3, 4, 1), {}),
-        ("qwen3", 64, (3, 4, 1), {}),  # per-head query and key norms
-        ("llama", 320, (150, 4, 1, 4), {}),  # a context of several splits of 16 positions (prefilled)
-        (
-            "llama",
-            320,
-            (150, 4, 1, 4),
-            {"merge_in_attention": True},
-        ),  # ... merged by the attention's last split
-        # the final norm and the head in the head kernel: 16 vocabulary rows a program (320: 20 programs), one
-        # token's matrix-vector products and a block's tl.dot
-        ("qwen2", 64, (3, 4, 1), {"head_kernel": True, "head_columns": 16}),
+        ("llama", 64, (5, 1, 4, 1), False),  # one split
+        ("qwen2", 64, (3, 4, 1), False),
+        ("qwen3", 64, (3, 4, 1), False),  # per-head query and key norms
+        ("llama", 320, (150, 4, 1, 4), False),  # a context of several splits of 16 positions (prefilled)
+        ("llama", 320, (150, 4, 1, 4), True),  # ... merged by the attention's last split
     ],
 )
-def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, options, device):
+def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, merge_in_attention, device):
     """Step after step (a prompt, then blocks and single tokens written after it) over the same cache, the
     kernels' logits, kept features and every layer's cache rows equal ``slot_decoder.decode``'s in float32
     (up to summation order), the steps sharing the cache's split-K counters; a step of more rows than the
@@ -99,11 +91,11 @@ def test_kernels_give_the_plain_forward_numbers(kind, capacity, chunks, options,
     # several attention splits for the long context; split-K in every matmul kernel for the Qwen2 and Qwen3
     # blocks (the last share adds the bias, or normalises each head, before the rotation), none for Llama's
     tiles = (
-        Tiles(attention_positions=16, splits=4, **options)
+        Tiles(attention_positions=16, splits=4, merge_in_attention=merge_in_attention)
         if capacity > 64
-        else Tiles(residual_splits=1, qkv_splits=1, up_splits=1, **options)
+        else Tiles(residual_splits=1, qkv_splits=1, up_splits=1)
         if kind == "llama"
-        else Tiles(residual_splits=2, qkv_splits=2, up_splits=4, **options)
+        else Tiles(residual_splits=2, qkv_splits=2, up_splits=4)
     )
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero, pos = torch.zeros(1, dtype=torch.long, device=device), 0
@@ -149,7 +141,6 @@ SIXTEEN_NODES = [-1, 0, 1, 2, 0, 4, 5, 1, 7, 0, 9, 3, 11, 4, 13, 14]
         (WIDE_TREE, 128, 64, 0),
         (SIXTEEN_NODES, 64, 16, 0),  # an attention program of 16 rows at most
         (WIDE_TREE, 128, 64, 16),  # the matmuls' 33 rows in tiles of 16, 16 and 1, a program each
-        (WIDE_TREE, 128, 64, -16),  # the same, and the head kernel's 33 rows in those tiles too
     ],
 )
 def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(
@@ -164,10 +155,7 @@ def test_a_tree_step_through_the_kernels_gives_the_plain_forwards_numbers(
     w = DecoderWeights.from_hf(tiny_model().to(device))
     # a tree's rows split-K too, and its attention's splits merged by the last (of each row tile)
     split = dict(qkv_splits=2, up_splits=2, merge_in_attention=True)
-    head = dict(head_kernel=True, head_columns=32) if tree_rows < 0 else {}
-    tiles = Tiles(
-        attention_positions=16, splits=4, attention_rows=rows, tree_rows=abs(tree_rows), **split, **head
-    )
+    tiles = Tiles(attention_positions=16, splits=4, attention_rows=rows, tree_rows=tree_rows, **split)
     ref_cache, cache = SlotCache(w, slots=1, capacity=capacity), SlotCache(w, slots=1, capacity=capacity)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(3)

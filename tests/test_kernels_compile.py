@@ -147,13 +147,10 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
         engine.warm_up()
         # kernel_tiles' variants off by default: split-K in the qkv and up kernels of 2 shares (the default's
         # 4), for a block; the attention's splits merged by the last, for a token and a block; attention
-        # programs of 16 rows; the final norm and the head in the head kernel
+        # programs of 16 rows
         w = engine.w
-        variants = kernels.Tiles(
-            qkv_splits=2, up_splits=2, merge_in_attention=True, attention_rows=16, head_kernel=True
-        )
-        # a step of 24 rows in programs of 16 (a program axis), the head's too
-        row_tiles = kernels.Tiles(tree_rows=16, head_kernel=True)
+        variants = kernels.Tiles(qkv_splits=2, up_splits=2, merge_in_attention=True, attention_rows=16)
+        row_tiles = kernels.Tiles(tree_rows=16)  # a step of 24 rows in programs of 16 (a program axis)
         for m, tiles in ((1, variants), (8, variants), (24, row_tiles)):
             ids, start = torch.zeros(1, m, dtype=torch.long), torch.zeros(1, dtype=torch.long)
             cache = SlotCache(w, slots=1, capacity=64)
@@ -179,7 +176,6 @@ def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
         "qkv_kernel",
         "up_kernel",
         "residual_kernel",
-        "head_kernel",
     }
     file = tmp_path / "launches.json"
     file.write_text(json.dumps(records))

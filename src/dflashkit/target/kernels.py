@@ -44,7 +44,7 @@ from torch import Tensor
 from dflashkit.errors import DflashkitError
 from dflashkit.target.slot_decoder import DecoderWeights, LayerWeights, SlotCache, head_into, rms_norm
 
-KERNELS = ("qkv", "attention", "merge", "up", "residual", "head")
+KERNELS = ("qkv", "attention", "merge", "up", "residual")
 MAX_ROWS = 128  # new tokens a step: a token, a block or a tree (a prompt goes through the plain forward)
 # tl.dot's smallest tile: a block of up to this many rows is padded to it; more rows are a tree's
 DOT_ROWS = 16
@@ -98,13 +98,6 @@ class Tiles:
     qkv_splits: int = 4  # the same for a block's qkv and up kernels (the last share does the rotary or
     up_splits: int = 4  # SwiGLU: ``kernel_source.arrived_last``): a block of 8 0.717 -> 0.646 ms, a tree of
     # 33 0.947 -> 0.931, one token unchanged (kernel_tiles, H100, 2026-12-05)
-    # the final norm and the head in one kernel of ours, launched by dependent launch (its first weight tile
-    # read while the last layer ends), of head_columns vocabulary rows a program; off: torch's norm, cuBLAS's
-    # head and the cast to float32 in a copy (three launches, none dependent). Off until measured. On sm_90
-    # (kernel_registers.py, an inner step of 64) a program of 32 columns holds 128 registers a thread for one
-    # token and 168 for 16 rows, 64 columns 221 and 255, 128 columns spill
-    head_kernel: bool = False
-    head_columns: int = 32
     merge_in_attention: bool = False  # the attention's splits merged by the split that arrives last (no
     # merge kernel: 30 launches a step fewer; ``kernel_source.merged_rows``)
     warps: int = 4
@@ -122,16 +115,16 @@ class Tiles:
     residual_pdl: bool = True
 
     def __post_init__(self) -> None:
-        flags = ("warps", "pdl", "merge_in_attention", "residual_pdl", "head_kernel")
+        flags = ("warps", "pdl", "merge_in_attention", "residual_pdl")
         sizes = {k: v for k, v in vars(self).items() if k not in flags and not (k == "tree_rows" and v == 0)}
         odd = [f"{k}={v}" for k, v in sizes.items() if v < 1 or v & (v - 1)]
-        narrow = min(self.block_columns, self.tree_columns, self.attention_rows, self.head_columns) < DOT_ROWS
+        narrow = min(self.block_columns, self.tree_columns, self.attention_rows) < DOT_ROWS
         narrow = narrow or 0 < self.tree_rows < DOT_ROWS
         if odd or self.qkv_columns < 2 or narrow:
             raise ValueError(
-                f"Tiles: {', '.join(odd) or 'qkv_columns, block_columns, tree_columns, attention_rows, head_columns, tree_rows'}:"
-                " each a power of 2, qkv_columns at least 2 (rotary pairs), block_columns, tree_columns, "
-                "attention_rows and head_columns at least 16 (tl.dot), tree_rows 0 or at least 16"
+                f"Tiles: {', '.join(odd) or 'qkv_columns, block_columns, tree_columns, attention_rows, tree_rows'}:"
+                " each a power of 2, qkv_columns at least 2 (rotary pairs), block_columns, tree_columns and "
+                "attention_rows at least 16 (tl.dot), tree_rows 0 or at least 16"
             )
 
     def tile_rows(self, rows: int) -> int:
@@ -503,30 +496,11 @@ def decode_by_kernels(
         if i in keep:
             kept.append(x.clone())  # x keeps changing in place
     # the final norm and the head: one matrix of the vocabulary's rows, which cuBLAS reads near the memory's
-    # bandwidth (the plain forward's own head, so its logits are the plain forward's), or our head kernel
-    if t.head_kernel:
-        _launch_head(w, x[head_from:], out_logits, t)
-    else:
-        head_into(w, rms_norm(x[head_from:], w.norm, w.eps), out_logits)
+    # bandwidth (the plain forward's own head, so its logits are the plain forward's)
+    head_into(w, rms_norm(x[head_from:], w.norm, w.eps), out_logits)
     if keep:
         assert out_rows is not None
         out_rows.copy_(torch.cat(kept, dim=-1)[None])
-
-
-def _launch_head(w: DecoderWeights, x: Tensor, out_logits: Tensor, tiles: Tiles) -> None:
-    """The head kernel over rows x [M, H]: the final norm and the head, float32 logits into ``out_logits``
-    [M, V], in programs of ``tiles.head_columns`` vocabulary rows (and row tiles as a step's matmuls)."""
-    m, hidden = x.shape
-    vocab = w.lm_head.shape[0]
-    _, matmul = _launch_args(w, m, tiles)
-    columns = tiles.head_columns
-    # the step a power of 2 that divides the hidden size (576: 64, nine steps), so no step is mostly masked
-    # (a step of 512 leaves 64 for the second; at 64 columns a program it spilled on sm_90, kernel_registers.py)
-    step = min(tiles.inner(hidden, m, columns), hidden & -hidden)
-    grid = (triton_cdiv(vocab, columns) * matmul["ROW_TILES"],)
-    _compiled().head[grid](
-        x, w.norm, w.lm_head, out_logits, w.eps, M=m, H=hidden, V=vocab, BLOCK_N=columns, BLOCK_K=step, **matmul
-    )  # fmt: skip
 
 
 def triton_cdiv(a: int, b: int) -> int:
