@@ -20,7 +20,7 @@
 #   bash benchmarks/gpu_prepare.sh bench placements                    # the table on every prompt; placements
 #
 # Fifth session (done): part trees; part placements; part join drafter recipe tree; bench etests; part trees.
-# Forty-first session, as run (one H100, no refusals; RESULTS "2026-12-07 (forty-first session)"): `part tiles` and
+# Forty-first session, as run (one H100; RESULTS "2026-12-07 (forty-first session)"): `part tiles` and
 # `decode` twice (tree_rows 16, then 0 by sed) [.bench/p1 .whl]; `part` [p2], [p5 p6], [p3]; `part join heldout tree`
 # [p4] with BUDGETS=15,20,31 TREE_PROMPTS=24; `tree` with BUDGETS=8,16,20,32,64; `part ktests` [.whl]; the five parts
 # again, then `tree gtests` with TREE_ARGS="--dtype float32"; `tree` with TREE_SETS=gsm8k,humaneval; `decode` with

@@ -83,9 +83,10 @@ class Tiles:
     # 16 (or 32 ...), tiles of that many rows, each a program of its own with a block's columns and inner step.
     # At 32 rows in one tile the gate/up program holds 255 registers a thread (sm_90, kernel_registers.py): two
     # programs a multiprocessor, 384 programs in 1.45 waves; 16-row tiles hold ~128, one wave.
-    # Measured (one H100, 2026-12-07, kernel_tiles --tree-nodes 20): the tree step [1,21] 0.795 / 0.774 -> 0.655 ms,
-    # its up kernel alone to 0.201 ms; one token and a block of 8 level. In the engine (decode_steps, graphs-kernels)
-    # a tree-of-20 round +22.1% -> +12.2% over the chain's, a tree of 31 +30.3% -> +17.9%
+    # Measured (one H100, 2026-12-07, kernel_tiles --tree-nodes 20, kernel_tiles-treerows-s41.json): the tree step
+    # [1,21] 0.790 / 0.773 -> 0.646 / 0.630 ms, its up kernel 0.312 -> 0.200 ms; one token and a block of 8 level.
+    # In the engine (decode_steps, graphs-kernels, decode_steps-rows{0,16}-s41): a tree-of-20 round +29.6% ->
+    # +12.0% over the chain's, a tree of 31 +40.5% -> +21.8%
     tree_rows: int = 16
     attention_positions: int = 64
     # an attention program's rows (new tokens x query heads of a group) at most: a tree of 16 rows and 3 query
