@@ -162,7 +162,7 @@ def test_generate_hides_end_of_sequence_tokens_and_shows_a_legend(untrained_draf
 
 
 def test_the_training_metric_compares_on_another_dataset_holding_out_the_same_prompts(tiny_dataset, tmp_path):
-    """A dataset written again with the same held-out prompts (e.g. `configs/embedded-gpu-heldout.yaml` beside
+    """A dataset written again with the same held-out prompts (e.g. one prepared with another sample seed beside
     the drafter's own dataset) compares, whatever its replies; other held-out prompts do not."""
     import shutil
 

@@ -152,7 +152,7 @@ examples:
                                                                  a new run in its own folder
   dflashkit train -c configs/embedded.yaml --move-aside          start over: the earlier run's files
                                                                  move to runs/embedded.old-<time>
-  dflashkit train -c configs/qwen3-8b-paper.yaml --nproc 8       data-parallel on 8 GPUs of this host
+  dflashkit train -c configs/qwen3-8b.yaml --nproc 8       data-parallel on 8 GPUs of this host
 
 --resume continues with the settings the run was trained with: it refuses a change to the model
 (target.*, drafter.*), the data (data.*, train.max_len, train.seed), the loss or the optimizer, and
