@@ -311,7 +311,7 @@ def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
         verify = profile_calls(lambda: engine.keep(engine.verify(block), [0]), args.profile)
         print_profile(f"{engine_name} block step [1, {B}]", verify)
         # the greedy round as one step, as a chain round replays it: what it runs beyond the draft and block
-        # steps is the round's "glue" (0.141 ms on the H200 in the twentieth session, and on the device: a
+        # steps is the round's "glue" (0.141 ms on the H200 on 2026-12-04, and on the device: a
         # loop that kept the next round in flight while reading this one gained nothing; RESULTS)
         logits, _ = engine.prefill(torch.tensor([prompt], device=target.device))
         anchor = [int(logits.argmax(-1))]
@@ -580,7 +580,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="N|auto",
         help="the tree steps the measured engine builds at its start (and its warm start): auto (the default) "
         "those `eval` and `bench` serve greedy rounds with on that engine (trees of 15 on graphs-kernels), 0 "
-        "the chain's steps alone (the start measured before the twenty-ninth session)",
+        "the chain's steps alone (the start measured before 2026-12-05)",
     )
     ap.add_argument(
         "--start-profile",

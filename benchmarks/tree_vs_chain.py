@@ -42,7 +42,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 
 def configurations(budgets: list[int]) -> list[tuple[str, int]]:
     """(name, node budget (0: the chain)) of each measured configuration: the chain, then a tree per budget
-    ("tree-8", ...). Reports of the nineteenth session also name a tree attention ("tree-8-masked"):
+    ("tree-8", ...). Reports of 2026-12-04 also name a tree attention ("tree-8-masked"):
     ``--from`` and ``--update-results 8-masked`` still read them."""
     return [(CHAIN, 0)] + [(f"tree-{b}", b) for b in budgets]
 

@@ -1077,7 +1077,7 @@ def test_one_compile_serves_a_lazy_target_and_its_loaded_model(tmp_path):
     """The compiled steps of graphs-layers built from a lazy target's weights file serve the same target
     loaded through its model without a second compile (and so does the portable compile cache), and the
     two decode alike. A tied head passed as the embedding object itself, not a view, compiled the draft step
-    again (H200, twenty-first session: 9.2 s of the model case's warm start)."""
+    again (H200, 2026-12-04: 9.2 s of the model case's warm start)."""
     from torch._dynamo.utils import counters
 
     model_target = tiny_target(tmp_path / "target")

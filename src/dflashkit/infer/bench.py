@@ -392,7 +392,7 @@ def figures(responses: list[Response], block_size: int, temperature: float) -> d
     ar_time = sum(r.ar_seconds or 0.0 for r in timed)
     ar_tps = sum(r.ar_new_tokens or 0 for r in timed) / ar_time if timed and ar_time > 0 else None
     # per reply: the baseline's rate and the speedup (a process's drift moves the whole spread, a few slow replies
-    # its tail; the thirty-eighth session read one drafter's GSM8K at 2.88-3.05x in three processes)
+    # its tail; on 2026-12-06 one drafter's GSM8K read 2.88-3.05x in three processes)
     paired = [
         (r, r.ar_new_tokens / r.ar_seconds)
         for r in timed

@@ -135,8 +135,8 @@ def write_prompt_context(dk: DraftKernels, features: Tensor) -> None:
     any length, and the qkv kernel's programs for many rows are the largest the kernels have: compiled for
     sm_90 with the drafter's head norms in float32 (the lossless check's dtype), 18 s at 32 rows, 44 s at 64
     and 210 s at 128 on this project's CPU, paid mid-generation by the first prompt of each row tile (on an
-    H100 the bench's float32 check stalled in that compile for minutes: benchmarks/RESULTS.md, thirty-third
-    session). Rounded where the kernel rounds (the plain forward's places), so the two differ only in the
+    H100 the bench's float32 check stalled in that compile for minutes: benchmarks/RESULTS.md,
+    2026-12-06). Rounded where the kernel rounds (the plain forward's places), so the two differ only in the
     order of sums."""
     w = dk.weights
     nq, nk, d = w.heads, w.kv_heads, w.head_dim

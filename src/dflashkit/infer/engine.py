@@ -50,12 +50,12 @@ Engines:
   step around the layers runs as it is, and the CUDA graph holds it all; the draft step (a few layers) is
   compiled whole. On the H200 in bf16, side by side with the same target steps compiled whole (the retired
   "graphs-fused"): a token 1.05 ms (1.03), the eight-token step 1.38 ms (1.44), the engine to its first
-  token 16 s cold instead of 60 (benchmarks/RESULTS.md, seventeenth session; graphs-compiled's token: 1.43
+  token 16 s cold instead of 60 (benchmarks/RESULTS.md, 2026-12-04; graphs-compiled's token: 1.43
   ms).
 - ``"graphs-kernels"``: graphs-layers with the target's steps (a chain's and a tree's) and the draft step through
   hand-written Triton kernels, six a layer (``dflashkit.target.kernels``, ``infer.draft_kernels``); GPU only (the CPU runs them in Triton's interpreter, for tests). Its
   second version's one-token step was at par with graphs-layers' on the H200, its block step slower
-  (benchmarks/RESULTS.md, twenty-third session): not ``auto``'s choice.
+  (benchmarks/RESULTS.md, 2026-12-04): not ``auto``'s choice.
 
 In fp32 greedy outputs and acceptance lengths are token for token the same on all engines (tested).
 In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
@@ -532,7 +532,7 @@ def resolve_engine(
     many prompts: bench, eval) takes an engine whose start is paid once, outside the measured decoding:
     "graphs-kernels" (every step through hand-written Triton kernels, nothing compiled by Inductor: its
     one-token step 0.70x, its round 0.74x and a 31-node tree round 0.78x graphs-layers' side by side, its
-    start 10.9 s against 21.2; benchmarks/RESULTS.md, twenty-sixth session), or "graphs-layers" where the kernels
+    start 10.9 s against 21.2; benchmarks/RESULTS.md, 2026-12-05), or "graphs-layers" where the kernels
     cannot run the target (``kernels.unsupported_shape``) or Triton is missing. A short one (generate) takes
     "graphs", which starts in under a second."""
     if name != "auto":
@@ -553,11 +553,11 @@ def resolve_engine(
 
 # The node budget `--tree-budget auto` takes where trees pay: a tree of 15 and its root fill the kernels'
 # 16-row tiles (a 31-node tree doubles every matmul's tile: its round +41.9% over the chain's against +15.6%).
-# Measured side by side on one H100 (benchmarks/RESULTS.md, twenty-ninth session; a block-8 drafter, greedy):
+# Measured side by side on one H100 (benchmarks/RESULTS.md, 2026-12-05; a block-8 drafter, greedy):
 # speedup 2.23/2.48/2.36/2.42x against the chain's 1.97/2.14/2.13/2.26x on MT-Bench/GSM8K/HumanEval/held-out.
 AUTO_TREE_BUDGET = 15
 # the block sizes measured: 8, and 16 (a block-16 drafter, trees of 15 against its chain, 40 prompts a set, one
-# H100: GSM8K 2.71x against 2.22x, HumanEval 2.89x against 2.22x; RESULTS, thirty-sixth session)
+# H100: GSM8K 2.71x against 2.22x, HumanEval 2.89x against 2.22x; RESULTS, 2026-12-06)
 AUTO_TREE_MAX_BLOCK = 16
 
 
@@ -565,8 +565,8 @@ def resolve_tree_budget(requested: int | None, engine: str, block_size: int, tem
     """The drafted nodes a round verifies (0: the chain). ``requested`` None is `--tree-budget auto`: trees of
     AUTO_TREE_BUDGET nodes where they were measured faster than the chain (greedy decoding on the
     graphs-kernels engine with a block of at most AUTO_TREE_MAX_BLOCK), else the chain: at T = 1 a sampled tree
-    accepted no more than the chain (1.68 against 1.73 on MT-Bench, benchmarks/RESULTS.md, twenty-seventh
-    session), and on the other engines a tree's round costs more than its tau gains. A number is taken as given."""
+    accepted no more than the chain (1.68 against 1.73 on MT-Bench, benchmarks/RESULTS.md,
+    2026-12-05), and on the other engines a tree's round costs more than its tau gains. A number is taken as given."""
     if requested is not None:
         return requested
     trees_pay = engine == "graphs-kernels" and temperature == 0 and block_size <= AUTO_TREE_MAX_BLOCK

@@ -57,7 +57,7 @@ a compile cache the chain's target steps and draft step are precompiled beside i
 ``dflashkit.runtime.precompiled``): a later process loads each whole, without tracing it again (the embedded
 target's warm engine start 12.8 -> 4.8 s on the CPU, benchmarks/warm_start.py; a torch that cannot precompile
 compiles as before). On the CPU ``compile=True`` runs the compiled steps without graphs (the tests). (An engine
-that compiled the draft step alone, "graphs-draft-compiled", was retired in the eighteenth session:
+that compiled the draft step alone, "graphs-draft-compiled", was retired on 2026-12-04:
 graphs-layers compiles its target layer and draft step in ~14 s cold.)
 
 The prefill (any prompt length) runs eagerly. Step inputs and outputs live in buffers allocated once: the
@@ -458,7 +458,7 @@ class GraphEngine:
         self._layer_step: LayerStep | None = LAYER_STEP if compile == "layers" else None
         # the draft step compiled whole by every compiling engine: a drafter has a few layers, and one layer at
         # a time (its prologue and head eager around them) took 0.263 ms against 0.207 (H200, bf16, RESULTS:
-        # seventeenth session)
+        # 2026-12-04)
         self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
         # "kernels": the draft step through the decoder kernels too, where they can run the drafter
         self._dk: DraftKernels | None = None
@@ -568,7 +568,7 @@ class GraphEngine:
             None,
             None,
             # reductions only for the one-token step: at [1, 8] they cost 1.97 ms against the matmuls' 1.51
-            # (H200, bf16), at [1, 1] 1.05 against 1.43 (benchmarks/RESULTS.md, fourteenth session)
+            # (H200, bf16), at [1, 1] 1.05 against 1.43 (benchmarks/RESULTS.md, 2026-12-03)
             self._reduce_matmuls and t == 1,
             self._layer_step,
         )

@@ -24,7 +24,7 @@ head's few kernels. One token's matmuls are matrix-vector products over many pro
 each: the weights are what a step reads); a block's go through ``tl.dot`` on the tensor cores. The kernels
 round to the model's dtype where the plain forward (``slot_decoder.decoder_layer``) rounds, so in float32 they
 give its numbers up to summation order (tested against it, and the engine against the dynamic one token for
-token). Measured on the H200: benchmarks/RESULTS.md (twenty-third session) and ``benchmarks/kernel_tiles.py``.
+token). Measured on the H200: benchmarks/RESULTS.md (2026-12-04) and ``benchmarks/kernel_tiles.py``.
 
 On a GPU the kernels are compiled by Triton (``triton.jit``); on the CPU they run in Triton's interpreter
 (TRITON_INTERPRET=1 before Triton is first imported), the same source in numpy: slow, for tests.
@@ -74,7 +74,7 @@ class Tiles:
     tree_columns: int = 16
     # a block's inner step (a split's share of the down projection's 1,536 in one step; the other matmuls'
     # shares of 576 stay one step of 256).
-    # Measured (one H100, 2026-12-06): 256 -> 512 kernel_tiles' block [1,8] -0.02 ms three sessions running; in
+    # Measured (one H100, 2026-12-06): 256 -> 512 kernel_tiles' block [1,8] -0.02 ms in three runs; in
     # the engine (decode_steps, one machine) its kernels -0.008 ms, the captured [1,8] 0.663 -> 0.633, the tree
     # round 0.785 -> 0.762; no spill (kernel_registers.py)
     block_inner: int = 512
@@ -83,9 +83,9 @@ class Tiles:
     # 16 (or 32 ...), tiles of that many rows, each a program of its own with a block's columns and inner step.
     # At 32 rows in one tile the gate/up program holds 255 registers a thread (sm_90, kernel_registers.py): two
     # programs a multiprocessor, 384 programs in 1.45 waves; 16-row tiles hold ~128, one wave.
-    # Measured (one H100, 2026-12-07, kernel_tiles --tree-nodes 20, kernel_tiles-treerows-s41.json): the tree step
+    # Measured (one H100, 2026-12-07, kernel_tiles --tree-nodes 20, benchmarks/RESULTS.md): the tree step
     # [1,21] 0.790 / 0.773 -> 0.646 / 0.630 ms, its up kernel 0.312 -> 0.200 ms; one token and a block of 8 level.
-    # In the engine (decode_steps, graphs-kernels, decode_steps-rows{0,16}-s41): a tree-of-20 round +29.6% ->
+    # In the engine (decode_steps, graphs-kernels, benchmarks/results/decode_steps.json): a tree-of-20 round +29.6% ->
     # +12.0% over the chain's, a tree of 31 +40.5% -> +21.8%
     tree_rows: int = 16
     attention_positions: int = 64
@@ -112,7 +112,7 @@ class Tiles:
     # the residual kernels (output and down projections) by dependent launch too: off, each waits for the kernel
     # before it to end and the next waits for it (a measurement's switch: split-K 8 there took 0.015 ms of kernel
     # time off a tree step and added 0.06 ms to the captured step, where without dependent launch the two were
-    # level; benchmarks/NOTES.md, thirty-fifth session)
+    # level; docs/design-notes.md, 2026-12-06)
     residual_pdl: bool = True
 
     def __post_init__(self) -> None:
@@ -242,7 +242,7 @@ def pdl_args(device: torch.device, wanted: bool = True) -> dict:
 def _launch_args(w: DecoderWeights, m: int, tiles: Tiles) -> tuple[dict, dict]:
     """The launch arguments every kernel of a step of m rows takes (``common``), and those of its matmuls:
     one token through matrix-vector products, a block through ``tl.dot`` over rows padded to 16 (a few rows
-    the token's way measured 2.5-12x slower: benchmarks/NOTES.md, thirty-first session)."""
+    the token's way measured 2.5-12x slower: docs/design-notes.md, 2026-12-05)."""
     block = m > 1
     upcast = interpreting()  # the interpreter's tl.dot takes float32 operands
     common = dict(
@@ -358,7 +358,7 @@ def write_keys_values(
     ``layers - 1`` launches more a draft step), of at most MAX_ROWS rows, split-K as a block step's qkv (a
     drafter's keys and values are a few column tiles: 6 programs a layer for the embedded target's drafter
     without it, and one head a program spilled 668 bytes a thread at the whole inner dimension, where a share
-    of it spills none: sm_90, ``kernel_registers.py``, benchmarks/RESULTS.md, thirty-third session).
+    of it spills none: sm_90, ``kernel_registers.py``, benchmarks/RESULTS.md, 2026-12-06).
     Shape-static: a CUDA graph captures it."""
     most = min(x.shape[0], MAX_ROWS)
     layers, n = kv.kv.shape[:2]

@@ -91,7 +91,7 @@ class DecoderWeights:
         """Pack every matmul's weight once for oneDNN where that pays: bf16 on a CPU with bf16 matmul
         instructions. ``F.linear`` re-lays a bf16 weight out on every call there; with the weights packed the
         graphs engine decoded MT-Bench 28-31% faster, autoregressively and speculatively (benchmarks/RESULTS.md,
-        twelfth session), with the very numbers of the unpacked step (the same kernels, the weights laid out
+        2026-12-03), with the very numbers of the unpacked step (the same kernels, the weights laid out
         ahead; the residual adds as the matmuls' post-op, as ``addmm_`` adds them). The packed copies
         double the weights' memory; eager steps only (a compiled step reads plain tensors). Returns whether
         it packed."""
@@ -414,7 +414,7 @@ def write_rows(cache: Tensor, rows_at: tuple[Tensor, Tensor], rows: Tensor) -> N
     through a view made inside the graph can be functionalised into a copy of the whole cache, written, and
     copied back (torch 2.13 does so for a small function on the CPU; on the GPU's torch 2.11 the compiled
     layer ran two copy kernels per layer beside its writes: with this write they went, the one-token step
-    1.041 -> 0.785 ms on an H200, benchmarks/RESULTS.md, twentieth session). Eager it is also the faster write
+    1.041 -> 0.785 ms on an H200, benchmarks/RESULTS.md, 2026-12-04). Eager it is also the faster write
     (3.1 against 6.1 us for 8 bf16 rows on this CPU)."""
     cache.index_put_(rows_at, rows)
 
