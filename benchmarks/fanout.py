@@ -73,7 +73,7 @@ TARGET_SHAPES = {
             max_position_embeddings=40960,
         ),
     ),
-    # Qwen3-8B (benchmarks/topology.py: the 8-GPU fan-out topology's target)
+    # Qwen3-8B (the 8-GPU fan-out topology's target)
     "qwen3-8b": (
         "Qwen3Config",
         dict(

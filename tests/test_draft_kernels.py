@@ -145,28 +145,3 @@ def test_the_draft_step_through_the_kernels_in_bf16_stays_near_the_draft_step(de
     kernel_draft_step(dk, rows, at[0], block, at[1], out)
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 6 / 7
-
-
-@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")
-def test_the_draft_tiles_benchmark_checks_every_variant(tmp_path):
-    """benchmarks/draft_tiles.py --smoke: each variant's draft step runs once and its drafts are checked
-    against the default tiles' (the script stops where they differ), so that a GPU session does not spend its
-    time on a broken script."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "draft_tiles.py"
-    out = tmp_path / "draft_tiles.json"
-    run = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--variants", "default,qusplit8,block64", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert [r["variant"] for r in result["variants"]] == ["default", "qusplit8", "block64"]
-    assert all(r["same_argmax"] for r in result["variants"])
-    assert result["variants"][1]["tiles"]["qkv_splits"] == 8

@@ -354,22 +354,3 @@ def test_dependent_launches_give_the_serial_launches_numbers_replay_after_replay
                 torch.testing.assert_close(outs[name], want, atol=0.1, rtol=0.05)
                 want = outs[name].clone()
             assert torch.equal(outs[name], want)
-
-
-@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")
-def test_the_tile_benchmark_runs_its_step_shapes():
-    """benchmarks/kernel_tiles.py --smoke: every step shape the GPU run measures (a token, a block, a tree)
-    goes through the kernels, so that a GPU session does not spend its time on a broken script."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_tiles.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--variants", "default,ksplit2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "2 variants x 3 step shapes" in run.stdout
