@@ -37,7 +37,7 @@ _ORDINALS = [
 ]
 # an ordinal before "session(s)", also across a line break and a comment's marker
 ORDINAL_SESSION = re.compile(rf"\b(?:{'|'.join(_ORDINALS)})(?:-|[ \t]*\n?[ \t#*/>]*)sessions?\b", re.I)
-# a file named by the work period that made it: name-s37.json, name-s41b.md, name-{0,16}-s41
+# a file named by the work period that made it: its name ending in "-s" and the period's number (and a letter)
 PERIOD_SUFFIX = re.compile(r"[A-Za-z0-9_}]-s[0-9]{1,3}[a-z]?(?=[.\-_/{}(),;:`'\"\s]|$)")
 BINARY = (".png", ".safetensors", ".gguf", ".pt", ".bin", ".whl", ".gz", ".zip")
 

@@ -147,3 +147,15 @@ def test_the_architecture_map_names_functions_that_exist():
         )
     ]
     assert not missing, f"docs/architecture.md names {missing}: move the map to where they are now"
+
+
+def test_the_readme_dry_run_of_the_fanout_sweep_checks_out(tiny_dataset, tmp_path, monkeypatch, capsys):
+    """The README's fan-out dry run, as written, after the demo (its dataset in runs/embedded/data)."""
+    from dflashkit.cli import main
+
+    command = next(c for c in readme_commands(README.read_text()) if "fanout.yaml --dry-run" in c)
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    shutil.copytree(tiny_dataset, tmp_path / "runs" / "embedded" / "data")
+    assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err
+    assert not (tmp_path / "runs" / "fanout").exists()  # a dry run trains and writes nothing
