@@ -20,7 +20,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, variants: bool = False) -> 
         "--resume",
         action="store_true",
         help=f"continue {whose} newest intact checkpoint, with the settings it was trained with (a change to "
-        "the model, data, loss or optimizer is refused; README, Resuming)",
+        "the model, data, loss or optimizer is refused; docs/training.md, Resuming)",
     )
     p.add_argument(
         "--move-aside",
@@ -157,7 +157,7 @@ examples:
 --resume continues with the settings the run was trained with: it refuses a change to the model
 (target.*, drafter.*), the data (data.*, train.max_len, train.seed), the loss or the optimizer, and
 allows train.max_steps, train.epochs, the log/eval/save cadence, train.keep_last, train.tensorboard,
-the batch split, run.*, attention.*, distributed.* and eval.* (README: Resuming).
+the batch split, run.*, attention.*, distributed.* and eval.* (docs/training.md, Resuming).
 """
 
 

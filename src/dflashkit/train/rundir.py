@@ -216,7 +216,7 @@ def check_resume_config(checkpoint: Path, cfg: RunConfig) -> None:
         f"run it belongs to: resume with the run's own values ({run / 'config.yaml'}), or start a new run "
         f"with --out DIR (drafter.init={run / 'best'} starts it from this run's drafter). What may change on "
         "--resume: train.max_steps, train.epochs, the log/eval/save cadence, train.keep_last, "
-        "train.tensorboard, the batch split, run.*, attention.*, distributed.*, eval.* (README, Resuming)"
+        "train.tensorboard, the batch split, run.*, attention.*, distributed.*, eval.* (docs/training.md, Resuming)"
     )
 
 
