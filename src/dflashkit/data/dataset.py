@@ -366,14 +366,13 @@ def check_dataset_folder(settings: PrepareSettings, *, replace: bool = False) ->
 
 
 def dataset_identity(path: str | os.PathLike[str]) -> dict[str, str] | None:
-    """The content hash (sha256) of each split file of a finished dataset: recorded in its manifest,
-    computed from the file for a dataset made before that. None when ``path`` holds no finished dataset."""
+    """The content hash (sha256) of each split file of a finished dataset, computed from the files as they
+    are now (a file rewritten by hand differs from the one its manifest recorded). None when ``path``
+    holds no finished dataset."""
     folder = Path(path)
     try:
         splits = read_manifest(folder)["splits"]
-        return {
-            name: splits[name].get("sha256") or file_digest(folder / splits[name]["file"]) for name in SPLITS
-        }
+        return {name: file_digest(folder / splits[name]["file"]) for name in SPLITS}
     except (DataError, OSError, KeyError, TypeError):
         return None
 
