@@ -354,7 +354,7 @@ def check_dataset_folder(settings: PrepareSettings, *, replace: bool = False) ->
     now = settings.model_dump(mode="json")
     changed = [
         f"{k} {made.get(k)!r} -> {now.get(k)!r}"
-        for k in sorted(set(made) | set(now))
+        for k in sorted(made)  # a setting added to dflashkit since was at its default
         if k not in SPEED_SETTINGS and made.get(k) != now.get(k)
     ]
     if changed and not replace:

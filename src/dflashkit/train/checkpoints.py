@@ -82,7 +82,9 @@ def check_resume_dataset(ckpt: Path, cfg: RunConfig) -> None:
         recorded = json.loads((ckpt / DATASET_FILE).read_text())["splits"]
     except (OSError, ValueError, KeyError, TypeError):
         return
-    now = dataset_identity(cfg.data.dir) or {}
+    now = dataset_identity(cfg.data.dir)
+    if now is None:  # no finished dataset there: setting up the run says so, naming the folder
+        return
     changed = [f"{name} split" for name, digest in recorded.items() if now.get(name) != digest]
     if changed:
         raise CheckpointError(
