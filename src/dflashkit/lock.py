@@ -19,6 +19,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -110,6 +111,13 @@ def _acquire(path: Path, folder: Path) -> int:
                 f"{folder} is being written by another process ({holder}); wait for it to finish or stop it, "
                 "or write somewhere else"
             ) from None
+        except OSError as e:  # a file system without locks (some network and FUSE mounts): go on, say so
+            print(
+                f"dflashkit: warning: {path.parent} cannot be locked ({e.strerror}); make sure no other "
+                "dflashkit command writes it at the same time",
+                file=sys.stderr,
+            )
+            break
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
