@@ -100,6 +100,7 @@ def test_training_checkpoints_and_best_carry_checksums(tiny_dataset, tmp_path):
         "training_state.json",
         "run_config.yaml",
         "fingerprint.json",
+        "dataset.json",
     }
     best = json.loads((tmp_path / "run" / "best" / CHECKSUMS_FILE).read_text())["files"]
     assert {"model.safetensors", "metrics.json", "fingerprint.json"} <= set(best)

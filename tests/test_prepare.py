@@ -15,12 +15,20 @@ from pydantic import ValidationError
 
 from dflashkit.cli import main
 from dflashkit.data.chat import encode_chat, generation_prompt_ids, template_identity
-from dflashkit.data.dataset import CACHE_FILE, PrepareSettings, load_dataset, prepare_dataset, read_manifest
+from dflashkit.data.dataset import (
+    CACHE_FILE,
+    PrepareSettings,
+    check_dataset_folder,
+    load_dataset,
+    prepare_dataset,
+    read_manifest,
+)
 from dflashkit.data.generation import ListSource, Request
 from dflashkit.data.generator import SlotGenerator, SlotSettings
 from dflashkit.data.hf_generate import generate_replies
 from dflashkit.data.regenerate import eos_token_ids, load_target, read_cache
 from dflashkit.errors import ConfigError, DataError
+from dflashkit.integrity import file_digest
 from dflashkit.target.hf import identity_of_folder
 
 PROMPTS = [
@@ -236,10 +244,46 @@ def test_resume_with_other_generation_settings_is_refused(
     full_out, _ = full_run
     out = tmp_path / "data"
     shutil.copytree(full_out, out)
+    (out / "manifest.json").unlink()  # an unfinished dataset: its cache resumes
     with pytest.raises(ConfigError, match=r"generation\.max_new_tokens: 8 vs 9.*another --out"):
         prepare_dataset(settings(out, prompts_file, max_new_tokens=9), progress=False)
     with pytest.raises(ConfigError, match=r"template\.enable_thinking: False vs True"):
         prepare_dataset(settings(out, prompts_file, enable_thinking=True), progress=False)
+
+
+def test_a_finished_dataset_is_not_re_split_in_place(
+    tmp_path: Path,
+    prompts_file: Path,
+    full_run: tuple[Path, dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    full_out, manifest = full_run
+    for split in ("train", "validation"):  # each split's identity, what a run records and checks on resume
+        assert manifest["splits"][split]["sha256"] == file_digest(full_out / f"{split}.safetensors")
+    out = tmp_path / "data"
+    shutil.copytree(full_out, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    argv = ["prepare", "--out", str(out), "--source", str(prompts_file), "--max-prompts", "6"]
+    argv += ["--max-new-tokens", "8", "--batch-size", "3", "--val-fraction", "0.5", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "val_fraction 0.34 -> 0.5" in err and "--out" in err and "--replace" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    check_dataset_folder(settings(out, prompts_file, batch_size=6))  # speed only: the same dataset
+    check_dataset_folder(settings(out, prompts_file, val_fraction=0.5), replace=True)  # told to
+
+
+def test_prepare_never_writes_into_a_training_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "fingerprint.json").write_text('{"the run": "s"}')
+    assert main(["prepare", "--out", str(run), "--max-prompts", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "a training run's folder" in err and "another --out" in err
+    assert (run / "fingerprint.json").read_text() == '{"the run": "s"}'
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "fingerprint.json", "metrics.jsonl"]
 
 
 def test_greedy_regeneration_equals_transformers_generate(target: tuple[Any, Any]) -> None:

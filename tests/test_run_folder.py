@@ -8,7 +8,9 @@ import shutil
 import pytest
 
 from dflashkit.cli import main
+from dflashkit.data.dataset import dataset_identity
 from dflashkit.errors import CheckpointError
+from dflashkit.integrity import ALLOW_MISSING_ENV, CHECKSUMS_FILE, write_checksums
 from dflashkit.target.hf import TargetModel
 from dflashkit.train import checkpoints, metrics, state, trainer
 from dflashkit.train.rundir import RunExistsError, config_changes, is_resumable_key
@@ -232,6 +234,34 @@ def test_resume_without_any_intact_checkpoint_is_one_clear_error(tiny_dataset, r
     code = main(["train", "--out", str(run_copy), "--resume", *words(tiny_dataset)])
     err = capsys.readouterr().err
     assert code == 2 and "no intact checkpoint" in err and "Traceback" not in err
+
+
+def test_resume_refuses_a_checkpoint_that_lost_its_checksums(tiny_dataset, run_copy, capsys):
+    step = run_copy / "checkpoints" / "step-00000004"
+    (step / CHECKSUMS_FILE).unlink()
+    weights = step / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped weight byte: only its checksum would have told
+    weights.write_bytes(bytes(data))
+    code = main(["train", "--out", str(run_copy), "--resume", *words(tiny_dataset, **{"train.max_steps": 6})])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "checksums.json is missing" in err and f"{ALLOW_MISSING_ENV}=1" in err
+    assert step.is_dir() and metrics_steps(run_copy) == [1, 2, 3, 4]  # kept as it was, nothing trained
+
+
+def test_resume_refuses_a_dataset_whose_splits_changed(tiny_dataset, run_copy, capsys):
+    step = run_copy / "checkpoints" / "step-00000004"
+    record = json.loads((step / checkpoints.DATASET_FILE).read_text())
+    assert record["splits"] == dataset_identity(tiny_dataset)  # what it trained on, split by split
+    record["splits"]["validation"] = "0" * 64  # as if the held-out split was re-made since
+    (step / checkpoints.DATASET_FILE).write_text(json.dumps(record))
+    write_checksums(step)
+    code = main(["train", "--out", str(run_copy), "--resume", *words(tiny_dataset, **{"train.max_steps": 6})])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "changed" in err and "validation split" in err and "train split" not in err
+    assert metrics_steps(run_copy) == [1, 2, 3, 4]
 
 
 def test_resume_logs_each_step_once_and_the_plot_goes_forward(tiny_dataset, tmp_path):

@@ -11,6 +11,7 @@ import torch
 
 from dflashkit.atomic import atomic_dir
 from dflashkit.errors import CheckpointError
+from dflashkit.integrity import write_checksums
 from dflashkit.train import state as state_mod
 from dflashkit.train.state import (
     capture_rng,
@@ -162,7 +163,7 @@ def _train(model, opt, sched, gen, steps):
 
 
 def _checkpoint(root, step, model, opt, sched, gen):
-    with atomic_dir(root / step_dir_name(step)) as tmp:
+    with atomic_dir(root / step_dir_name(step), checksums=True) as tmp:  # as training writes them
         torch.save(model.state_dict(), tmp / "model.pt")
         save_training_state(
             tmp,
@@ -238,5 +239,6 @@ def test_bad_inputs_fail_before_writing(tmp_path):
     with pytest.raises(CheckpointError, match="no training state"):
         load_training_state(tmp_path, opt, sched)
     save_training_state(tmp_path / "y", opt, None, 1, None, capture_rng())
+    write_checksums(tmp_path / "y")
     with pytest.raises(CheckpointError, match="without a scheduler"):
         load_training_state(tmp_path / "y", opt, sched)

@@ -7,6 +7,7 @@ half-written one, and a failure leaves what was there before.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -70,3 +71,62 @@ def _publish(tmp: Path, final_path: Path) -> None:
     fsync_path(final_path.parent)
     if old is not None:
         shutil.rmtree(old)
+
+
+@contextmanager
+def atomic_file(final_path: str | Path) -> Iterator[Path]:
+    """Yield a temporary file path beside `final_path` (``.<name>.tmp-*``); on success fsync it and
+    rename it over `final_path`. A failure, or the process dying, never leaves a half-written
+    `final_path` (plots: pass the format to the writer, the temporary name has no suffix of its own)."""
+    final_path = Path(final_path)
+    final_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{final_path.name}.tmp-", dir=final_path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.replace(tmp, final_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(final_path.parent)
+
+
+# What `atomic_dir`, `atomic_file` and `_publish` leave behind when their process dies: .<name>.tmp-<id>
+# (a half-written folder or file) and .<name>.old-<id> (the earlier folder, moved aside for a moment).
+_DEBRIS = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[A-Za-z0-9_]+$")
+
+
+def clean_debris(folder: str | Path, *, only: str | None = None) -> list[Path]:
+    """Remove what interrupted writes left in ``folder`` and its subfolders one level down (only names
+    these helpers make; with ``only``, only the debris of ``folder/only``). An earlier folder moved aside
+    (.<name>.old-*) whose replacement never arrived is put back instead. Call it holding the folder's
+    lock (`dflashkit.lock`): no live writer is then using them. Returns what was removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = _clean_one(folder, only)
+    if only is None:
+        for sub in sorted(folder.iterdir()):
+            if sub.is_dir() and not sub.is_symlink() and not _DEBRIS.match(sub.name):
+                removed += _clean_one(sub, None)
+    return removed
+
+
+def _clean_one(place: Path, only: str | None) -> list[Path]:
+    removed = []
+    for entry in sorted(place.iterdir()):
+        m = _DEBRIS.match(entry.name)
+        if m is None or (only is not None and m["name"] != only):
+            continue
+        final = place / m["name"]
+        if m["kind"] == "old" and not final.exists():
+            os.rename(entry, final)  # the replacement never arrived: the earlier folder comes back
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed

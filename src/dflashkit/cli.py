@@ -15,6 +15,7 @@ from dflashkit import __version__
 from dflashkit.commands import bench, data, doctor, fanout, infer, model, train
 from dflashkit.config import PATHS_RULE
 from dflashkit.errors import DflashkitError
+from dflashkit.lock import release_held
 
 Handler = Callable[[argparse.Namespace], int]
 # The subcommand groups (dflashkit.commands), in the order --help lists them.
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dflashkit {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        release_held()  # the folders the command wrote (`dflashkit.lock`)
 
 
 if __name__ == "__main__":

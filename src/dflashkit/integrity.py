@@ -6,13 +6,16 @@ A folder written by dflashkit (a training checkpoint, ``best/``, ``dflashkit ini
 ``checksums.json``: ``{"algorithm": "sha256", "files": {name: hex digest}}``, written last, inside the
 temporary folder of `dflashkit.atomic.atomic_dir`, before the folder is published. A folder without one
 (written by another tool, or by an older dflashkit) gets the structural checks only: a safetensors file
-must be as long as its header says, a torch zip archive must end in its central directory.
+must be as long as its header says, a torch zip archive must end in its central directory. A folder that
+dflashkit wrote (it holds training state, a run config or a fingerprint) and that has lost its
+checksums.json is refused (`require_checksums`): a damaged file in it could no longer be found.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 import zipfile
 from collections.abc import Iterable
@@ -25,8 +28,18 @@ ALGORITHM = "sha256"
 _CHUNK = 1 << 20
 
 
+# Files only a folder dflashkit wrote holds beside a drafter: such a folder was written with checksums.
+OWN_FILES = ("training_state.json", "training_state.pt", "run_config.yaml", "fingerprint.json")
+# Set to 1 to read a folder of ours that lost its checksums.json with structural checks only.
+ALLOW_MISSING_ENV = "DFLASHKIT_ALLOW_MISSING_CHECKSUMS"
+
+
 class CorruptFileError(CheckpointError):
     """A checkpoint file is truncated, corrupted or missing."""
+
+
+class MissingChecksumsError(CheckpointError):
+    """A folder dflashkit wrote has lost its checksums.json."""
 
 
 def file_digest(path: str | Path) -> str:
@@ -66,12 +79,30 @@ def read_checksums(folder: str | Path) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in files.items()}
 
 
+def require_checksums(folder: str | Path) -> None:
+    """Refuse a folder that dflashkit wrote (it holds one of `OWN_FILES`) whose checksums.json is gone,
+    unless DFLASHKIT_ALLOW_MISSING_CHECKSUMS=1; a folder another tool wrote (z-lab, speculators) has none
+    and passes."""
+    folder = Path(folder)
+    if os.environ.get(ALLOW_MISSING_ENV) == "1" or (folder / CHECKSUMS_FILE).is_file():
+        return
+    ours = [n for n in OWN_FILES if (folder / n).is_file()]
+    if ours:
+        raise MissingChecksumsError(
+            f"{folder} was written by dflashkit (it holds {ours[0]}) but its {CHECKSUMS_FILE} is missing, so "
+            f"a damaged file in it cannot be found; copy the folder again with its {CHECKSUMS_FILE}, or set "
+            f"{ALLOW_MISSING_ENV}=1 to use it with structural checks only"
+        )
+
+
 def verify_files(folder: str | Path, names: Iterable[str] | None = None) -> None:
     """Check the files ``names`` of ``folder`` (every recorded file when None) against checksums.json, or,
-    in a folder without one, check that they are structurally whole. Raises `CorruptFileError` naming the
-    first bad file."""
+    in a folder without one, check that they are structurally whole (a folder dflashkit wrote must have
+    one: `require_checksums`). Raises `CorruptFileError` naming the first bad file."""
     folder = Path(folder)
     recorded = read_checksums(folder)
+    if recorded is None:
+        require_checksums(folder)
     wanted = list(recorded if recorded is not None and names is None else (names or []))
     for name in wanted:
         path = folder / name

@@ -10,6 +10,7 @@ from typing import Any
 from dflashkit.commands.infer import ENGINE_CHOICES, _enable_thinking, _eos_ids, _load, add_tree_budget
 from dflashkit.config import PATHS_RULE, load_config
 from dflashkit.errors import ConfigError
+from dflashkit.lock import hold_folder
 
 DEFAULT_SETS = "mtbench,gsm8k,humaneval,heldout"
 
@@ -124,6 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
         if not sampled_trees:
             settings["trees_at"] = "T=0"
     out = Path(args.out or drafter_dir.parent / "bench")
+    hold_folder(out)  # one writer per bench folder (`dflashkit.lock`)
     bench.check_settings(out, settings)
 
     def decoder(t: Any, d: Any, engine: str) -> bench.Decoder:

@@ -12,6 +12,7 @@ from typing import Any
 
 from dflashkit.config import load_config
 from dflashkit.errors import ConfigError
+from dflashkit.lock import hold_folder
 
 # Command-line flag -> settings field; a flag left out keeps the PrepareSettings default.
 _FIELDS = (
@@ -88,7 +89,8 @@ def _prepare(args: argparse.Namespace) -> int:
     from dflashkit.data.dataset import prepare_dataset
 
     settings = settings_from_args(args)
-    manifest = prepare_dataset(settings, progress=not args.no_progress)
+    hold_folder(settings.out)  # one writer per dataset folder (`dflashkit.lock`)
+    manifest = prepare_dataset(settings, progress=not args.no_progress, replace=args.replace)
     counts, gen = manifest["counts"], manifest["generation"]
     table = Table(title=f"dataset {settings.out}", show_header=False)
     table.add_column(style="bold")
@@ -146,6 +148,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", "-c", help="run config: its target and data sections give the defaults")
     p.add_argument("--out", help="dataset folder (re-running the same command resumes)")
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="rewrite a finished dataset in --out made with other settings (runs trained on it then refuse "
+        "to resume; without it such a folder is refused)",
+    )
     p.add_argument("--target", help="'embedded' (default) or a transformers model folder")
     p.add_argument(
         "--source",
@@ -243,6 +251,7 @@ def _capture(args: argparse.Namespace) -> int:
         batch_rows=args.batch_rows,
     )
     console = Console()
+    hold_folder(out)  # one writer per feature folder (`dflashkit.lock`)
     m = capture_features(cfg, settings, progress=not args.no_progress, console=console)
     per = m["bytes_per_token"]
     table = Table(title=f"features {out}", show_header=False)

@@ -8,6 +8,7 @@ from typing import Any
 
 from dflashkit.config import PATHS_RULE, load_config
 from dflashkit.errors import ConfigError
+from dflashkit.lock import hold_folder
 
 # what --engine takes: dflashkit.infer.engine.ENGINES and "auto" (spelled here so --help needs no torch)
 ENGINE_CHOICES = (
@@ -140,6 +141,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     console = Console()
     target, drafter, tokenizer, dtype, manifest = _load(args)
+    out_dir = Path(args.out or Path(args.drafter).parent / "eval")
+    hold_folder(out_dir)  # one writer per eval folder (`dflashkit.lock`)
     args.engine = resolve_engine(args.engine, target, args.tree_budget, long_run=True)
     thinking = _enable_thinking(args, tokenizer, manifest)
     prompt_ids, source = eval_prompts(args, tokenizer, thinking)
@@ -188,7 +191,6 @@ def _eval(args: argparse.Namespace) -> int:
         }
     # the training metric is a chain's served-order tau: beside tree rounds it would read as a gap
     reference = None if args.tree_budget else training_reference(Path(args.drafter), args.prompts, args.data)
-    out_dir = Path(args.out or Path(args.drafter).parent / "eval")
     js, png, kept = write_report(report, out_dir, reference, label=prompts_label(args.prompts))
 
     t = Table(

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from dflashkit.errors import ConfigError
+from dflashkit.lock import hold_folder
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype on disk"
     )
     p.add_argument(
-        "--force", action="store_true", help="replace --out if it is an existing drafter checkpoint folder"
+        "--force",
+        action="store_true",
+        help="replace --out if it is an existing drafter checkpoint folder (never a training checkpoint or run)",
     )
     p.set_defaults(handler=_init)
 
@@ -62,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--force",
         action="store_true",
         help="replace DST if it is an existing drafter checkpoint folder (never the source, a folder holding "
-        "it, or a run folder)",
+        "it, a training checkpoint, anything in a run's checkpoints/, or a run folder)",
     )
     c.set_defaults(handler=_convert)
 
@@ -75,6 +78,7 @@ def _init(args: argparse.Namespace) -> int:
     from dflashkit.model.drafter import DFlashDrafter
     from dflashkit.target.hf import default_mask_token_id, identity_of_folder, load_target_config
 
+    hold_folder(args.out, beside=True)  # one writer; an interrupted init's debris goes (`dflashkit.lock`)
     check_destination(None, args.out, args.force)
     hf_config = load_target_config(args.target)
     ids = None
@@ -113,6 +117,7 @@ def _convert(args: argparse.Namespace) -> int:
     from dflashkit.model.checkpoint import check_checkpoint_folder, check_destination, convert_checkpoint
 
     check_checkpoint_folder(args.src)  # before loading a target: the paths first
+    hold_folder(args.dst, beside=True)  # one writer; an interrupted convert's debris goes (`dflashkit.lock`)
     check_destination(args.src, args.dst, args.force)
     target = None
     if args.target:

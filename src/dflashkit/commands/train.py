@@ -40,6 +40,11 @@ def add_run_arguments(p: argparse.ArgumentParser, *, variants: bool = False) -> 
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    if args.resume and args.move_aside:
+        raise ConfigError(
+            "--resume continues the run in its folder and --move-aside moves that run away to start anew: "
+            "pass one of them"
+        )
     overrides = list(args.overrides)
     if args.allow_env_drift:
         overrides.append("run.allow_env_drift=true")

@@ -13,6 +13,11 @@ The folder (`out`):
     manifest.json           written last: target and template identity, settings, counts
 
 `load_dataset(dir, split)` returns the records of one split; `read_manifest(dir)` the manifest.
+
+A finished dataset does not change under the runs that train on it: `prepare` refuses to write it again
+with other settings (a re-split) unless told to (``replace``), and never writes into a training run's
+folder (`check_dataset_folder`). Each split's sha256 is in the manifest: a run records it
+(`dataset_identity`) and its resume refuses another.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from dflashkit.data.sources import (
     split_prompts,
 )
 from dflashkit.errors import ConfigError, DataError, DflashkitError
+from dflashkit.folders import training_folder
+from dflashkit.integrity import file_digest
 from dflashkit.runtime import fingerprint
 
 if TYPE_CHECKING:
@@ -317,19 +324,75 @@ def make_backend(settings: PrepareSettings, model: Any, tokenizer: Any, eos_ids:
     return HFGenerator(model, eos_ids, pad_id, settings.batch_size)
 
 
+# Settings that change how fast a dataset is made, not what it holds: a finished dataset may be made again
+# with other values of these (`check_dataset_folder`).
+SPEED_SETTINGS = (
+    "out",
+    "batch_size",
+    "device",
+    "backend",
+    "servers",
+    "concurrency",
+    "server_timeout_s",
+    "server_retries",
+)
+
+
+def check_dataset_folder(settings: PrepareSettings, *, replace: bool = False) -> None:
+    """Refuse to write a dataset into a training run's folder, or over a finished dataset made with other
+    settings (e.g. another val_fraction: a re-split under the runs that train on it) unless ``replace``."""
+    out = Path(settings.out)
+    training = training_folder(out)
+    if training is not None:
+        raise ConfigError(f"{out} is {training}; write the dataset to another --out folder")
+    if not (out / MANIFEST_FILE).is_file():
+        return
+    try:
+        made = read_manifest(out).get("settings", {})
+    except DataError:
+        return  # not a finished dataset: `prepare` writes it as it would a new one
+    now = settings.model_dump(mode="json")
+    changed = [
+        f"{k} {made.get(k)!r} -> {now.get(k)!r}"
+        for k in sorted(made)  # a setting added to dflashkit since was at its default
+        if k not in SPEED_SETTINGS and made.get(k) != now.get(k)
+    ]
+    if changed and not replace:
+        raise ConfigError(
+            f"{out} holds a finished dataset made with other settings ({'; '.join(changed)}); write the new "
+            "one to another --out folder, or pass --replace to rewrite this one (runs trained on it then "
+            "refuse to resume)"
+        )
+
+
+def dataset_identity(path: str | os.PathLike[str]) -> dict[str, str] | None:
+    """The content hash (sha256) of each split file of a finished dataset, computed from the files as they
+    are now (a file rewritten by hand differs from the one its manifest recorded). None when ``path``
+    holds no finished dataset."""
+    folder = Path(path)
+    try:
+        splits = read_manifest(folder)["splits"]
+        return {name: file_digest(folder / splits[name]["file"]) for name in SPLITS}
+    except (DataError, OSError, KeyError, TypeError):
+        return None
+
+
 def prepare_dataset(
     settings: PrepareSettings,
     *,
     on_flush: Callable[[int, int], None] | None = None,
     progress: bool = True,
     flush_records: int = 1024,
+    replace: bool = False,
 ) -> dict[str, Any]:
     """Build (or resume building) the dataset folder `settings.out`; returns its manifest.
     `on_flush(done, total)` is called each time generated records reach the disk (at least every
-    `flush_records` records and every few seconds)."""
+    `flush_records` records and every few seconds). ``replace``: a finished dataset made with other
+    settings may be rewritten (`check_dataset_folder`)."""
     from dflashkit.target.hf import identity_of_folder  # torch: only when a dataset is built
 
     out = Path(settings.out)
+    check_dataset_folder(settings, replace=replace)
     out.mkdir(parents=True, exist_ok=True)
     stages: dict[str, float] = {}  # wall seconds of each stage, for the manifest
     clock = time.perf_counter()
@@ -425,6 +488,7 @@ def prepare_dataset(
             "records": len(ids),
             "tokens": sum(len(x) for x in input_ids),
             "supervised_tokens": int(sum(int(m.sum()) for m in masks)),
+            "sha256": file_digest(out / f"{name}.safetensors"),  # its identity (`dataset_identity`)
         }
     if splits["train"]["records"] == 0:
         raise DataError(

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashkit.atomic import atomic_file
 from dflashkit.data.chat import generation_prompt_ids
 from dflashkit.data.dataset import load_dataset
 from dflashkit.data.sources import load_prompts, read_benchmark, select_prompts
@@ -590,7 +591,8 @@ def plot(bench: dict[str, Any], path: Path) -> Path:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_file(path) as tmp:  # never a half-written plot
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return path
 

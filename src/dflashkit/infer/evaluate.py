@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashkit.atomic import atomic_file
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.engine import Engine
 from dflashkit.infer.speculative import (
@@ -304,7 +305,8 @@ def plot_report(report: EvalReport, path: Path, reference: TrainingReference | N
     speed = f", speedup {report.speedup:.2f}x" if report.speedup else ""
     fig.suptitle(f"{report.drafter} on {report.prompts} prompts (T={report.temperature}{speed})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_file(path) as tmp:  # never a half-written plot
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return path
 

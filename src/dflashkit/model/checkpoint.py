@@ -36,6 +36,7 @@ from torch import Tensor
 
 from dflashkit.atomic import atomic_dir
 from dflashkit.errors import CheckpointError
+from dflashkit.folders import training_folder
 from dflashkit.integrity import CHECKSUMS_FILE, CorruptFileError, check_structure, verify_files
 from dflashkit.model.config import DrafterConfig, validation_message
 from dflashkit.model.drafter import DFlashDrafter, Rotary
@@ -539,6 +540,7 @@ CHECKPOINT_FILES = (
     "training_state.pt",
     "training_state.json",
     "run_config.yaml",
+    "dataset.json",
 )
 
 
@@ -558,7 +560,8 @@ def is_checkpoint_folder(folder: str | Path) -> bool:
 def check_destination(src: str | Path | None, dst: str | Path, force: bool) -> None:
     """Refuse a destination that would destroy what it should not: the source itself, a folder that holds
     the source, a folder inside the source, or (without ``force``) anything not empty. ``force`` replaces a
-    drafter checkpoint folder only (`is_checkpoint_folder`), never a run folder or anything else."""
+    drafter checkpoint folder only (`is_checkpoint_folder`), never a training checkpoint, anything inside a
+    run's checkpoints/, a run folder (`dflashkit.folders.training_folder`) or anything else."""
     dst_path = Path(dst)
     dst_abs = dst_path.resolve()
     if src is not None:
@@ -579,6 +582,11 @@ def check_destination(src: str | Path | None, dst: str | Path, force: bool) -> N
         raise CheckpointError(
             f"{dst} already exists; choose another folder or pass --force to replace it (a drafter checkpoint "
             "folder only)"
+        )
+    training = training_folder(dst_path)
+    if training is not None:
+        raise CheckpointError(
+            f"{dst} is {training}; --force never replaces training state: choose another destination"
         )
     if not dst_path.is_dir() or not is_checkpoint_folder(dst_path):
         what = f"it holds {_listing(dst_path)}" if dst_path.is_dir() else "it is a file"

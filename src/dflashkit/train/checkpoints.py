@@ -23,8 +23,9 @@ from torch import Tensor
 
 from dflashkit.atomic import atomic_dir
 from dflashkit.config import RunConfig, dump_config
-from dflashkit.data.dataset import held_out_prompts_fingerprint
+from dflashkit.data.dataset import dataset_identity, held_out_prompts_fingerprint
 from dflashkit.errors import CheckpointError, EnvironmentDriftError
+from dflashkit.lock import hold_folder
 from dflashkit.model.checkpoint import write_checkpoint
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.runtime import fingerprint
@@ -40,6 +41,9 @@ BEST_METRICS = "metrics.json"
 # written before evaluation measured the served order kept the mean over anchors under
 # "best_acceptance_length": never compared with a served-order figure (`best_so_far`).
 BEST_KEY = "best_served_acceptance_length"
+# In every checkpoint: the dataset it trained on ({"dir", "splits": {split: sha256}}); a resume refuses
+# a dataset whose splits changed (`check_resume_dataset`).
+DATASET_FILE = "dataset.json"
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ def find_resume_point(cfg: RunConfig, d: distributed.Dist, console: Any) -> Resu
         if ckpt is None:
             return None
         check_resume_config(ckpt, cfg)
+        check_resume_dataset(ckpt, cfg)
         try:
             return ResumePoint(ckpt, state.read_training_state(ckpt))
         except CheckpointError as e:  # unreadable in a way its checksums could not tell: try an older one
@@ -70,6 +75,25 @@ def find_resume_point(cfg: RunConfig, d: distributed.Dist, console: Any) -> Resu
             state.set_aside_damaged(ckpt, lambda m: console.print(f"[yellow]{m}[/]"))
 
 
+def check_resume_dataset(ckpt: Path, cfg: RunConfig) -> None:
+    """Refuse to resume ``ckpt`` on a dataset whose splits differ from the ones it trained on (re-split or
+    rewritten in place), naming each changed split. A checkpoint without the record is not checked."""
+    try:
+        recorded = json.loads((ckpt / DATASET_FILE).read_text())["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    now = dataset_identity(cfg.data.dir)
+    if now is None:  # no finished dataset there: setting up the run says so, naming the folder
+        return
+    changed = [f"{name} split" for name, digest in recorded.items() if now.get(name) != digest]
+    if changed:
+        raise CheckpointError(
+            f"--resume: the dataset {cfg.data.dir} changed since {ckpt} trained on it ({' and '.join(changed)}: "
+            "other records); resume on the dataset it trained on, or start a new run with --out DIR "
+            f"(drafter.init={ckpt.parent.parent / BEST} starts it from this run's drafter)"
+        )
+
+
 def open_run_folder(
     cfg: RunConfig, d: distributed.Dist, *, resume: bool, move_aside: bool, console: Any
 ) -> ResumePoint | None:
@@ -77,6 +101,8 @@ def open_run_folder(
     ``resume`` a folder holding a run is refused (or, with ``move_aside``, its files are moved to
     ``<out>.old-<time>`` first); with it, the point to continue from (None: start from scratch)."""
     out = Path(cfg.run.out_dir)
+    if d.is_main:  # one writer per run folder, until the command ends (`dflashkit.lock`)
+        hold_folder(out)
     point = find_resume_point(cfg, d, console) if resume else None
     if resume and point is None:
         console.print(f"[yellow]no checkpoint in {out / CHECKPOINTS}: starting from scratch[/]")
@@ -153,6 +179,7 @@ def save_checkpoint(
                 tmp, opt, scheduler, step, cursor, state.capture_rng({"anchors": generator}), extra
             )
             (tmp / RUN_CONFIG_FILE).write_text(dump_config(run.cfg))
+            (tmp / DATASET_FILE).write_text(json.dumps(trained_dataset(run), indent=2) + "\n")
             fingerprint.save(fingerprint.collect(), tmp / fingerprint.FINGERPRINT_FILE)
         state.write_latest(root, name)
         state.rotate_checkpoints(root, run.cfg.train.keep_last)
@@ -178,6 +205,16 @@ def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
         }
         (tmp / BEST_METRICS).write_text(json.dumps(record, indent=2) + "\n")
         fingerprint.save(fingerprint.collect(), tmp / fingerprint.FINGERPRINT_FILE)
+
+
+def trained_dataset(run: Run) -> dict[str, Any]:
+    """What `DATASET_FILE` records: the dataset folder and each split's sha256, as the run loaded it (its
+    manifest; computed from the files for a dataset made before the manifest held them)."""
+    splits = run.manifest.get("splits", {})
+    digests = {name: info.get("sha256") for name, info in splits.items()}
+    if not digests or not all(digests.values()):
+        digests = dataset_identity(run.cfg.data.dir) or {}
+    return {"dir": str(Path(run.cfg.data.dir).resolve()), "splits": digests}
 
 
 def _write_weights(run: Run, weights: dict[str, Tensor], folder: Path, dtype: torch.dtype) -> None:

@@ -65,6 +65,7 @@ from dflashkit.config import FanoutSection, RunConfig, apply_overrides, dump_con
 from dflashkit.data.rows import Rows, pack_dataset
 from dflashkit.data.stream import MicroBatchStream
 from dflashkit.errors import ConfigError, DflashkitError
+from dflashkit.lock import hold_folder
 from dflashkit.model.acceptance import served_tau
 from dflashkit.runtime import fingerprint
 from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
@@ -735,6 +736,9 @@ def check_run_folders(
     the variant's settings in this environment. Returns each variant's checkpoint to continue from."""
     console = console if console is not None else Console(quiet=True)
     variants = variant_configs(cfg)
+    hold_folder(
+        cfg.run.out_dir
+    )  # one writer for the whole fan-out, until the command ends (`dflashkit.lock`)
     if not resume:
         names = [*RUN_FILES, *(name for name, _ in variants)]
         claim_run_folder(

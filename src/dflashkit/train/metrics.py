@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dflashkit.atomic import atomic_file
 from dflashkit.config import RunConfig
 from dflashkit.errors import ConfigError
 from dflashkit.model.acceptance import served_tau
@@ -145,5 +146,6 @@ def plot_training(metrics_path: Path, png: Path) -> Path | None:
     ax2.set_ylabel("exact block acceptance length")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    with atomic_file(png) as tmp:  # never a half-written plot
+        fig.savefig(tmp, dpi=110, format="png")
     return png

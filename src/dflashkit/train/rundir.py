@@ -32,6 +32,7 @@ RUN_FILES = (
     "checkpoints",
     "best",
     "eval",
+    "bench",
     "tensorboard",
     "error.txt",
     "fanout.json",

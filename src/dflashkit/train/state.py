@@ -6,7 +6,7 @@ the process dying) before that rename leaves the previous checkpoints as they we
 small text file naming the newest complete checkpoint, replaced atomically after the rename;
 `rotate_checkpoints` keeps the last k. Typical use by the trainer:
 
-    with atomic_dir(root / step_dir_name(step)) as tmp:
+    with atomic_dir(root / step_dir_name(step), checksums=True) as tmp:
         save_model(tmp, ...)                                   # the drafter in the z-lab layout
         save_training_state(tmp, optimizer, scheduler, step, data_cursor, capture_rng(gens), extra)
     write_latest(root, step_dir_name(step))
@@ -32,7 +32,7 @@ import torch
 
 from dflashkit.atomic import fsync_path
 from dflashkit.errors import CheckpointError
-from dflashkit.integrity import CorruptFileError, read_checksums, verify_files
+from dflashkit.integrity import CorruptFileError, MissingChecksumsError, read_checksums, verify_files
 
 STATE_TENSORS = "training_state.pt"
 STATE_JSON = "training_state.json"
@@ -263,8 +263,9 @@ def step_dirs(root: str | Path) -> list[Path]:
 
 
 def check_checkpoint(folder: str | Path) -> None:
-    """That every file of a checkpoint folder is whole: checked against its checksums (or, in a folder
-    written before checksums, by structure), and its training state readable. Raises `CheckpointError`."""
+    """That every file of a checkpoint folder is whole: checked against its checksums (a folder without
+    them is refused, `integrity.require_checksums`, unless allowed: then by structure), and its training
+    state readable. Raises `CheckpointError`."""
     folder = Path(folder)
     verify_files(folder, None if read_checksums(folder) is not None else _STRUCTURED_FILES)
     for name in ("config.json", STATE_JSON):
@@ -297,6 +298,8 @@ def pick_resume_checkpoint(
     for folder in candidates:
         try:
             check_checkpoint(folder)
+        except MissingChecksumsError:  # not damaged, unverifiable: the user decides (its message says how)
+            raise
         except (CheckpointError, OSError) as e:
             damaged.append(folder.name)
             report(f"checkpoint {folder.name} is damaged: {e}")
