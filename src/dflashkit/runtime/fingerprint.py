@@ -286,8 +286,15 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Entries that differ on every run and say nothing about the environment.
-IGNORED_IN_DIFF = ("created", "inductor_cache.size_mib", "inductor_cache.entries")
+# Entries that differ on every run and say nothing about the environment. TORCHINDUCTOR_CACHE_DIR is set
+# in the process itself (torch's cache_dir(), which `inductor_cache_dir` calls, exports its default): the
+# cache folder in effect is compared as inductor_cache.path.
+IGNORED_IN_DIFF = (
+    "created",
+    "inductor_cache.size_mib",
+    "inductor_cache.entries",
+    "env.TORCHINDUCTOR_CACHE_DIR",
+)
 
 
 @dataclass(frozen=True)
