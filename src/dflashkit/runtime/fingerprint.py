@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dflashkit.atomic import write_json
 from dflashkit.errors import DflashkitError
 
 SCHEMA = 1
@@ -205,10 +206,7 @@ def save(fp: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     if path.is_dir():
         path = path / FINGERPRINT_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(fp, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(path, fp, sort_keys=True)
 
 
 class FingerprintError(DflashkitError):
