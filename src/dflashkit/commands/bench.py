@@ -236,6 +236,8 @@ def _arguments(args: argparse.Namespace) -> str:
         flag = "--" + {"limit": "max-prompts"}.get(key, key).replace("_", "-")
         if value is True:
             words.append(flag)
+        elif key == "temperatures":  # as it was given: 0,1
+            words += [flag, ",".join(f"{t:g}" for t in value)]
         elif isinstance(value, list):
             words += [w for v in value for w in (flag, str(v))]
         else:
