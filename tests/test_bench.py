@@ -451,10 +451,14 @@ def test_bench_says_what_is_missing_before_loading_anything(drafter_run, tmp_pat
     assert "the heldout set is a dataset's held-out split: give --data DIR" in capsys.readouterr().err
     assert main([*base, "--sets", "mtbench,math"]) == 2
     assert "unknown prompt set math" in capsys.readouterr().err
-    assert main([*base, "--max-turns", "0"]) == 2
-    assert "--max-turns takes a count of at least 1" in capsys.readouterr().err
-    assert main([*base, "--temperatures", "0,x"]) == 2
-    assert "--temperatures takes numbers" in capsys.readouterr().err
+    for option, value, said in (
+        ("--max-turns", "0", "a whole number >= 1"),
+        ("--temperatures", "0,x", "distinct temperatures >= 0"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            main([*base, option, value])
+        assert refused.value.code == 2
+        assert f"argument {option}: takes {said}" in capsys.readouterr().err
     assert main([*base, "--temperatures", "1", "--summary", str(tmp_path / "s.json")]) == 2
     assert "include 0 in --temperatures" in capsys.readouterr().err
     from dflashkit.data import sources

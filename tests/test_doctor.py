@@ -176,3 +176,17 @@ def test_known_issues_inspect_torch(monkeypatch):
     # The table reads the live objects: a dangerous setting shows up.
     with torch._dynamo.config.patch(suppress_errors=True):
         assert {k.name: k for k in known_issues()}["silent fall-back settings"].present is True
+
+
+def test_the_diff_ignores_the_cache_variable_torch_sets_in_the_process(fp, monkeypatch):
+    """torch's cache_dir() (read for the inductor cache entry) exports TORCHINDUCTOR_CACHE_DIR: a run
+    started without it and resumed in a process that read the cache folder is no environment change."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    before = copy.deepcopy(fp)
+    before["env"].pop("TORCHINDUCTOR_CACHE_DIR", None)
+    after = copy.deepcopy(before)
+    after["env"]["TORCHINDUCTOR_CACHE_DIR"] = fingerprint.collect()["inductor_cache"]["path"]
+    assert fingerprint.diff(before, after) == []
+    moved = copy.deepcopy(after)
+    moved["inductor_cache"]["path"] = "/elsewhere"  # a cache folder the user moved is still a change
+    assert [c.key for c in fingerprint.diff(after, moved)] == ["inductor_cache.path"]

@@ -87,7 +87,7 @@ def test_eval_with_tree_rounds(untrained_drafter, tiny_dataset, tmp_path, capsys
     with pytest.raises(SystemExit) as refused:
         main([*args[:-1], "-1"])
     assert refused.value.code == 2
-    assert "a node budget is a whole number >= 0" in capsys.readouterr().err
+    assert "a node budget, a whole number >= 0" in capsys.readouterr().err
 
 
 def test_eval_refuses_a_template_mismatch(untrained_drafter, tiny_dataset, tmp_path, capsys):

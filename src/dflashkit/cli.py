@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Callable
 
 from dflashkit import __version__
+from dflashkit.atomic import disk_full_error, is_disk_full
 from dflashkit.commands import bench, data, doctor, fanout, infer, model, train
 from dflashkit.config import PATHS_RULE
 from dflashkit.errors import DflashkitError
@@ -90,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("DFLASHKIT_TRACEBACK"):
             raise
         print(f"dflashkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a full disk where no writer said which file: still one line
+        if not is_disk_full(e) or os.environ.get("DFLASHKIT_TRACEBACK"):
+            raise
+        where = getattr(e, "filename", None) or os.getcwd()
+        print(f"dflashkit {args.command}: error: {disk_full_error(where)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dflashkit {args.command}: interrupted", file=sys.stderr)

@@ -416,6 +416,33 @@ def _set_dotted(data: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            try:
+                repeated = key in seen
+            except TypeError:  # an unhashable key: the base loader says so
+                continue
+            if repeated:
+                raise ConfigError(
+                    f"{key_node.start_mark.name}: the key '{key}' is given twice (lines {seen[key]} and "
+                    f"{line}); keep one"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content; a key given twice in one mapping is a ConfigError naming it and its lines."""
+    with open(path, encoding="utf-8") as f:
+        return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (or the defaults when path is None) and apply dotted overrides."""
     data: dict[str, Any] = {}
@@ -423,10 +450,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         where = str(p)
+        if p.is_dir():
+            raise ConfigError(f"{p} is a folder: --config takes a YAML file (ready configs are in configs/)")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist (ready configs are in configs/)")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = read_yaml(p) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p} is not a text (UTF-8) file; --config takes a YAML file") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):

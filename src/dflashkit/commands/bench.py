@@ -7,24 +7,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflashkit.atomic import check_folder_can_be_made
+from dflashkit.commands import values
 from dflashkit.commands.infer import ENGINE_CHOICES, _enable_thinking, _eos_ids, _load, add_tree_budget
 from dflashkit.config import PATHS_RULE, load_config
 from dflashkit.errors import ConfigError
 from dflashkit.lock import hold_folder
 
 DEFAULT_SETS = "mtbench,gsm8k,humaneval,heldout"
-
-
-def parse_temperatures(text: str) -> list[float]:
-    try:
-        temps = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ConfigError(
-            f"--temperatures takes numbers separated by commas (e.g. 0,1), not {text!r}"
-        ) from None
-    if not temps or any(t < 0 for t in temps) or len(set(temps)) != len(temps):
-        raise ConfigError(f"--temperatures takes distinct numbers >= 0 (e.g. 0,1), not {text!r}")
-    return temps
 
 
 def set_specs(args: argparse.Namespace) -> list[str]:
@@ -39,14 +29,6 @@ def set_specs(args: argparse.Namespace) -> list[str]:
             f"unknown prompt set {', '.join(unknown)}; --sets takes {', '.join(SETS)} (a file: --prompts FILE)"
         )
     specs += list(args.prompts or [])
-    for flag, value in (
-        ("--max-prompts", args.limit),
-        ("--max-turns", args.max_turns),
-        ("--max-new-tokens", args.max_new_tokens),
-        ("--lossless-prompts", args.lossless_prompts),
-    ):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} takes a count of at least 1, not {value}")
     names = [set_name(s) for s in specs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -67,7 +49,7 @@ def _bench(args: argparse.Namespace) -> int:
     from dflashkit.target.hf import TargetModel
 
     console = Console()
-    temperatures = parse_temperatures(args.temperatures)
+    temperatures = args.temperatures
     specs = set_specs(args)
     if args.summary and 0.0 not in temperatures:
         raise ConfigError("--summary holds the T=0 figures: include 0 in --temperatures")
@@ -125,6 +107,7 @@ def _bench(args: argparse.Namespace) -> int:
         if not sampled_trees:
             settings["trees_at"] = "T=0"
     out = Path(args.out or drafter_dir.parent / "bench")
+    check_folder_can_be_made(out)  # before decoding anything
     hold_folder(out)  # one writer per bench folder (`dflashkit.lock`)
     bench.check_settings(out, settings)
 
@@ -164,6 +147,13 @@ def _bench(args: argparse.Namespace) -> int:
 
     # one static engine for every set (a new capacity means a new engine, compiled again on a GPU)
     capacity = max((dec.capacity(b) for b in sets if b.conversations), default=0)
+    from dflashkit.target.context import beyond_context, context_of
+
+    warning = beyond_context(
+        capacity - args.max_new_tokens, args.max_new_tokens, context_of(target.config), "the longest prompt"
+    )
+    if warning:
+        console.print(f"[yellow]{warning}[/]", soft_wrap=True)
     for d in {id(x): x for x in (dec, lossless) if x is not None}.values():
         d.ready(capacity)
     per_temp = sum(s.responses for s in sets)
@@ -203,7 +193,7 @@ def _bench(args: argparse.Namespace) -> int:
             console.print(f"{bset.name}: {bset.source}, {seconds:.0f} s, written to {path}")
     summary_path = Path(args.summary) if args.summary else None
     combined = bench.write_outputs(out, settings, _arguments(args), summary_path)
-    console.print(bench_table(combined, measured))
+    print_whole(console, bench_table(combined, measured))
     for line in agreement_lines(combined):
         console.print(line)
     for line in slower_lines(combined, measured):
@@ -248,6 +238,8 @@ def _arguments(args: argparse.Namespace) -> str:
         flag = "--" + {"limit": "max-prompts"}.get(key, key).replace("_", "-")
         if value is True:
             words.append(flag)
+        elif key == "temperatures":  # as it was given: 0,1
+            words += [flag, ",".join(f"{t:g}" for t in value)]
         elif isinstance(value, list):
             words += [w for v in value for w in (flag, str(v))]
         else:
@@ -261,6 +253,18 @@ def _fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     return f"{x:{spec}}{unit}"
+
+
+def print_whole(console: Any, table: Any) -> None:
+    """Print a table uncut: on a terminal at its width, piped (80 columns to rich) as wide as the table
+    needs, so that no header or figure is cut short in a log."""
+    from rich.console import Console
+
+    need = console.measure(table, options=console.options.update_width(10_000)).maximum
+    if console.is_terminal or need <= console.width:
+        console.print(table)
+    else:  # rich prints no wider than its console: a console as wide as the table, on the same output
+        Console(file=console.file, width=need, no_color=console.no_color).print(table)
 
 
 def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
@@ -399,22 +403,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-prompts",
         dest="limit",
-        type=int,
+        type=values.count,
         default=None,
         metavar="N",
         help="prompts per set (default: all): a seeded choice; of the held-out split, N records spread evenly",
     )
     p.add_argument(
         "--max-turns",
-        type=int,
+        type=values.count,
         default=None,
         metavar="N",
         help="user turns decoded per conversation (default: all; MT-Bench has 2)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="new tokens per reply (256)")
-    p.add_argument("--temperatures", default="0,1", metavar="T,T", help="temperatures (default 0,1)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus threshold above T=0 (1.0)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of the sampling (0)")
+    p.add_argument(
+        "--max-new-tokens", type=values.count, default=256, metavar="N", help="new tokens per reply (256)"
+    )
+    p.add_argument(
+        "--temperatures",
+        type=values.temperatures,
+        default="0,1",
+        metavar="T,T",
+        help="temperatures (default 0,1)",
+    )
+    p.add_argument(
+        "--top-p", type=values.top_p, default=1.0, metavar="P", help="nucleus threshold above T=0 (1.0)"
+    )
+    p.add_argument(
+        "--seed",
+        type=values.whole_number,
+        default=0,
+        help="seed of the prompt choice and of the sampling (0)",
+    )
     p.add_argument(
         "--engine",
         choices=list(ENGINE_CHOICES),
@@ -441,7 +460,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--lossless-prompts",
-        type=int,
+        type=values.count,
         default=None,
         metavar="N",
         help="with --check-lossless on a bf16 run: check the first N prompts of each set (default: all)",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dflashkit.atomic import check_folder_can_be_made
+from dflashkit.commands import values
 from dflashkit.config import load_config
 from dflashkit.errors import ConfigError
 from dflashkit.lock import hold_folder
@@ -82,6 +84,19 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         raise ConfigError(f"--{where.replace('_', '-')}: {first['msg']}") from None
 
 
+def longest_prompt_beyond_context(settings: Any) -> str | None:
+    """The warning when a prompt up to --max-prompt-tokens and its reply would pass the target's context."""
+    from dflashkit.target.context import beyond_context, context_of
+    from dflashkit.target.hf import load_target_config
+
+    return beyond_context(
+        settings.max_prompt_tokens,
+        settings.max_new_tokens,
+        context_of(load_target_config(settings.target)),
+        "a prompt of up to --max-prompt-tokens",
+    )
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -89,7 +104,11 @@ def _prepare(args: argparse.Namespace) -> int:
     from dflashkit.data.dataset import prepare_dataset
 
     settings = settings_from_args(args)
+    check_folder_can_be_made(settings.out)  # before the target loads
     hold_folder(settings.out)  # one writer per dataset folder (`dflashkit.lock`)
+    warning = longest_prompt_beyond_context(settings)
+    if warning:
+        Console().print(f"[yellow]{warning}[/]", soft_wrap=True)
     manifest = prepare_dataset(settings, progress=not args.no_progress, replace=args.replace)
     counts, gen = manifest["counts"], manifest["generation"]
     table = Table(title=f"dataset {settings.out}", show_header=False)
@@ -162,23 +181,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--format", choices=("auto", "chat", "sharegpt", "prompts"), help="file format (default auto)"
     )
-    p.add_argument("--max-prompts", type=int, metavar="N", help="prompts to select (default 1000; 0 for all)")
-    p.add_argument("--val-fraction", type=float, metavar="F", help="held-out fraction (default 0.05)")
     p.add_argument(
-        "--max-turns", type=int, metavar="N", help="user turns kept per conversation (default all)"
+        "--max-prompts",
+        type=values.count_or_all,
+        metavar="N",
+        help="prompts to select (default 1000; 0 for all)",
+    )
+    p.add_argument(
+        "--val-fraction", type=values.fraction, metavar="F", help="held-out fraction (default 0.05)"
+    )
+    p.add_argument(
+        "--max-turns", type=values.count, metavar="N", help="user turns kept per conversation (default all)"
     )
     p.add_argument(
         "--samples-per-prompt",
-        type=int,
+        type=values.count,
         metavar="K",
         help="sampled training replies per prompt (default 1; needs --temperature > 0 when above 1)",
     )
-    p.add_argument("--max-new-tokens", type=int, metavar="M", help="reply length limit (default 256)")
     p.add_argument(
-        "--max-prompt-tokens", type=int, metavar="M", help="longer prompts are skipped (default 1024)"
+        "--max-new-tokens", type=values.count, metavar="M", help="reply length limit (default 256)"
     )
     p.add_argument(
-        "--batch-size", type=int, metavar="K", help="replies generated at once (default 16; a GPU takes 512+)"
+        "--max-prompt-tokens",
+        type=values.count,
+        metavar="M",
+        help="longer prompts are skipped (default 1024)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=values.count,
+        metavar="K",
+        help="replies generated at once (default 16; a GPU takes 512+)",
     )
     p.add_argument(
         "--backend",
@@ -193,27 +227,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="generate through an OpenAI-compatible server (vLLM, SGLang, llama.cpp); repeat for several",
     )
     p.add_argument(
-        "--concurrency", type=int, metavar="N", help="requests in flight with --server (default 64)"
+        "--concurrency", type=values.count, metavar="N", help="requests in flight with --server (default 64)"
     )
     p.add_argument(
         "--server-timeout",
         dest="server_timeout_s",
-        type=float,
+        type=values.positive,
         metavar="S",
         help="seconds one request may take with --server (default 300)",
     )
     p.add_argument(
         "--server-retries",
-        type=int,
+        type=values.whole_number,
         metavar="N",
         help="retries per request with --server, with exponential back-off (default 5)",
     )
-    p.add_argument("--temperature", type=float, metavar="T", help="0 for greedy (default), else sampling")
-    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (default 1.0)")
-    p.add_argument("--seed", type=int, metavar="S", help="selection, split and sampling seed (default 0)")
+    p.add_argument(
+        "--temperature", type=values.temperature, metavar="T", help="0 for greedy (default), else sampling"
+    )
+    p.add_argument("--top-p", type=values.top_p, metavar="P", help="nucleus sampling threshold (default 1.0)")
+    p.add_argument(
+        "--seed", type=values.whole_number, metavar="S", help="selection, split and sampling seed (default 0)"
+    )
     p.add_argument(
         "--sample-seed",
-        type=int,
+        type=values.whole_number,
         metavar="S",
         help="sampling seed alone: new samples of the same prompts, same held-out split (default: --seed)",
     )
@@ -240,10 +278,7 @@ def _capture(args: argparse.Namespace) -> int:
     out = args.out or cfg.data.features_dir
     if not out:
         raise ConfigError("name the feature folder with --out DIR (or data.features_dir=DIR)")
-    if args.shard_mb is not None and args.shard_mb <= 0:
-        raise ConfigError("--shard-mb must be positive")
-    if args.batch_rows is not None and args.batch_rows < 1:
-        raise ConfigError("--batch-rows must be at least 1")
+    check_folder_can_be_made(out)
     settings = CaptureSettings(
         out=out,
         dtype=args.dtype,
@@ -310,9 +345,9 @@ def register_capture(subparsers: argparse._SubParsersAction) -> None:
         default="bfloat16",
         help="feature storage (default bfloat16; float8_e4m3fn halves it, one scale per token and layer)",
     )
-    p.add_argument("--shard-mb", type=float, metavar="MB", help="shard size in MiB (default 2048)")
+    p.add_argument("--shard-mb", type=values.positive, metavar="MB", help="shard size in MiB (default 2048)")
     p.add_argument(
-        "--batch-rows", type=int, metavar="K", help="rows per target pass (default train.batch_size)"
+        "--batch-rows", type=values.count, metavar="K", help="rows per target pass (default train.batch_size)"
     )
     p.add_argument("--verify", action="store_true", help="then re-read every shard and check it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -6,8 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from dflashkit.atomic import check_folder_can_be_made
+from dflashkit.commands import values
 from dflashkit.config import PATHS_RULE, load_config
-from dflashkit.errors import ConfigError
+from dflashkit.errors import ConfigError, DataError
 from dflashkit.lock import hold_folder
 
 # what --engine takes: dflashkit.infer.engine.ENGINES and "auto" (spelled here so --help needs no torch)
@@ -138,18 +140,25 @@ def _eval(args: argparse.Namespace) -> int:
 
     from dflashkit.infer.engine import resolve_engine
     from dflashkit.infer.evaluate import training_reference, write_report
+    from dflashkit.target.context import beyond_context, context_of
 
     console = Console()
     target, drafter, tokenizer, dtype, manifest = _load(args)
     out_dir = Path(args.out or Path(args.drafter).parent / "eval")
+    check_folder_can_be_made(out_dir)  # before decoding anything
     hold_folder(out_dir)  # one writer per eval folder (`dflashkit.lock`)
     args.engine = resolve_engine(args.engine, target, args.tree_budget, long_run=True)
     thinking = _enable_thinking(args, tokenizer, manifest)
     prompt_ids, source = eval_prompts(args, tokenizer, thinking)
+    if not prompt_ids:  # nothing to measure: said before any file is written
+        raise DataError(f"no prompts to evaluate in {source}; give a file or a split that holds some")
     sampling = _sampling(args)
     rounds = choose_rounds(args, drafter, sampling.temperature)
     longest = max((len(p) for p in prompt_ids), default=0)
     capacity = longest + args.max_new_tokens + _width(args, drafter)
+    warning = beyond_context(longest, args.max_new_tokens, context_of(target.config), "the longest prompt")
+    if warning:
+        console.print(f"[yellow]{warning}[/]", soft_wrap=True)
     eos_ids = _eos_ids(target, tokenizer)
     check32 = None
     if args.check_lossless and dtype != torch.float32:
@@ -330,6 +339,7 @@ def _generate(args: argparse.Namespace) -> int:
     from dflashkit.data.chat import generation_prompt_ids
     from dflashkit.infer.engine import resolve_engine
     from dflashkit.infer.speculative import Stopper, speculative_generate
+    from dflashkit.target.context import beyond_context, context_of
 
     console = Console()
     target, drafter, tokenizer, _dtype, manifest = _load(args)
@@ -353,6 +363,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     def one(text: str) -> None:
         ids = generation_prompt_ids(tokenizer, [{"role": "user", "content": text}], enable_thinking=thinking)
+        warning = beyond_context(len(ids), args.max_new_tokens, context_of(target.config))
+        if warning:
+            console.print(f"[yellow]{warning}[/]", soft_wrap=True)
         engine = engine_for(len(ids))
         g = speculative_generate(
             target,
@@ -364,7 +377,7 @@ def _generate(args: argparse.Namespace) -> int:
             engine=engine,
             tree_budget=args.tree_budget,
         )
-        console.print(rounds_markup(g, tokenizer, stopper.eos))
+        console.print(rounds_markup(g, tokenizer, stopper.eos), soft_wrap=True)  # the model's own lines
         console.print(
             f"[dim]{len(g.tokens)} tokens, mean acceptance length {g.mean_acceptance_length:.2f}, "
             f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}, {args.engine} engine, {rounds}[/]"
@@ -429,21 +442,21 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=values.count,
         default=None,
         metavar="N",
         help="new tokens per prompt (default: eval.max_new_tokens of --config, else 128)",
     )
     p.add_argument(
         "--temperature",
-        type=float,
+        type=values.temperature,
         default=None,
         metavar="T",
         help="0 for greedy decoding (default: eval.temperature of --config, else 0), above 0 to sample",
     )
     p.add_argument(
         "--top-p",
-        type=float,
+        type=values.top_p,
         default=1.0,
         metavar="P",
         help="nucleus sampling threshold when sampling (default 1.0)",
@@ -456,7 +469,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "engines a round is one step; the default) or exact (a draft token is kept when it equals the target's "
         "sample); the target's distribution either way",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    p.add_argument("--seed", type=values.whole_number, default=0, help="seed of the sampling (default 0)")
     p.add_argument(
         "--enable-thinking",
         action="store_true",
@@ -483,7 +496,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_tree_budget(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tree-budget",
-        type=_tree_budget,
+        type=values.tree_budget,
         default=None,
         metavar="N|auto",
         help="verify a tree of N drafted nodes per round (the best branches of the drafter's per-slot top-k, "
@@ -491,20 +504,6 @@ def add_tree_budget(p: argparse.ArgumentParser) -> None:
         "auto (the default): trees of 15 where they were measured faster (greedy decoding on the "
         "graphs-kernels engine, a block of at most 16), else the chain",
     )
-
-
-def _tree_budget(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(
-            f"a node budget is a whole number >= 0 (0: the chain) or auto, got {text!r}"
-        )
-    return n
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -531,7 +530,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     e.add_argument(
         "--max-prompts",
-        type=int,
+        type=values.count,
         default=None,
         metavar="N",
         help="prompts to decode (default: eval.max_prompts of --config, else 80)",

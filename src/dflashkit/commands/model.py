@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dflashkit.atomic import check_folder_can_be_made
+from dflashkit.commands import values
 from dflashkit.errors import ConfigError
 from dflashkit.lock import hold_folder
 
@@ -20,18 +22,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--target", default="embedded", help="'embedded' (default) or the path of an HF model folder"
     )
     p.add_argument("--out", required=True, type=Path, help="checkpoint folder to write (z-lab layout)")
-    p.add_argument("--layers", type=int, default=5, help="draft layers (default 5)")
+    p.add_argument("--layers", type=values.count, default=5, help="draft layers (default 5)")
     p.add_argument(
-        "--block-size", type=int, default=16, help="slots per block: the anchor + B-1 drafted tokens"
+        "--block-size", type=values.count, default=16, help="slots per block: the anchor + B-1 drafted tokens"
     )
     p.add_argument(
         "--target-layer-ids",
         help="comma-separated target layers to read (default: as many as draft layers, evenly spaced)",
     )
     p.add_argument(
-        "--mask-token-id", type=int, help="mask token id (default: chosen from the target's tokenizer)"
+        "--mask-token-id",
+        type=values.whole_number,
+        help="mask token id (default: chosen from the target's tokenizer)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
+    p.add_argument("--seed", type=values.whole_number, default=0, help="seed of the random initial weights")
     p.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype on disk"
     )
@@ -80,6 +84,7 @@ def _init(args: argparse.Namespace) -> int:
 
     hold_folder(args.out, beside=True)  # one writer; an interrupted init's debris goes (`dflashkit.lock`)
     check_destination(None, args.out, args.force)
+    check_folder_can_be_made(args.out)
     hf_config = load_target_config(args.target)
     ids = None
     if args.target_layer_ids:
@@ -119,6 +124,7 @@ def _convert(args: argparse.Namespace) -> int:
     check_checkpoint_folder(args.src)  # before loading a target: the paths first
     hold_folder(args.dst, beside=True)  # one writer; an interrupted convert's debris goes (`dflashkit.lock`)
     check_destination(args.src, args.dst, args.force)
+    check_folder_can_be_made(args.dst, "DST")
     target = None
     if args.target:
         from dflashkit.target.hf import TargetModel

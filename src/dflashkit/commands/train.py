@@ -7,6 +7,8 @@ import argparse
 import os
 from typing import Any
 
+from dflashkit.atomic import check_folder_can_be_made
+from dflashkit.commands import values
 from dflashkit.config import PATHS_RULE, RunConfig, load_config
 from dflashkit.errors import ConfigError
 
@@ -57,6 +59,7 @@ def _train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     cfg = config_from_args(args)
+    check_folder_can_be_made(cfg.run.out_dir, "the run folder (--out, run.out_dir)")  # --dry-run too
     console = Console()
     if cfg.fanout is not None:  # several drafter variants from one target: `dflashkit fanout`
         return run_fanout(
@@ -179,13 +182,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_run_arguments(p)
     p.add_argument(
         "--nproc",
-        type=int,
+        type=values.count,
         metavar="N",
         help="train data-parallel on N processes of this host (one per GPU): runs this command under torchrun",
     )
     p.add_argument(
         "--nnodes",
-        type=int,
+        type=values.count,
         default=1,
         metavar="M",
         help="with --nproc: hosts taking part (run the same command on every host, with --rdzv-endpoint)",

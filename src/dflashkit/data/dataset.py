@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dflashkit import __version__
+from dflashkit.atomic import disk_full_said, umask_modes, write_json
 from dflashkit.config import SourceSpec, unique_source_labels
 from dflashkit.data.chat import encode_chat, template_identity
 from dflashkit.data.parallel import TokenizerPool
@@ -149,9 +150,7 @@ class PrepareSettings(BaseModel):
 
 def _write_json(path: Path, obj: Any) -> None:
     """Atomically: a crash never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_json(path, obj, sort_keys=True, ensure_ascii=False)
 
 
 def _check_generation_identity(path: Path, identity: dict[str, Any]) -> None:
@@ -214,7 +213,9 @@ def write_split(path: Path, ids: list[str], input_ids: Sequence[Any], loss_masks
         "offsets": offsets,
     }
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"ids": json.dumps(ids), "schema": str(SCHEMA)})
+    with disk_full_said(path, needed=sum(t.nbytes for t in tensors.values()), tmp=tmp):
+        save_file(tensors, str(tmp), metadata={"ids": json.dumps(ids), "schema": str(SCHEMA)})
+    umask_modes(tmp)  # safetensors writes it private; a dataset is shared like its manifest
     os.replace(tmp, path)
 
 

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from dflashkit import __version__
-from dflashkit.atomic import fsync_path
+from dflashkit.atomic import disk_full_said, fsync_path, umask_modes, write_json
 from dflashkit.data.chat import check_template_identity
 from dflashkit.data.dataset import read_manifest
 from dflashkit.data.rows import check_data_matches_target, pack_dataset
@@ -187,9 +187,7 @@ def shard_ranges(num_rows: int, rows_per_shard: int) -> list[tuple[int, int]]:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_json(path, obj, sort_keys=True)
 
 
 def write_shard(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
@@ -198,14 +196,13 @@ def write_shard(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]) ->
 
     record = {**meta, "digest": tensor_digest(tensors)}
     tmp = path.with_name(path.name + ".tmp")
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        str(tmp),
-        metadata={META_KEY: json.dumps(record, sort_keys=True)},
-    )
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # the writer creates it private; a capture is shared like a dataset
+    with disk_full_said(path, needed=sum(v.nbytes for v in tensors.values()), tmp=tmp):
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(tmp),
+            metadata={META_KEY: json.dumps(record, sort_keys=True)},
+        )
+    umask_modes(tmp)  # the writer creates it private; a capture is shared like a dataset
     fsync_path(tmp)
     os.replace(tmp, path)
 

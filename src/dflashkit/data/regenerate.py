@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashkit.atomic import disk_full_said
 from dflashkit.data.chat import generation_prompt_ids
 from dflashkit.data.generation import Backend, Reply, Request, request_seed
 from dflashkit.data.parallel import TokenizerPool
@@ -165,7 +166,8 @@ def append_records(path: Path, records: list[dict[str, Any]]) -> None:
     if not records:
         return
     blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    with path.open("a", encoding="utf-8") as f:
+    # a line torn by a full disk is dropped when the cache is read again: the same command resumes
+    with disk_full_said(path, needed=len(blob.encode())), path.open("a", encoding="utf-8") as f:
         f.write(blob)
         f.flush()
         os.fsync(f.fileno())

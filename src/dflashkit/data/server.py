@@ -388,7 +388,7 @@ class ServerBackend:
         if info.kind == LLAMACPP and answer.get("truncated"):
             raise _Refused(
                 f"it cut the context (prompt {len(request.prompt_ids)} + up to {request.max_new_tokens} "
-                "new tokens is more than a slot holds); restart it with a larger --ctx-size",
+                "new tokens is more than a slot holds); restart the llama.cpp server with a larger --ctx-size",
             )
         return cut_reply(ids, self.eos_ids, request.max_new_tokens)
 

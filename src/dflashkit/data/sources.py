@@ -168,11 +168,35 @@ class _Malformed(Exception):
 # --- reading files ----------------------------------------------------------------------------
 
 
+NOT_TEXT = "not UTF-8 text"
+
+
+def _text_lines(path: Path) -> Iterator[tuple[int, str | None]]:
+    """(line number, text) of each line of a file; text is None for a line that is not UTF-8 (a binary file
+    or another encoding): the reader counts it as malformed, never a traceback."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield lineno, None
+
+
+def _whole_text(path: Path) -> str:
+    """A whole .json file's text; DataError when it is not UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path} is {NOT_TEXT} (byte {e.start}); save it as UTF-8, or give a JSONL file"
+        ) from None
+
+
 def _json_records(path: Path, ps: PromptSet, skip_malformed: bool) -> Iterator[tuple[str, Any]]:
     """(where, record) for each record of a JSONL file, or of a .json file holding one array."""
     if path.suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(_whole_text(path))
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); fix the file") from None
         if not isinstance(data, list):
@@ -180,11 +204,12 @@ def _json_records(path: Path, ps: PromptSet, skip_malformed: bool) -> Iterator[t
         for i, rec in enumerate(data):
             yield f"{path} record {i}", rec
         return
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
+    for lineno, line in _text_lines(path):
+        where = f"{path}:{lineno}"
+        if line is None:
+            _malformed(ps, where, NOT_TEXT, skip_malformed)
+            continue
+        if line.strip():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -270,14 +295,16 @@ def _read_conversations(
 
 def _read_prompt_list(path: Path, skip_malformed: bool, ps: PromptSet) -> Iterator[Prompt]:
     if path.suffix == ".txt":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                ps.records += 1
-                text = line.rstrip("\n").rstrip("\r")
-                if not text.strip():
-                    ps.empty += 1
-                    continue
-                yield make_prompt([text], origin=f"{path}:{lineno}")
+        for lineno, line in _text_lines(path):
+            if line is None:
+                _malformed(ps, f"{path}:{lineno}", NOT_TEXT, skip_malformed)
+                continue
+            ps.records += 1
+            text = line.rstrip("\n").rstrip("\r")
+            if not text.strip():
+                ps.empty += 1
+                continue
+            yield make_prompt([text], origin=f"{path}:{lineno}")
         return
     for where, rec in _json_records(path, ps, skip_malformed):
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
@@ -297,19 +324,26 @@ def detect_format(path: Path) -> str:
     first: Any = None
     if path.suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(_whole_text(path))
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); fix the file") from None
         first = data[0] if isinstance(data, list) and data else None
     else:
-        with path.open(encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        first = json.loads(line)
-                    except json.JSONDecodeError:
-                        first = None
-                    break
+        undecodable = 0
+        for _, line in _text_lines(path):
+            if line is None:
+                undecodable += 1
+            elif line.strip():
+                try:
+                    first = json.loads(line)
+                except json.JSONDecodeError:
+                    first = None
+                break
+        else:
+            if (
+                undecodable
+            ):  # no line is text: every one is malformed whatever the format (the reader says so)
+                return "prompts"
     if isinstance(first, dict):
         if "messages" in first:
             return "chat"
@@ -318,7 +352,8 @@ def detect_format(path: Path) -> str:
         if "prompt" in first:
             return "prompts"
     raise DataError(
-        f"{path}: cannot tell its format from the first record; pass --format chat|sharegpt|prompts"
+        f'{path}: cannot tell its format from the first record; give records with a "messages", '
+        '"conversations" or "prompt" key (dflashkit prepare also takes --format chat|sharegpt|prompts)'
     )
 
 

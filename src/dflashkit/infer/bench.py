@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashkit.atomic import atomic_file
+from dflashkit.atomic import atomic_file, write_json
 from dflashkit.data.chat import generation_prompt_ids
 from dflashkit.data.dataset import load_dataset
 from dflashkit.data.sources import load_prompts, read_benchmark, select_prompts
@@ -460,9 +460,7 @@ def drafter_identity(folder: Path) -> str:
 
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json(path, data)
 
 
 def write_set(out: Path, result: dict[str, Any]) -> Path:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashkit.atomic import atomic_file
+from dflashkit.atomic import atomic_file, write_json
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.engine import Engine
 from dflashkit.infer.speculative import (
@@ -329,7 +329,7 @@ def write_report(
         data["training_acceptance_length"] = reference.acceptance_length
         data["training_metric"] = asdict(reference)
     kept = out_dir / f"{stem}.json"
-    kept.write_text(json.dumps(data, indent=2) + "\n")
+    write_json(kept, data)
     plot_report(report, out_dir / f"{stem}.png", reference)
     for src, name in ((kept, LATEST_JSON), (out_dir / f"{stem}.png", LATEST_PNG)):
         tmp = out_dir / f".{name}.tmp"

@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dflashkit.atomic import write_json
 from dflashkit.errors import DflashkitError
 
 SCHEMA = 1
@@ -205,10 +206,7 @@ def save(fp: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     if path.is_dir():
         path = path / FINGERPRINT_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(fp, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(path, fp, sort_keys=True)
 
 
 class FingerprintError(DflashkitError):
@@ -286,8 +284,15 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Entries that differ on every run and say nothing about the environment.
-IGNORED_IN_DIFF = ("created", "inductor_cache.size_mib", "inductor_cache.entries")
+# Entries that differ on every run and say nothing about the environment. TORCHINDUCTOR_CACHE_DIR is set
+# in the process itself (torch's cache_dir(), which `inductor_cache_dir` calls, exports its default): the
+# cache folder in effect is compared as inductor_cache.path.
+IGNORED_IN_DIFF = (
+    "created",
+    "inductor_cache.size_mib",
+    "inductor_cache.entries",
+    "env.TORCHINDUCTOR_CACHE_DIR",
+)
 
 
 @dataclass(frozen=True)

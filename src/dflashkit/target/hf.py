@@ -74,7 +74,10 @@ def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
     try:
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the tokenizer of {folder} ({e}); pass --mask-token-id") from None
+        raise ConfigError(
+            f"cannot read the tokenizer of {folder} ({e}); name the mask token: drafter.mask_token_id=N in "
+            "the run config (dflashkit init --mask-token-id N)"
+        ) from None
     if tok.mask_token_id is not None:
         return int(tok.mask_token_id)
     mask = tok.convert_tokens_to_ids("<|MASK|>")
@@ -83,8 +86,8 @@ def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
     if len(tok) < vocab_size:
         return len(tok)
     raise ConfigError(
-        f"{folder}: the tokenizer has no mask token and no free embedding row; pass --mask-token-id "
-        "with an id of a special token the target never produces"
+        f"{folder}: the tokenizer has no mask token and no free embedding row; name one the target never "
+        "produces: drafter.mask_token_id=N in the run config (dflashkit init --mask-token-id N)"
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.atomic import atomic_dir
+from dflashkit.atomic import atomic_dir, json_text
 from dflashkit.config import RunConfig, dump_config
 from dflashkit.data.dataset import dataset_identity, held_out_prompts_fingerprint
 from dflashkit.errors import CheckpointError, EnvironmentDriftError
@@ -203,7 +203,7 @@ def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
             "held_out_prompts": held_out_prompts_fingerprint(run.cfg.data.dir),
             **metrics,
         }
-        (tmp / BEST_METRICS).write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / BEST_METRICS).write_text(json_text(record) + "\n")
         fingerprint.save(fingerprint.collect(), tmp / fingerprint.FINGERPRINT_FILE)
 
 

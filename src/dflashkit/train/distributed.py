@@ -97,7 +97,7 @@ def init_distributed(cfg: RunConfig) -> Dist:
         if local_rank >= count:
             raise DeviceError(
                 f"rank {rank} has LOCAL_RANK {local_rank}, but this host has {count} GPUs; start at most "
-                f"{count} processes per host (--nproc-per-node {count})"
+                f"{count} processes per host (dflashkit train --nproc {count}, or torchrun --nproc-per-node {count})"
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

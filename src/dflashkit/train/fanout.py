@@ -60,6 +60,7 @@ from rich.table import Table
 from torch import Tensor
 from torch._dynamo.utils import counters
 
+from dflashkit.atomic import write_json
 from dflashkit.attention import flex
 from dflashkit.config import FanoutSection, RunConfig, apply_overrides, dump_config
 from dflashkit.data.rows import Rows, pack_dataset
@@ -855,8 +856,7 @@ def write_summary(result: FanoutResult) -> Path:
     data = {k: v for k, v in dataclasses.asdict(result).items() if k != "results"}
     data["out_dir"] = str(result.out_dir)
     path = result.out_dir / SUMMARY_FILE
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return path
+    return write_json(path, data)
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:

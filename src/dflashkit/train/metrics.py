@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dflashkit.atomic import atomic_file
+from dflashkit.atomic import atomic_file, json_text
 from dflashkit.config import RunConfig
 from dflashkit.errors import ConfigError
 from dflashkit.model.acceptance import served_tau
@@ -44,7 +44,7 @@ class MetricsLog:
         if not self.write:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json_text(record, indent=None) + "\n")
         if self.tensorboard is not None:
             step = record["step"]
             for key in ("loss", "lr", "grad_norm", "acceptance_length"):

@@ -15,6 +15,7 @@ from dflashkit.config import RunConfig
 from dflashkit.data.dataset import read_manifest
 from dflashkit.data.features import check_capture_matches, read_features_manifest
 from dflashkit.data.rows import pack_dataset
+from dflashkit.model.checkpoint import check_drafter_files
 from dflashkit.runtime.devices import resolve_backend, resolve_device, use_compiled_regions
 from dflashkit.target.hf import identity_of_folder, load_target_config
 from dflashkit.train import state
@@ -43,6 +44,8 @@ def dry_run(
     None for one process. ``resume``, ``move_aside``: the run folder is checked as `train` would (nothing
     is moved or renamed)."""
     cfg = with_init_shape(cfg)  # the shape a run from drafter.init trains (a bad folder: one clear error)
+    if cfg.drafter.init:  # its weights as the run reads them: a damaged file fails here as it would there
+        check_drafter_files(cfg.drafter.init)
     out = run_folder_plan(cfg, resume=resume, move_aside=move_aside)
     device = resolve_device(cfg)
     backend = resolve_backend(cfg, device)
