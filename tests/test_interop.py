@@ -1,6 +1,6 @@
 """Drafters that serving engines load and serve as trained: folders speculators wrote itself convert both
 ways bit for bit, written configs carry every field vLLM's and SGLang's DFlash loaders read (and
-`check-serving` names what a folder lacks), and sliding-window layers compute what the engines compute."""
+`check-serving` names what a folder lacks), and sliding-window layers compute what vLLM computes."""
 
 import json
 
@@ -40,7 +40,6 @@ SPECULATORS_CONFIG = {
         "layer_types": ["sliding_attention", "full_attention"],
         "use_sliding_window": True,
         "sliding_window": 3,
-        "max_window_layers": 1,
         "transformers_version": "4.57.1",
     },
     "draft_vocab_size": 101,
@@ -111,7 +110,7 @@ def speculators_dir(tmp_path):
 
 
 def test_speculators_folder_without_target_layer_count_names_the_flag(speculators_dir, tmp_path, capsys):
-    with pytest.raises(CheckpointError, match=r"no num_target_layers .* pass --target"):
+    with pytest.raises(CheckpointError, match=r"no num_target_layers .* pass --target TARGET"):
         read_checkpoint(speculators_dir)
     assert main(["convert", str(speculators_dir), str(tmp_path / "out"), "--to", "zlab"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
@@ -134,6 +133,10 @@ def test_speculators_written_folder_converts_both_ways_bit_exact(speculators_dir
         assert set(again) == body and all(torch.equal(again[k], original[k]) for k in body), folder
         torch.testing.assert_close(draft_once(load_drafter(folder)), out, rtol=0, atol=0)
 
+    sliding = missing_fields(zlab)  # vLLM windows sliding layers; SGLang's DFlash model has no window
+    assert sliding["vllm"] == [] and [f.split(" (")[0] for f in sliding["sglang"]] == [
+        "full_attention layer_types"
+    ]
     d = json.loads((back / "config.json").read_text())
     for key in ("speculators_model_type", "architectures", "draft_vocab_size", "block_size", "mask_token_id"):
         assert d[key] == SPECULATORS_CONFIG[key], key
@@ -145,6 +148,7 @@ def test_speculators_written_folder_converts_both_ways_bit_exact(speculators_dir
     for key, value in SPECULATORS_CONFIG["transformer_layer_config"].items():
         if key != "transformers_version":
             assert body[key] == value, key
+    assert "max_window_layers" not in body  # a default filled in on reading is not written out as a key
     assert ckpt.config_from_speculators(d) == ckpt.config_from_speculators(
         SPECULATORS_CONFIG, num_target_layers=8
     ).model_copy(update={"target": TinyTarget().identity(), "mask_token": "<tok100>"})
@@ -183,6 +187,20 @@ def test_written_configs_carry_every_field_the_engines_read(tmp_path):
     assert any("name_or_path" in f for f in missing_fields(nameless)["vllm"])
 
 
+def test_init_on_the_embedded_target_is_ready_to_serve(tmp_path, capsys):
+    out = tmp_path / "init"
+    assert (
+        main(["init", "--target", "embedded", "--out", str(out), "--layers", "1", "--block-size", "4"]) == 0
+    )
+    d = json.loads((out / "config.json").read_text())
+    assert d["dflash_config"]["mask_token"] == "<empty_output>" and d["dflash_config"]["mask_token_id"] == 16
+    assert d["dflashkit_target"]["hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert missing_fields(out) == {"vllm": [], "sglang": []}
+    spec = convert_checkpoint(out, tmp_path / "spec", "speculators")
+    verifier = json.loads((spec / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
 def test_check_serving_command(tmp_path, capsys):
     src = tmp_path / "old"
     src.mkdir()
@@ -210,7 +228,7 @@ def test_a_causality_override_that_differs_from_ours_is_refused(tmp_path):
 
 
 def engine_visible(ctx_pos, blk_pos, anchors, B, window):
-    """visible[b][q][key] as vLLM's and SGLang's attention runs a DFlash block: keys are the cached context
+    """visible[b][q][key] as vLLM's attention runs a DFlash block: keys are the cached context
     rows before the anchor and the block's own rows, all at their positions. A full layer sees them all
     (non-causal); a sliding layer is causal with FlashAttention's window (W - 1, 0): key position p is seen
     from query position q iff q - W < p <= q. Written from positions alone, block by block."""
@@ -230,7 +248,7 @@ def engine_visible(ctx_pos, blk_pos, anchors, B, window):
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_sliding_layers_compute_what_the_serving_engines_compute(backend):
+def test_sliding_layers_compute_what_vllm_computes(backend):
     config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     d = random_drafter(config)
     anchors = torch.tensor([[3, 6, 10]])

@@ -13,9 +13,10 @@ and the key at p (slot k' of the block is at anchor_j + k'), q - p < W. ``causal
 k' <= k inside the block.
 
 Sliding layers are trained with ``causal_in_block=True``: together with the window that is causal
-sliding-window attention over positions (q - W < p <= q), the rule vLLM, SGLang and z-lab's reference
-apply to a DFlash drafter's sliding layers when its config sets no ``causal`` override (docs/serving.md,
-"Attention semantics"). Full layers see the whole block, as every engine serves them.
+sliding-window attention over positions (q - W < p <= q), the rule vLLM and z-lab's reference apply to a
+DFlash drafter's sliding layers when its config sets no ``causal`` override (SGLang's draft model has no
+sliding window; docs/serving.md, "Attention semantics"). Full layers see the whole block, as every engine
+serves them.
 
 `dflash_mask_mod` is the flex_attention form (a function of scalar indices, vmapped by flex);
 `dense_mask` is the boolean reference with the same semantics, built with broadcasting.

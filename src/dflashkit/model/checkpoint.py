@@ -313,7 +313,8 @@ def config_from_speculators(
 
 
 # Keys that speculators' saved configs leave out when they equal the model type's default (its
-# transformer_layer_config is a diff against the defaults); layer_types is derived, never defaulted.
+# transformer_layer_config is a diff against the defaults), among those the reader interprets (a default of
+# any other key would be carried into the written config); layer_types is derived, never defaulted.
 _DEFAULTED_KEYS = (
     "hidden_size",
     "num_hidden_layers",
@@ -324,7 +325,6 @@ _DEFAULTED_KEYS = (
     "vocab_size",
     "hidden_act",
     "attention_bias",
-    "mlp_bias",
     "rms_norm_eps",
     "rope_theta",
     "rope_scaling",
@@ -332,7 +332,6 @@ _DEFAULTED_KEYS = (
     "max_position_embeddings",
     "sliding_window",
     "use_sliding_window",
-    "max_window_layers",
     "tie_word_embeddings",
 )
 
@@ -376,7 +375,8 @@ def _config_from_qwen3(
     if num_target_layers is None:
         raise CheckpointError(
             f"{where}: no num_target_layers (the layer count of the target it was made for; speculators "
-            "does not write it): pass --target, the target it drafts for, and its config gives it"
+            "does not write it): pass --target TARGET, or record it once with `dflashkit convert` "
+            "DIR OUT --to zlab --target TARGET"
         )
     heads = d["num_attention_heads"]
     layer_types = d.get("layer_types")

@@ -12,9 +12,12 @@ The fields are those their DFlash loaders read (docs/serving.md has the commands
   ``mask_token_id``, ``speculators_config.proposal_methods[0].speculative_tokens`` and
   ``speculators_config.verifier.name_or_path`` (a hub id: a machine-local path fails elsewhere);
 - SGLang, a z-lab folder as ``--speculative-draft-model-path DIR`` (``speculative/dflash_utils.py``,
-  ``dflash_worker.py``): ``architectures``, ``block_size``, ``dflash_config.target_layer_ids`` and
-  ``dflash_config.mask_token`` (the token's text: without it SGLang looks for ``<|MASK|>``, which most
-  tokenizers lack, and adding it lands outside the vocabulary), and ``dflash_config.mask_token_id``.
+  ``dflash_worker.py``, ``models/dflash.py``): ``architectures``, ``block_size``,
+  ``dflash_config.target_layer_ids``, ``dflash_config.mask_token`` (the token's text: without it SGLang
+  looks for ``<|MASK|>``, which most tokenizers lack, and adding it lands outside the vocabulary),
+  ``dflash_config.mask_token_id``, and top-level ``rope_theta`` (absent, it takes 1e6). Its draft model runs
+  every layer as full bidirectional attention: a drafter with sliding-window layers is not served as trained
+  there (listed as missing ``full_attention layer_types``).
 
 Both: no ``auto_map`` naming a module the folder does not ship (``trust_remote_code`` loading fails), and
 the body weights under their z-lab names.
@@ -76,6 +79,12 @@ def missing_fields(folder: str | Path) -> dict[str, list[str]]:
         sglang.append("dflash_config.mask_token_id")
     if d.get("block_size", dflash.get("block_size")) is None:
         sglang.append("block_size")
+    if "rope_theta" not in d:
+        sglang.append("rope_theta (SGLang reads it, not rope_parameters, and takes 1e6 without it)")
+    if "sliding_attention" in (d.get("layer_types") or []):
+        sglang.append(
+            "full_attention layer_types (SGLang runs every DFlash layer unwindowed and bidirectional)"
+        )
     return {"vllm": vllm, "sglang": sglang}
 
 
