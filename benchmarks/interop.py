@@ -9,7 +9,7 @@
   1): the training forward (eager) against a re-implementation, written here from the state dict, of how
   vLLM runs a DFlash block (block by block over the context before its anchor; a sliding layer
   causal with the window (W - 1, 0) over positions), in float64, on the embedded target's features of one
-  prompt. ``..._bidirectional_sliding`` is the same with the rule dflashkit trained with before 2026-12-07
+  prompt (the drafter builds its RoPE tables in float32: the diff stays near 1e-6). ``..._bidirectional_sliding`` is the same with the rule dflashkit trained with before 2026-12-07
   (sliding layers bidirectional inside the block).
 
     PYTHONPATH=src python benchmarks/interop.py          # CPU, under a minute
@@ -192,7 +192,7 @@ def main() -> None:
         "sliding_window": args.window,
         "drafter": str(DRAFTER.relative_to(ROOT)),
         "date": datetime.date.today().isoformat(),
-        "device": "cpu (float64)",
+        "device": "cpu, float64 (the drafter's RoPE tables float32, as it builds them)",
         "commit": commit.stdout.strip(),
     }
     tmp_out = args.out.with_suffix(".tmp")
