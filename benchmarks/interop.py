@@ -7,10 +7,11 @@
   (`dflashkit.model.serving`); ``missing_fields_in_git`` the same for the folder as committed.
 - ``sliding_window_max_abs_diff``: the same weights with sliding layers (window ``--window`` on layers 0 and
   1): the training forward (eager) against a re-implementation, written here from the state dict, of how
-  vLLM runs a DFlash block (block by block over the context before its anchor; a sliding layer
-  causal with the window (W - 1, 0) over positions), in float64, on the embedded target's features of one
-  prompt (the drafter builds its RoPE tables in float32: the diff stays near 1e-6). ``..._bidirectional_sliding`` is the same with the rule dflashkit trained with before 2026-12-07
-  (sliding layers bidirectional inside the block).
+  vLLM runs a DFlash block (block by block over the context before its anchor; a sliding layer causal with
+  the window (W - 1, 0) over positions), in float64 on the embedded target's features of one prompt (the
+  drafter builds its RoPE tables in float32, so the difference stays near 1e-6).
+  ``..._bidirectional_sliding`` is the same with the rule dflashkit trained with before 2026-12-07 (sliding
+  layers bidirectional inside the block).
 
     PYTHONPATH=src python benchmarks/interop.py          # CPU, under a minute
 """
