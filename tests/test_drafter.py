@@ -52,7 +52,8 @@ def reference_masks(config, layout, backend):
     """Masks straight from the dense reference (independent of the flex/preflight machinery)."""
     out = {}
     for t in set(config.layer_types):
-        m = dense_mask(layout, window=config.sliding_window if t == "sliding_attention" else None)
+        sliding = t == "sliding_attention"
+        m = dense_mask(layout, window=config.sliding_window if sliding else None, causal_in_block=sliding)
         out[t] = AttentionMask(backend, dense=m, rows_visible=m.any(-1, keepdim=True))
     return out
 
@@ -61,7 +62,9 @@ def reference_masks(config, layout, backend):
 
 
 def naive_visible(anchors, doc_ids, B, window=None):
-    """visible[b][q][kv] by the DFlash rule, written out with loops."""
+    """visible[b][q][kv] by the DFlash rule, written out with loops. A sliding layer (``window``) is causal
+    sliding-window attention over positions: slot k (at a + k) sees slot k2 (at a + k2) iff
+    k - window < k2 <= k."""
     batch, N = anchors.shape
     S = doc_ids.shape[1]
     vis = torch.zeros(batch, N * B, S + N * B, dtype=torch.bool)
@@ -76,7 +79,7 @@ def naive_visible(anchors, doc_ids, B, window=None):
                         ok = ok and (a + k) - s < window
                     vis[b, q, s] = ok
                 for k2 in range(B):
-                    vis[b, q, S + j * B + k2] = True
+                    vis[b, q, S + j * B + k2] = window is None or k - window < k2 <= k
     return vis
 
 

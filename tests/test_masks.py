@@ -9,7 +9,7 @@ from dflashkit.attention.block_mask import document_starts, flex_block_mask, til
 from dflashkit.attention.masks import BlockLayout, dense_mask, dflash_mask_mod
 from dflashkit.attention.memory import peak_memory
 
-VARIANTS = [(None, False), (None, True), (40, False), (40, True), (7, False)]
+VARIANTS = [(None, False), (None, True), (40, False), (40, True), (7, False), (3, True), (2, False)]
 
 
 def brute_force_mask(layout: BlockLayout, window=None, causal_in_block=False) -> torch.Tensor:
@@ -29,7 +29,8 @@ def brute_force_mask(layout: BlockLayout, window=None, causal_in_block=False) ->
                     in_window = window is None or (a + k) - s < window
                     out[b, 0, q, s] = s < a and same_doc and in_window
                 for k2 in range(Bs):
-                    out[b, 0, q, S + j * Bs + k2] = k2 <= k or not causal_in_block
+                    in_window = window is None or k - k2 < window  # slot k2 is at position a + k2
+                    out[b, 0, q, S + j * Bs + k2] = (k2 <= k or not causal_in_block) and in_window
     return out
 
 
@@ -169,7 +170,7 @@ def _assert_same_block_mask(ours, ref):
 @pytest.mark.parametrize(
     "S,N,Bs,close", [(300, 24, 16, False), (256, 16, 16, True), (333, 40, 5, True), (640, 96, 8, False)]
 )
-@pytest.mark.parametrize("window,causal", [(None, False), (100, True), (200, False)])
+@pytest.mark.parametrize("window,causal", [(None, False), (100, True), (200, False), (5, True)])
 def test_tile_block_mask_equals_create_block_mask(S, N, Bs, close, window, causal):
     g = torch.Generator().manual_seed(S + N)
     layout = random_layout(g, 2, S, N, Bs, close=close)

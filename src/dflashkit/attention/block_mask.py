@@ -9,7 +9,8 @@ Here the tiles come straight from the anchors. Every query row r = (block j, slo
 of keys:
 
 - context [lo, anchor_j): `lo` is where the anchor's document starts, raised by the sliding window;
-- its own block [S + j*B, S + j*B + B) (or up to slot k when the block is in-block causal).
+- its own block [S + j*B, S + j*B + B) (or up to slot k when the block is in-block causal), from slot
+  k - window + 1 on for a sliding layer.
 
 A row *touches* the tiles its intervals overlap and *covers* the tiles they contain. Summed over the
 rows of a query tile with difference arrays (a +1 where a run of tiles starts, a -1 past its end, then a
@@ -73,8 +74,9 @@ def _row_intervals(
         lo_cover = torch.maximum(lo_cover, lo_window)
     ctx_end = torch.where(sees_ctx[:, :, None], a_rows, 0)
 
-    blk_start = S + torch.arange(N, device=dev)[:, None] * Bs  # [N, 1]
-    blk_end = blk_start + (k + 1 if causal_in_block else torch.full_like(k, Bs))  # [N, B]
+    blk_first = S + torch.arange(N, device=dev)[:, None] * Bs  # [N, 1]
+    blk_end = blk_first + (k + 1 if causal_in_block else torch.full_like(k, Bs))  # [N, B]
+    blk_start = blk_first + ((k - window + 1).clamp(min=0) if window is not None else torch.zeros_like(k))
     blk_end = torch.where(layout.block_valid[:, :, None], blk_end, blk_start)
     blk_start = blk_start.expand_as(blk_end)
 

@@ -7,9 +7,16 @@ tokens], context first. A query of block j sees
   is slot 0 of the block), s is in the anchor's document, and s is not padding (doc id -1);
 - every slot of its own block (bidirectional), and no slot of any other block.
 
-Invalid (padding) blocks see nothing. A sliding layer also requires the key to be within `window`
-positions of the query (query position = anchor_j + k for slot k): pos_q - pos_kv < window. Inside
-the block, slots are bidirectional by default (as at inference); `causal_in_block=True` keeps k' <= k.
+Invalid (padding) blocks see nothing. A sliding layer (``window`` W) also requires every key, context
+or block, to be within W positions of the query: with the query at position q = anchor_j + k (slot k)
+and the key at p (slot k' of the block is at anchor_j + k'), q - p < W. ``causal_in_block=True`` keeps
+k' <= k inside the block.
+
+Sliding layers are trained with ``causal_in_block=True``: together with the window that is causal
+sliding-window attention over positions (q - W < p <= q), the rule vLLM and z-lab's reference apply to a
+DFlash drafter's sliding layers when its config sets no ``causal`` override (SGLang's draft model has no
+sliding window; docs/serving.md, "Attention semantics"). Full layers see the whole block, as every engine
+serves them.
 
 `dflash_mask_mod` is the flex_attention form (a function of scalar indices, vmapped by flex);
 `dense_mask` is the boolean reference with the same semantics, built with broadcasting.
@@ -83,6 +90,8 @@ def dflash_mask_mod(layout: BlockLayout, window: int | None = None, causal_in_bl
         block_start = S + q_idx - k
         block_end = S + q_idx + 1 if causal_in_block else block_start + B
         sees_block = (kv_idx >= block_start) & (kv_idx < block_end)
+        if window is not None:  # slot k' of the block is at position a + k': (a + k) - (a + k') < window
+            sees_block = sees_block & (S + q_idx - kv_idx < window)
         return valid[b, j] & (sees_ctx | sees_block)
 
     # Names the mask family for the compile runtime's shape keys (window and in-block causality are
@@ -119,6 +128,8 @@ def dense_mask(layout: BlockLayout, window: int | None = None, causal_in_block: 
     inblock = (
         (k[None, :] <= k[:, None]) if causal_in_block else torch.ones(Bs, Bs, dtype=torch.bool, device=dev)
     )
+    if window is not None:
+        inblock = inblock & (k[:, None] - k[None, :] < window)
     blk = same & inblock[None, None, :, None, :]
     blk = blk.expand(layout.batch, -1, -1, -1, -1)
 

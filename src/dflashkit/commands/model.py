@@ -1,4 +1,5 @@
-"""`dflashkit init` (an untrained drafter for a target) and `dflashkit convert` (z-lab <-> speculators)."""
+"""`dflashkit init` (an untrained drafter for a target), `dflashkit convert` (z-lab <-> speculators) and
+`dflashkit check-serving` (what vLLM's and SGLang's DFlash loaders would miss in a folder)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     c.set_defaults(handler=_convert)
 
+    s = sub.add_parser(
+        "check-serving",
+        help="name what vLLM's and SGLang's DFlash loaders read that a drafter folder lacks",
+        description="Check a drafter folder against the fields vLLM's and SGLang's DFlash loaders read "
+        "(docs/serving.md); exits non-zero naming each missing field.",
+        epilog="example:\n  dflashkit check-serving runs/embedded-zlab\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("dir", type=Path, help="drafter checkpoint folder (either layout)")
+    s.set_defaults(handler=_check_serving)
+
 
 def _init(args: argparse.Namespace) -> int:
     import torch
@@ -80,7 +92,12 @@ def _init(args: argparse.Namespace) -> int:
     from dflashkit.model.checkpoint import check_destination, save_drafter
     from dflashkit.model.config import config_for_target
     from dflashkit.model.drafter import DFlashDrafter
-    from dflashkit.target.hf import default_mask_token_id, identity_of_folder, load_target_config
+    from dflashkit.target.hf import (
+        default_mask_token_id,
+        identity_of_folder,
+        load_target_config,
+        mask_token_text,
+    )
 
     hold_folder(args.out, beside=True)  # one writer; an interrupted init's debris goes (`dflashkit.lock`)
     check_destination(None, args.out, args.force)
@@ -102,6 +119,7 @@ def _init(args: argparse.Namespace) -> int:
         num_layers=args.layers,
         block_size=args.block_size,
         mask_token_id=mask,
+        mask_token=mask_token_text(args.target, mask),
         target_layer_ids=ids,
         target=identity_of_folder(args.target),
     )
@@ -132,4 +150,21 @@ def _convert(args: argparse.Namespace) -> int:
         target = TargetModel.load(args.target)
     convert_checkpoint(args.src, args.dst, args.to, target=target, force=args.force)
     print(f"wrote {args.dst} ({args.to} layout)")
+    return 0
+
+
+def _check_serving(args: argparse.Namespace) -> int:
+    from dflashkit.errors import CheckpointError
+    from dflashkit.model.checkpoint import check_checkpoint_folder
+    from dflashkit.model.serving import missing_fields
+
+    check_checkpoint_folder(args.dir)
+    missing = missing_fields(args.dir)
+    if any(missing.values()):
+        parts = [f"{engine} misses {', '.join(fields)}" for engine, fields in missing.items() if fields]
+        raise CheckpointError(
+            f"{args.dir}: {'; '.join(parts)}. Rewrite it with `dflashkit convert {args.dir} OUT --to zlab "
+            "--target TARGET`"
+        )
+    print(f"{args.dir}: vLLM and SGLang find every field their DFlash loaders read")
     return 0

@@ -2,22 +2,30 @@
 
 z-lab layout (a folder):
 - ``config.json``: a Qwen3 config (``model_type "qwen3"``) with ``architectures ["DFlashDraftModel"]``,
-  ``auto_map``, top-level ``block_size`` and ``num_target_layers``, ``dflash_config {mask_token_id,
-  target_layer_ids}``, ``layer_types`` / ``sliding_window`` / ``use_sliding_window``,
-  ``tie_word_embeddings false``, RoPE as both ``rope_parameters`` (transformers 5) and top-level
-  ``rope_theta`` / ``rope_scaling`` (transformers 4), ``dtype`` and ``torch_dtype``;
+  top-level ``block_size`` and ``num_target_layers``, ``dflash_config {mask_token_id, mask_token,
+  target_layer_ids, block_size}``, ``eagle_aux_hidden_state_layer_ids`` (= z-lab id + 1, for older
+  vLLM) and ``num_lookahead_tokens`` (B - 1), ``layer_types`` / ``sliding_window`` /
+  ``use_sliding_window``, ``tie_word_embeddings false``, RoPE as both ``rope_parameters`` (transformers 5)
+  and top-level ``rope_theta`` / ``rope_scaling`` (transformers 4), ``dtype`` and ``torch_dtype``; no
+  ``auto_map`` (no ``dflash.py`` is shipped: the engines have the model class). What vLLM and SGLang read
+  of it: `dflashkit.model.serving` and docs/serving.md;
 - ``model.safetensors``: the body only, no ``model.`` prefix, no embedding or lm_head (``fc.weight``,
   ``hidden_norm.weight``, ``norm.weight``, ``layers.i.*``); bf16 by default.
 
 speculators layout: the same body weights (plus, when a target is given, ``embed_tokens.weight`` and
 ``lm_head.weight`` copied from it); ``config.json`` with ``speculators_model_type "dflash"``,
 ``architectures ["DFlashSpeculator"]``, the Qwen3 keys under ``transformer_layer_config``,
-``aux_hidden_state_layer_ids`` = z-lab id + 1, ``block_size``, ``mask_token_id``, ``draft_vocab_size``
-and ``speculators_config {algorithm, proposal_methods, default_proposal_method, verifier}``.
+``aux_hidden_state_layer_ids`` = z-lab id + 1, ``block_size``, ``mask_token_id``, ``draft_vocab_size``,
+``target_hidden_size``, ``sample_from_anchor false``, ``sliding_window_non_causal false`` and
+``speculators_config {algorithm, proposal_methods, default_proposal_method, verifier}``; the verifier is
+named by its hub id (the local folder stays a hint under ``dflashkit_target``, never needed to load).
 
 Reading accepts ``block_size`` inside ``dflash_config``, transformers-4 and -5 RoPE keys, ``dtype`` or
-``torch_dtype``, and sharded safetensors. Keys this toolkit does not interpret are carried through.
-Every write goes to a temporary folder beside the destination, is fsynced, then renamed into place.
+``torch_dtype``, sharded safetensors, and folders speculators wrote itself: their
+``transformer_layer_config`` holds only the keys that differ from its model type's defaults (filled in
+here), and they record no ``num_target_layers`` (taken from the target: ``num_target_layers=``, the CLI's
+``--target``). Keys this toolkit does not interpret are carried through. Every write goes to a temporary
+folder beside the destination, is fsynced, then renamed into place.
 """
 
 from __future__ import annotations
@@ -89,7 +97,12 @@ _ZLAB_KEYS = {
     "dtype",
     "torch_dtype",
     "dflashkit_target",
+    "eagle_aux_hidden_state_layer_ids",
+    "num_lookahead_tokens",
+    "is_causal",
 }
+# dflash_config keys the z-lab reader interprets and the writer regenerates; others are carried.
+_DFLASH_KEYS = {"mask_token_id", "mask_token", "target_layer_ids", "block_size", "causal"}
 # Top-level speculators keys the reader interprets (the Qwen3 keys live in transformer_layer_config).
 _SPECULATORS_KEYS = {
     "architectures",
@@ -100,6 +113,8 @@ _SPECULATORS_KEYS = {
     "aux_hidden_state_layer_ids",
     "mask_token_id",
     "sliding_window_non_causal",
+    "sample_from_anchor",
+    "target_hidden_size",
     "speculators_config",
     "dtype",
     "torch_dtype",
@@ -149,18 +164,23 @@ def qwen3_body(config: DrafterConfig, dtype_name: str) -> dict[str, Any]:
     return d
 
 
+def dflash_section(config: DrafterConfig) -> dict[str, Any]:
+    """``dflash_config``: what vLLM and SGLang read there (mask token id and text, target layer ids, block
+    size), after the carried keys. No ``causal``: the engines' default is how this toolkit trains."""
+    d = {**config.extra.get("dflash_config", {}), "mask_token_id": config.mask_token_id}
+    if config.mask_token is not None:
+        d["mask_token"] = config.mask_token
+    d.update(target_layer_ids=list(config.target_layer_ids), block_size=config.block_size)
+    return d
+
+
 def zlab_config_dict(config: DrafterConfig, dtype_name: str = "bfloat16") -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-    }
+    d: dict[str, Any] = {"architectures": ["DFlashDraftModel"]}
     d.update(qwen3_body(config, dtype_name))
     d["block_size"] = config.block_size
-    d["dflash_config"] = {
-        **config.extra.get("dflash_config", {}),
-        "mask_token_id": config.mask_token_id,
-        "target_layer_ids": list(config.target_layer_ids),
-    }
+    d["num_lookahead_tokens"] = config.block_size - 1
+    d["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config.target_layer_ids]
+    d["dflash_config"] = dflash_section(config)
     if config.target is not None:
         d["dflashkit_target"] = config.target
     return d
@@ -168,8 +188,7 @@ def zlab_config_dict(config: DrafterConfig, dtype_name: str = "bfloat16") -> dic
 
 def speculators_config_dict(config: DrafterConfig, dtype_name: str = "bfloat16") -> dict[str, Any]:
     body = qwen3_body(config, dtype_name)
-    if "dflash_config" in config.extra:
-        body["dflash_config"] = config.extra["dflash_config"]
+    body["dflash_config"] = dflash_section(config)  # read back by dflashkit (vLLM rebuilds its own)
     target = config.target or {}
     d: dict[str, Any] = {
         "architectures": ["DFlashSpeculator"],
@@ -179,14 +198,17 @@ def speculators_config_dict(config: DrafterConfig, dtype_name: str = "bfloat16")
         "block_size": config.block_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "mask_token_id": config.mask_token_id,
-        # Our blocks are bidirectional on every layer, sliding ones included (as at inference).
-        "sliding_window_non_causal": True,
+        "target_hidden_size": config.hidden_size,
+        "sample_from_anchor": False,  # slot 0 holds the anchor; slots 1..B-1 are drafted
+        # Sliding layers are causal inside the block, as served (`dflashkit.attention.masks`).
+        "sliding_window_non_causal": False,
         "speculators_config": {
             "algorithm": "dflash",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1}],
             "default_proposal_method": "greedy",
             "verifier": {
-                "name_or_path": target.get("path") or target.get("name"),
+                # The hub id, never a machine-local path (the folder stays in dflashkit_target.path).
+                "name_or_path": target.get("hub_id"),
                 "architectures": [target["architecture"]] if target.get("architecture") else [],
             },
         },
@@ -198,7 +220,9 @@ def speculators_config_dict(config: DrafterConfig, dtype_name: str = "bfloat16")
     return d
 
 
-def config_from_zlab(d: Mapping[str, Any], where: str = "config.json") -> DrafterConfig:
+def config_from_zlab(
+    d: Mapping[str, Any], where: str = "config.json", num_target_layers: int | None = None
+) -> DrafterConfig:
     dflash = dict(d.get("dflash_config") or {})
     block_size = d.get("block_size", dflash.get("block_size"))
     if block_size is None:
@@ -207,26 +231,55 @@ def config_from_zlab(d: Mapping[str, Any], where: str = "config.json") -> Drafte
         if key not in dflash:
             raise CheckpointError(f"{where}: dflash_config has no {key}")
     extra = {k: v for k, v in d.items() if k not in _ZLAB_KEYS}
-    dflash_extra = {
-        k: v for k, v in dflash.items() if k not in ("mask_token_id", "target_layer_ids", "block_size")
-    }
+    dflash_extra = {k: v for k, v in dflash.items() if k not in _DFLASH_KEYS}
     if dflash_extra:
         extra["dflash_config"] = dflash_extra
-    return _config_from_qwen3(
+    config = _config_from_qwen3(
         d,
         where,
+        num_target_layers,
         block_size=block_size,
         mask_token_id=dflash["mask_token_id"],
+        mask_token=dflash.get("mask_token"),
         target_layer_ids=list(dflash["target_layer_ids"]),
         target=d.get("dflashkit_target"),
         extra=extra,
     )
+    check_causality(d.get("is_causal", dflash.get("causal")), config, where)
+    return config
 
 
-def config_from_speculators(d: Mapping[str, Any], where: str = "config.json") -> DrafterConfig:
+def check_causality(causal: Any, config: DrafterConfig, where: str) -> None:
+    """Refuse a config whose ``is_causal`` / ``dflash_config.causal`` override asks the engines for other
+    attention than this toolkit computes (full layers bidirectional, sliding layers causal in the block):
+    loading it here would evaluate or train a drafter that is served differently."""
+    if causal is None:
+        return
+    kinds = set(config.layer_types or ["full_attention"])
+    if (causal and "full_attention" in kinds) or (not causal and "sliding_attention" in kinds):
+        what = "causal" if causal else "bidirectional"
+        raise CheckpointError(
+            f"{where}: its causality override makes every layer {what} inside the block; dflashkit runs "
+            "full-attention layers bidirectional and sliding ones causal (as vLLM and SGLang serve a config "
+            "without the override): not supported"
+        )
+
+
+def config_from_speculators(
+    d: Mapping[str, Any], where: str = "config.json", num_target_layers: int | None = None
+) -> DrafterConfig:
     body = dict(d.get("transformer_layer_config") or {})
     if not body:
         raise CheckpointError(f"{where}: no transformer_layer_config")
+    defaults = model_type_defaults(body.get("model_type", "qwen3"), where)
+    if any(k in body for k in _ROPE_KEYS):  # RoPE given one way: the default's other spelling must not win
+        defaults = {k: v for k, v in defaults.items() if k not in _ROPE_KEYS}
+    body = {**defaults, **body}
+    if d.get("sample_from_anchor"):
+        raise CheckpointError(
+            f"{where}: sample_from_anchor is true (the anchor slot drafts too); dflashkit drafts slots "
+            "1..B-1 only: not supported"
+        )
     if d.get("projector_type", "dflash") != "dflash":
         raise CheckpointError(
             f"{where}: projector_type {d['projector_type']!r} is not supported (only 'dflash')"
@@ -242,22 +295,70 @@ def config_from_speculators(d: Mapping[str, Any], where: str = "config.json") ->
     for key in ("block_size", "mask_token_id"):
         if d.get(key) is None:
             raise CheckpointError(f"{where}: no {key}")
+    dflash = dict(body.get("dflash_config") or {})
     extra = {k: v for k, v in body.items() if k not in _ZLAB_KEYS}
-    if body.get("dflash_config"):
-        extra["dflash_config"] = dict(body["dflash_config"])
+    dflash_extra = {k: v for k, v in dflash.items() if k not in _DFLASH_KEYS}
+    if dflash_extra:
+        extra["dflash_config"] = dflash_extra
     return _config_from_qwen3(
         body,
         where,
+        num_target_layers,
         block_size=d["block_size"],
         mask_token_id=d["mask_token_id"],
+        mask_token=dflash.get("mask_token"),
         target_layer_ids=[i - 1 for i in ids],
         target=d.get("dflashkit_target"),
         extra=extra,
     )
 
 
-def _config_from_qwen3(d: Mapping[str, Any], where: str, **dflash: Any) -> DrafterConfig:
-    """Common part of both readers: the Qwen3 keys of the body, checked for what we do not implement."""
+# Keys that speculators' saved configs leave out when they equal the model type's default (its
+# transformer_layer_config is a diff against the defaults), among those the reader interprets (a default of
+# any other key would be carried into the written config); layer_types is derived, never defaulted.
+_DEFAULTED_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "hidden_act",
+    "attention_bias",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "sliding_window",
+    "use_sliding_window",
+    "tie_word_embeddings",
+)
+
+
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def model_type_defaults(model_type: str, where: str) -> dict[str, Any]:
+    """The transformers defaults of a model type's config, for the keys a config diff may leave out."""
+    from transformers import AutoConfig
+
+    try:
+        defaults = AutoConfig.for_model(model_type).to_dict()
+    except (ValueError, KeyError):
+        raise CheckpointError(
+            f"{where}: transformer_layer_config has model_type {model_type!r}, which this transformers "
+            "does not know"
+        ) from None
+    return {k: defaults[k] for k in _DEFAULTED_KEYS if defaults.get(k) is not None}
+
+
+def _config_from_qwen3(
+    d: Mapping[str, Any], where: str, num_target_layers: int | None, **dflash: Any
+) -> DrafterConfig:
+    """Common part of both readers: the Qwen3 keys of the body, checked for what we do not implement.
+    ``num_target_layers`` (the target's layer count) stands in where the config records none."""
     if d.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses silu)")
     if d.get("attention_bias") or d.get("mlp_bias"):
@@ -271,9 +372,12 @@ def _config_from_qwen3(d: Mapping[str, Any], where: str, **dflash: Any) -> Draft
     ]
     if missing:
         raise CheckpointError(f"{where}: missing {', '.join(missing)}")
-    if "num_target_layers" not in d:
+    num_target_layers = d.get("num_target_layers", num_target_layers)
+    if num_target_layers is None:
         raise CheckpointError(
-            f"{where}: no num_target_layers (the layer count of the target it was made for)"
+            f"{where}: no num_target_layers (the layer count of the target it was made for; speculators "
+            "does not write it): pass --target TARGET, or record it once with `dflashkit convert` "
+            "DIR OUT --to zlab --target TARGET"
         )
     heads = d["num_attention_heads"]
     layer_types = d.get("layer_types")
@@ -293,7 +397,7 @@ def _config_from_qwen3(d: Mapping[str, Any], where: str, **dflash: Any) -> Draft
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             intermediate_size=d["intermediate_size"],
             vocab_size=d["vocab_size"],
-            num_target_layers=d["num_target_layers"],
+            num_target_layers=num_target_layers,
             rope_theta=theta,
             rope_scaling=scaling,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -324,18 +428,21 @@ def detect_layout(d: Mapping[str, Any], where: str = "config.json") -> Layout:
 
 
 def read_checkpoint(
-    path: str | Path, *, verify: bool = True
+    path: str | Path, *, verify: bool = True, num_target_layers: int | None = None
 ) -> tuple[DrafterConfig, dict[str, Tensor], Layout]:
     """The config, the raw tensors (as stored) and the layout of a checkpoint folder. ``verify``: check
-    its files against the checksums recorded when it was written (`dflashkit.integrity`) first."""
+    its files against the checksums recorded when it was written (`dflashkit.integrity`) first.
+    ``num_target_layers``: the target's layer count, for a config that records none (speculators')."""
     folder = Path(path)
-    config, layout = read_checkpoint_config(folder, verify=verify)
+    config, layout = read_checkpoint_config(folder, verify=verify, num_target_layers=num_target_layers)
     if verify:
         verify_files(folder, weight_files(folder))
     return config, read_tensors(folder), layout
 
 
-def read_checkpoint_config(path: str | Path, *, verify: bool = True) -> tuple[DrafterConfig, Layout]:
+def read_checkpoint_config(
+    path: str | Path, *, verify: bool = True, num_target_layers: int | None = None
+) -> tuple[DrafterConfig, Layout]:
     """The config and the layout of a checkpoint folder, without its weights."""
     folder = Path(path)
     check_checkpoint_folder(folder)
@@ -347,10 +454,8 @@ def read_checkpoint_config(path: str | Path, *, verify: bool = True) -> tuple[Dr
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
     layout = detect_layout(d, str(cfg_path))
-    config = (
-        config_from_zlab(d, str(cfg_path)) if layout == "zlab" else config_from_speculators(d, str(cfg_path))
-    )
-    return config, layout
+    read = config_from_zlab if layout == "zlab" else config_from_speculators
+    return read(d, str(cfg_path), num_target_layers), layout
 
 
 def check_checkpoint_folder(folder: str | Path) -> None:
@@ -454,7 +559,8 @@ def load_drafter(
 ) -> DFlashDrafter:
     """Load a drafter from a z-lab or speculators folder; with a target, check that it fits it.
     ``verify=False`` skips the checksums (the caller checked the folder already)."""
-    config, tensors, _ = read_checkpoint(path, verify=verify)
+    num_layers = target.num_layers if target is not None else None
+    config, tensors, _ = read_checkpoint(path, verify=verify, num_target_layers=num_layers)
     if target is not None:
         check_target(config, target, where=str(path))
         device = device if device is not None else getattr(target, "device", None)
@@ -608,18 +714,20 @@ def convert_checkpoint(
     writes beside them (fingerprint.json, metrics.json) are carried along. The new folder is published
     atomically with checksums; ``force`` replaces an existing checkpoint folder at ``dst`` (`check_destination`).
 
-    With a target (a TargetModel) a speculators checkpoint also gets the target's embed_tokens and
-    lm_head, which speculators' own loader expects.
+    With a target (a TargetModel) the config gets what only the target knows (`with_target_names`), a
+    speculators-written folder the target's layer count, and a speculators checkpoint the target's
+    embed_tokens and lm_head, which speculators' own loader expects.
     """
     if to not in LAYOUTS:
         raise CheckpointError(f"unknown checkpoint layout {to!r}; choose one of {', '.join(LAYOUTS)}")
     check_destination(src, dst, force)
-    config, tensors, _ = read_checkpoint(src)
+    config, tensors, _ = read_checkpoint(
+        src, num_target_layers=target.num_layers if target is not None else None
+    )
     body = body_tensors(config, tensors, str(src))
     if target is not None:
         check_target(config, target, where=str(src))
-        if config.target is None:
-            config = config.model_copy(update={"target": target.identity()})
+        config = with_target_names(config, target)
     if to == "speculators" and target is not None:
         dtype = next(iter(body.values())).dtype
         with torch.no_grad():
@@ -633,3 +741,17 @@ def convert_checkpoint(
                 verify_files(src_folder, [name])
                 shutil.copyfile(src_folder / name, tmp / name)
     return Path(dst)
+
+
+def with_target_names(config: DrafterConfig, target: Any) -> DrafterConfig:
+    """The config with what serving engines need from the target filled in where it is missing: the
+    target's identity (with its hub id, the verifier's portable name) and the mask token's text."""
+    ident = target.identity()
+    update: dict[str, Any] = {}
+    if config.target is None:
+        update["target"] = ident
+    elif config.target.get("hub_id") is None and config.target.get("hash") == ident.get("hash"):
+        update["target"] = {**config.target, "hub_id": ident.get("hub_id")}
+    if config.mask_token is None:
+        update["mask_token"] = target.mask_token_text(config.mask_token_id)
+    return config.model_copy(update=update)

@@ -55,6 +55,8 @@ class DrafterConfig(BaseModel):
     target_layer_ids: list[int]  # decoder layers of the target whose outputs are the context features
     num_target_layers: int
     mask_token_id: int
+    # The mask token's text in the target's tokenizer (SGLang finds the id from it), when known.
+    mask_token: str | None = None
     rope_theta: float
     rope_scaling: dict[str, Any] | None = None  # HF rope parameters besides theta, with "rope_type"
     rms_norm_eps: float = 1e-6
@@ -197,6 +199,7 @@ def config_for_target(
     num_layers: int = 5,
     block_size: int = 16,
     mask_token_id: int,
+    mask_token: str | None = None,
     target_layer_ids: list[int] | None = None,
     target: dict[str, Any] | None = None,
 ) -> DrafterConfig:
@@ -222,6 +225,7 @@ def config_for_target(
         else default_target_layer_ids(L, num_layers),
         num_target_layers=L,
         mask_token_id=mask_token_id,
+        mask_token=mask_token,
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),

@@ -300,17 +300,15 @@ class StaticDraftCache:
 
     def block_mask(self, block_positions: Tensor, window: int | None, backend: str) -> AttentionMask:
         """The cache's rows a block at ``block_positions`` [1, B] (its keys written into the rows of its own
-        positions: ``Attention.forward`` with ``rows``) sees: the rows before its anchor, within ``window`` of a slot's
-        own position for a sliding layer, and the block's own rows, all of them. One row of the cache per
-        key, so no key is there twice and nothing past the block is read."""
-        anchor = block_positions[:, :1, None]  # [1, 1, 1]
-        end = block_positions[:, -1:, None]
-        sees = self.rows[None, None, :] <= end  # context and the block
-        if window is not None:  # a sliding layer: the context within the window (the block is all seen)
-            sees = sees & (
-                ((block_positions[:, :, None] - self.rows[None, None, :]) < window) | (self.rows >= anchor)
-            )
-        dense = sees.expand(-1, block_positions.shape[1], -1)[:, None]
+        positions: ``Attention.forward`` with ``rows``) sees: the rows before its anchor and the block's own rows,
+        all of them; a sliding layer only the rows p with q - window < p <= q of a slot at q. One row of the
+        cache per key, so no key is there twice and nothing past the block is read."""
+        q = block_positions[:, :, None]  # [1, B, 1]
+        if window is None:  # a full layer: everything up to the block's last slot
+            sees = (self.rows[None, None, :] <= block_positions[:, -1:, None]).expand(-1, q.shape[1], -1)
+        else:  # a sliding layer: causal sliding-window attention over positions (`attention.masks`)
+            sees = (self.rows[None, None, :] <= q) & (q - self.rows[None, None, :] < window)
+        dense = sees[:, None]
         return AttentionMask(backend, dense=dense, rows_visible=torch.ones_like(dense[..., :1]))
 
 
@@ -398,7 +396,8 @@ class DFlashDrafter(nn.Module):
 
         The new context rows (features [b, s, n*H] at positions [b, s]; s may be 0) are appended to
         ``cache`` first; the block (embeds [b, B, H], positions [b, B]) then sees every cached row and
-        itself, bidirectionally; a sliding layer sees only rows within its window. The block's K/V
+        itself, bidirectionally; a sliding layer sees only the keys within its window, causally
+        (`_window_mask`). The block's K/V
         are not kept, so after the call the cache holds context rows only.
         """
         dtype = self.fc.weight.dtype
@@ -491,7 +490,8 @@ def build_block_masks(config: DrafterConfig, layout: BlockLayout, backend: str) 
     masks = {}
     for layer_type in sorted(set(config.layer_type(i) for i in range(config.num_hidden_layers))):
         window = config.sliding_window if layer_type == "sliding_attention" else None
-        masks[layer_type] = build_mask(layout, backend, window=window)
+        # Sliding layers: causal inside the block, as serving engines run them (`attention.masks`).
+        masks[layer_type] = build_mask(layout, backend, window=window, causal_in_block=window is not None)
     return masks
 
 
@@ -510,18 +510,14 @@ def _layer_mask(mask: Masks, layer_type: str) -> AttentionMask | None:
 def _window_mask(
     ctx_positions: Tensor, block_positions: Tensor, window: int | None, backend: str
 ) -> AttentionMask:
-    """Inference mask of a sliding layer: a slot at position q sees context rows at p with q - p < window,
-    and its whole block."""
+    """Inference mask of a sliding layer: a slot at position q sees the context rows and the slots of its
+    block at p with q - window < p <= q (causal sliding-window attention over positions, `attention.masks`)."""
     if backend == "flex":
         raise ValueError("drafting with sliding-window layers runs on the sdpa or eager backend, not flex")
     assert window is not None
-    sees_ctx = (block_positions[:, :, None] - ctx_positions[:, None, :]) < window  # [b, B, S]
-    sees_block = torch.ones(
-        block_positions.shape[0],
-        block_positions.shape[1],
-        block_positions.shape[1],
-        dtype=torch.bool,
-        device=block_positions.device,
-    )
+    q = block_positions[:, :, None]
+    sees_ctx = (q - ctx_positions[:, None, :]) < window  # [b, B, S]
+    p = block_positions[:, None, :]
+    sees_block = (p <= q) & (q - p < window)  # [b, B, B]
     dense = torch.cat([sees_ctx, sees_block], dim=-1)[:, None]
     return AttentionMask(backend, dense=dense, rows_visible=dense.any(-1, keepdim=True))

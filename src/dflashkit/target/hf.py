@@ -11,7 +11,8 @@
 - ``walk`` with a ``StaticTargetCache``: the same pass for the static engine, written as a plain walk
   over the decoder layers that returns the wanted layers' outputs (no hooks), into a preallocated
   cache, so that a fixed-shape step compiles whole (``dflashkit.infer.engine``).
-- ``identity()``: name, architecture, shape and a hash of config and weights, for manifests and checks.
+- ``identity()``: name, architecture, shape and a hash of config and weights, for manifests and checks,
+  and the hub id serving engines load the target by (``hub_id_of``), when known.
 
 The model is frozen (eval mode, no gradients) and runs in fp32 or bf16 on the CPU or a GPU.
 """
@@ -22,6 +23,7 @@ import contextlib
 import hashlib
 import inspect
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -32,7 +34,15 @@ import torch
 from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError, DflashkitError
-from dflashkit.target.embedded import MASK_TOKEN_ID, NAME, embedded_dir
+from dflashkit.target.embedded import (
+    DIR_NAME,
+    HUB_ID,
+    MASK_TOKEN,
+    MASK_TOKEN_ID,
+    NAME,
+    cache_root,
+    embedded_dir,
+)
 from dflashkit.target.slot_decoder import DecoderWeights, check_tensors, state_unsupported
 
 Labels = Literal["argmax", "logits", "none"]
@@ -89,6 +99,46 @@ def default_mask_token_id(spec: str | Path, vocab_size: int) -> int:
         f"{folder}: the tokenizer has no mask token and no free embedding row; name one the target never "
         "produces: drafter.mask_token_id=N in the run config (dflashkit init --mask-token-id N)"
     )
+
+
+def mask_token_text(spec: str | Path, mask_token_id: int) -> str | None:
+    """The text of the mask token in the target's tokenizer, which SGLang looks the id up by: the token at
+    that id, or ``<|MASK|>`` for the first row past the tokenizer (SGLang adds it there). None when the
+    id lies further out or the tokenizer cannot be read."""
+    if str(spec) == EMBEDDED and mask_token_id == MASK_TOKEN_ID:
+        return MASK_TOKEN
+    from transformers import AutoTokenizer
+
+    folder, _ = resolve_target(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):  # no tokenizer there, or one transformers cannot read
+        return None
+    if mask_token_id < len(tok):
+        return str(tok.convert_ids_to_tokens(mask_token_id))
+    return "<|MASK|>" if mask_token_id == len(tok) else None
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_id_of(folder: Path) -> str | None:
+    """The hub id a target folder is the copy of, when it can be told: the embedded target's; a folder in
+    the Hugging Face cache (``models--ORG--NAME/snapshots/REV``); or config.json's ``_name_or_path`` when
+    that is a hub id rather than a path. Serving engines load the verifier by it."""
+    folder = Path(folder)
+    if folder.resolve() == (cache_root() / DIR_NAME).resolve():
+        return HUB_ID
+    for part in folder.resolve().parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part.removeprefix("models--").replace("--", "/", 1)
+    try:
+        name = json.loads((folder / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(name, str) and _HUB_ID.match(name) and not Path(name).exists():
+        return name
+    return None
 
 
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype")
@@ -608,8 +658,13 @@ class TargetModel:
                 "num_layers": self.num_layers,
                 "vocab_size": self.vocab_size,
                 "hash": target_hash(self.path) if self.path else _module_hash(self.model),
+                "hub_id": hub_id_of(self.path) if self.path else None,
             }
         return dict(self._identity)
+
+    def mask_token_text(self, mask_token_id: int) -> str | None:
+        """The mask token's text in this target's tokenizer (`mask_token_text`)."""
+        return mask_token_text(self.path, mask_token_id) if self.path else None
 
 
 def identity_of_folder(spec: str | Path) -> dict[str, Any]:
@@ -627,4 +682,5 @@ def identity_of_folder(spec: str | Path) -> dict[str, Any]:
         "num_layers": int(hf.num_hidden_layers),
         "vocab_size": int(hf.vocab_size),
         "hash": target_hash(folder),
+        "hub_id": hub_id_of(folder),
     }

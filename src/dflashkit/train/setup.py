@@ -23,7 +23,7 @@ from dflashkit.model.checkpoint import load_drafter, read_checkpoint_config
 from dflashkit.model.config import DrafterConfig, config_for_target, target_layer_ids_of
 from dflashkit.model.drafter import DFlashDrafter, grown
 from dflashkit.runtime.devices import resolve_backend, resolve_device, target_dtype, use_compiled_regions
-from dflashkit.target.hf import TargetModel, default_mask_token_id
+from dflashkit.target.hf import TargetModel, default_mask_token_id, mask_token_text
 from dflashkit.train.distributed import Dist, single_process
 
 
@@ -63,6 +63,7 @@ def drafter_config(
         num_layers=d.layers,
         block_size=d.block_size,
         mask_token_id=mask_id,
+        mask_token=mask_token_text(cfg.target.path, mask_id),
         target_layer_ids=target_layer_ids_of(d, int(target_config.num_hidden_layers)),
         target=identity,
     )
