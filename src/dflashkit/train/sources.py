@@ -13,7 +13,8 @@ split, on the device of the rows it is handed. Four kinds:
 `feature_source` picks the first three from the config; the fan-out builds the fed ones.
 
 The layers a source reads are `feature_layers`: the drafter's own, and the target's last when the run
-distils (train.distill > 0: the target's distribution is its last layer through its final norm and head).
+needs the target's whole distribution (a kl, tv or lk train.loss, or train.serve_temperature > 0: the
+target's distribution is its last layer through its final norm and head).
 `split_features` takes the drafter's context features and that last layer apart again.
 """
 
@@ -38,9 +39,9 @@ Features = tuple[Tensor, Tensor]  # context features [b, T, n*H], argmax labels 
 
 def feature_layers(cfg: RunConfig, config: DrafterConfig) -> list[int]:
     """The target layers a run reads at each step, in order: the drafter's (its context features) and, when
-    it distils (train.distill > 0), the target's last one."""
+    it needs the target's distribution (`TrainSection.reads_target_distribution`), the target's last one."""
     layers = set(config.target_layer_ids)
-    if cfg.train.distill > 0:
+    if cfg.train.reads_target_distribution():
         layers.add(config.num_target_layers - 1)
     return sorted(layers)
 
@@ -57,9 +58,9 @@ def feature_columns(union: list[int], layer_ids: list[int], hidden: int) -> Tens
 
 def split_features(features: Tensor, cfg: RunConfig, config: DrafterConfig) -> tuple[Tensor, Tensor | None]:
     """Features of `feature_layers` [b, T, n*H] -> the drafter's context features and the target's last-layer
-    output [b, T, H] (None when the run does not distil). The last layer comes last in layer order: the
+    output [b, T, H] (None when the run does not read the target's distribution). The last layer comes last in layer order: the
     drafter's are the columns before it, or all of them when it reads the last layer itself (views both)."""
-    if cfg.train.distill <= 0:
+    if not cfg.train.reads_target_distribution():
         return features, None
     H = config.hidden_size
     last = features[..., -H:]

@@ -22,7 +22,7 @@ from dflashkit.model.drafter import DFlashDrafter, build_block_masks
 from dflashkit.target.hf import TargetModel
 from dflashkit.train.anchors import block_inputs, block_labels, block_positions, label_states, sample_anchors
 from dflashkit.train.distributed import unwrap
-from dflashkit.train.loss import LossOutput, dflash_loss
+from dflashkit.train.loss import LossMix, LossOutput, dflash_loss
 from dflashkit.train.sources import split_features
 
 
@@ -82,7 +82,7 @@ def block_step(
     """Anchors -> blocks -> drafter -> chunked weighted loss, for one micro-batch. ``drafter`` may be a
     DDP wrapper; ``seeds`` (one per row) make each row's anchors its own draw (`draw_anchors`); ``layout``
     gives the anchors instead (evaluation's `covering_layouts`). ``features`` are those of the run's
-    `feature_layers`: with train.distill, the target's last layer beside the drafter's, whose output through
+    `feature_layers`: with a distribution loss, the target's last layer beside the drafter's, whose output through
     the target's final norm gives the loss the target's whole distribution at each slot."""
     config = unwrap(drafter).config
     B = config.block_size
@@ -110,7 +110,7 @@ def block_step(
             chunk_blocks=cfg.train.chunk_blocks,
             compiled=unwrap(drafter).compiled_regions,
             target_hidden=target_hidden,
-            distill=cfg.train.distill,
+            mix=LossMix.of(cfg.train.loss_weights(), cfg.train.loss_temperature),
         )
     lengths = block_lengths(out.predictions, labels, label_mask, B)
     stats = acceptance_stats(out.predictions, labels, label_mask, layout.block_valid, B, lengths)
