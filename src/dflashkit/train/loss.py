@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dflashkit.config import LOSS_NAMES
-from dflashkit.model.acceptance import per_position_counts
+from dflashkit.model.acceptance import per_position_counts, slot_acceptance
 from dflashkit.runtime.compiled_region import CompiledRegion
 
 Weighting = Literal["decay", "dpace"]
@@ -344,3 +344,30 @@ def dflash_loss(
     loss = weighted_sum / weight_sum.clamp_min(math.ulp(1.0))
     correct, count = per_position_counts(predictions, labels, mask, block_size)
     return LossOutput(loss, weighted_sum, weight_sum, ce, predictions, correct, count)
+
+
+@torch.no_grad()
+def serving_acceptance(
+    hidden: Tensor,
+    target_hidden: Tensor,
+    lm_head_weight: Tensor,
+    block_size: int,
+    chunk_blocks: int,
+    temperature: float,
+    proposal: str,
+) -> tuple[Tensor, Tensor]:
+    """Each slot's acceptance probability at a serving temperature and the target's top probability there
+    (`model.acceptance.slot_acceptance`), [b, N*B] float32 each, ``chunk_blocks`` blocks of logits at a time.
+    hidden, target_hidden: [b, N*B, H], the drafter's output and the target's normed last hidden state."""
+    b, q_len, H = hidden.shape
+    step = chunk_blocks * block_size
+    accepts, tops = [], []
+    for start in range(0, q_len, step):
+        h = hidden[:, start : start + step].reshape(-1, H)
+        th = target_hidden[:, start : start + step].reshape(-1, H)
+        accept, top = slot_acceptance(
+            slot_logits(th, lm_head_weight), slot_logits(h, lm_head_weight), temperature, proposal
+        )
+        accepts.append(accept.view(b, -1))
+        tops.append(top.view(b, -1))
+    return torch.cat(accepts, dim=1), torch.cat(tops, dim=1)
