@@ -120,14 +120,16 @@ class CachedFeatures(OnlineFeatures):
 
 
 class CapturedFeatures:
-    """Features and labels read from a capture (`dflashkit capture`), in the target's dtype."""
+    """Features and labels read from a capture (`dflashkit capture`), in the target's dtype; with
+    ``last_hidden``, the target's last hidden state stored beside them comes after them."""
 
-    def __init__(self, store: FeatureStore, dtype: torch.dtype):
+    def __init__(self, store: FeatureStore, dtype: torch.dtype, last_hidden: bool = False):
         self.store = store
         self.dtype = dtype
+        self.last_hidden = last_hidden
 
     def features(self, split: str, idx: list[int], rows: Rows) -> Features:
-        return self.store.read(split, idx, rows.input_ids.device, self.dtype)
+        return self.store.read(split, idx, rows.input_ids.device, self.dtype, self.last_hidden)
 
     def batch(self, mb: MicroBatch, rows: Rows) -> Features:
         return self.features("train", mb.rows, rows)
@@ -138,8 +140,10 @@ def feature_source_for(
 ) -> OnlineFeatures | CapturedFeatures:
     """The source a config asks for: a capture's ``store`` (data.features_dir), cached target passes
     (train.cache_features) or the target every time, for ``layer_ids`` of ``target`` (`feature_layers`)."""
-    if store is not None:
-        return CapturedFeatures(store, target.dtype)
+    if store is not None:  # the last layer, when asked for and not among the drafter's, is stored apart
+        last = target.num_layers - 1
+        apart = last in layer_ids and last not in store.manifest["target_layer_ids"]
+        return CapturedFeatures(store, target.dtype, last_hidden=apart)
     kind = CachedFeatures if cfg.train.cache_features else OnlineFeatures
     return kind(target, layer_ids)
 

@@ -77,7 +77,7 @@ def served_rounds(outs: list[StepOutput], row: int = 0) -> list[int]:
 def served_expectation(outs: list[StepOutput], row: int = 0) -> tuple[float, float]:
     """Expected tokens and rounds of serving row ``row`` at train.serve_temperature
     (`served_order_expectation` over `blocks_at_every_anchor`'s blocks, measured with their acceptance)."""
-    if not outs:
+    if not outs or outs[0].accept is None:  # no valid anchor, or no serving temperature
         return 0.0, 0.0
     B = outs[0].mask.shape[1] // outs[0].lengths.shape[1]
     accept = torch.cat(
