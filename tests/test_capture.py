@@ -227,6 +227,43 @@ def test_bytes_per_token():
     assert fp8["total"] == fp8["features"] + fp8["scale"] + fp8["labels"] + fp8["rows"]
     with pytest.raises(ConfigError):
         bytes_per_token(4096, 5, "int4")
+    # the target's last hidden state for a distribution loss: H values a token, bf16 beside fp8 features
+    assert bytes_per_token(576, 3, "bfloat16", last_hidden=True)["last_hidden"] == 1152
+    fp8_last = bytes_per_token(4096, 5, "float8_e4m3fn", last_hidden=True)
+    assert fp8_last["last_hidden"] == 8192 and fp8_last["total"] == fp8["total"] + 8192
+    assert embedded["last_hidden"] == 0
+
+
+def test_a_distribution_loss_trains_from_a_capture_as_online(tiny_dataset, fp32_capture, tmp_path):
+    """A capture made with a kl / tv / lk config stores the target's last hidden state (and says so in its
+    manifest): training from it equals training online, bit for bit in float32; a capture without it is
+    refused in one line, whether the loss or the serving metric needs it."""
+    over = {"train.loss": "{ce: 0.1, tv: 0.9}", "train.max_steps": 2, "train.eval_every": 2}
+    m = capture(tiny_config(tiny_dataset, tmp_path / "unused", **over), tmp_path / "features")
+    last = m["target_last_hidden"]
+    assert last == {"layer": 29, "stored": "last_hidden", "dtype": "float32", "bytes_per_token": 576 * 4}
+    assert m["bytes_per_token"]["last_hidden"] == 576 * 4 and m["feature_dim"] == 2 * 576
+    verify_features(tmp_path / "features")
+    online = trainer.train(tiny_config(tiny_dataset, tmp_path / "online", **over), console=quiet())
+    cfg = tiny_config(
+        tiny_dataset, tmp_path / "offline", **over, **{"data.features_dir": str(tmp_path / "features")}
+    )
+    offline = trainer.train(cfg, console=quiet())
+    assert offline.losses == online.losses and offline.final_val == online.final_val
+    assert (
+        online.losses
+        != trainer.train(  # the loss differs from the CE's: the distribution is used
+            tiny_config(tiny_dataset, tmp_path / "ce", **{"train.max_steps": 2, "train.eval_every": 2}),
+            console=quiet(),
+        ).losses
+    )
+    for needs in (over, {"train.serve_temperature": 0.7}):
+        cfg = tiny_config(
+            tiny_dataset, tmp_path / "refused", **needs, **{"data.features_dir": str(fp32_capture)}
+        )
+        with pytest.raises(ConfigError, match="holds no target distribution") as e:
+            trainer.setup_run(cfg)
+        assert "\n" not in str(e.value) and "dflashkit capture" in str(e.value)
 
 
 def test_verify_finds_a_corrupted_shard(fp32_capture, tmp_path):

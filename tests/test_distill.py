@@ -64,11 +64,39 @@ def test_a_distilling_run_reads_the_last_layer_and_splits_it_off(tmp_path):
     assert torch.equal(context, feats[..., :12]) and torch.equal(last, feats[..., 8:12])
 
 
-def test_a_capture_cannot_distil(tmp_path):
-    with pytest.raises(ConfigError, match="train.distill"):
-        load_config(None, ["train.distill=0.5", f"data.features_dir={tmp_path}"])
+def test_distill_is_the_older_name_of_a_ce_kl_mix(tmp_path):
+    cfg = load_config(None, ["train.distill=0.3"])
+    assert cfg.train.loss_weights() == pytest.approx({"ce": 0.7, "kl": 0.3})
+    assert cfg.train.reads_target_distribution()
     with pytest.raises(ConfigError, match="train.distill"):
         load_config(None, ["train.distill=1.5"])
+    with pytest.raises(ConfigError, match="older name of train.loss") as e:
+        load_config(None, ["train.distill=0.5", "train.loss=tv"])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("rkl", "unknown loss rkl"),
+        ("{ce: 0.5, jsd: 0.5}", "unknown loss jsd"),
+        ("{ce: -0.1, tv: 0.9}", "weights of a loss mix"),
+        ("{ce: 0, tv: 0}", "weights of a loss mix"),
+    ],
+)
+def test_a_bad_loss_is_one_clear_line(value, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config(None, [f"train.loss={value}"])
+    assert "\n" not in str(e.value)
+
+
+def test_the_runs_that_read_the_targets_distribution():
+    assert not load_config(None, []).train.reads_target_distribution()
+    assert not load_config(None, ["train.loss={ce: 1, tv: 0}"]).train.reads_target_distribution()
+    assert load_config(None, ["train.loss={ce: 0.1, tv: 0.9}"]).train.reads_target_distribution()
+    assert load_config(None, ["train.serve_temperature=0.7"]).train.reads_target_distribution()
+    with pytest.raises(ConfigError, match="serve_draft_sampling"):
+        load_config(None, ["train.serve_draft_sampling=topk"])
 
 
 def test_the_last_layer_through_the_final_norm_is_the_targets_distribution():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflashkit.train import loss as loss_mod
-from dflashkit.train.loss import decay_weights, dflash_loss, dpace_weights
+from dflashkit.train.loss import LK_ETA, LossMix, decay_weights, dflash_loss, dpace_weights
 
 b, N, B, H, V = 2, 7, 4, 8, 100
 
@@ -242,7 +242,14 @@ def test_distillation_matches_the_naive_reference(a, head, chunk_blocks):
     if head == "trainable":
         weight.requires_grad_()
     out = dflash_loss(
-        hidden, weight, labels, mask, B, chunk_blocks=chunk_blocks, target_hidden=target_hidden, distill=a
+        hidden,
+        weight,
+        labels,
+        mask,
+        B,
+        chunk_blocks=chunk_blocks,
+        target_hidden=target_hidden,
+        mix=LossMix(ce=1 - a, kl=a),
     )
     (g_out,) = torch.autograd.grad(out.loss, hidden)
     ref = _distill_reference(hidden, weight, labels, mask, target_hidden, a)
@@ -255,7 +262,14 @@ def test_distillation_matches_the_naive_reference(a, head, chunk_blocks):
     assert torch.equal(out.predictions, plain.predictions)
     with torch.no_grad():  # held-out evaluation: the same objective without a gradient
         evaluated = dflash_loss(
-            hidden, weight, labels, mask, B, chunk_blocks=chunk_blocks, target_hidden=target_hidden, distill=a
+            hidden,
+            weight,
+            labels,
+            mask,
+            B,
+            chunk_blocks=chunk_blocks,
+            target_hidden=target_hidden,
+            mix=LossMix(ce=1 - a, kl=a),
         )
     torch.testing.assert_close(evaluated.loss.double(), ref, rtol=1e-5, atol=1e-6)
 
@@ -265,10 +279,10 @@ def test_pure_distillation_has_no_gradient_where_the_drafter_is_the_target():
     target's, whatever the labels; a label term would still pull (softmax - onehot)."""
     hidden, weight, labels, mask = _inputs()
     same = hidden.detach().clone()
-    out = dflash_loss(hidden, weight, labels, mask, B, target_hidden=same, distill=1.0)
+    out = dflash_loss(hidden, weight, labels, mask, B, target_hidden=same, mix=LossMix(ce=0.0, kl=1.0))
     (g,) = torch.autograd.grad(out.loss, hidden)
     assert abs(float(out.loss.detach())) < 1e-6 and float(g.abs().max()) < 1e-6  # the logits are fp32
-    half = dflash_loss(hidden, weight, labels, mask, B, target_hidden=same, distill=0.5)
+    half = dflash_loss(hidden, weight, labels, mask, B, target_hidden=same, mix=LossMix(ce=0.5, kl=0.5))
     (g,) = torch.autograd.grad(half.loss, hidden)
     assert float(g.abs().max()) > 1e-3
 
@@ -276,10 +290,10 @@ def test_pure_distillation_has_no_gradient_where_the_drafter_is_the_target():
 def test_distillation_needs_the_target_hidden_state():
     hidden, weight, labels, mask = _inputs()
     with pytest.raises(ValueError, match="target_hidden"):
-        dflash_loss(hidden, weight, labels, mask, B, distill=0.5)
-    # distill=0 ignores a target state: the plain loss, bit for bit
+        dflash_loss(hidden, weight, labels, mask, B, mix=LossMix(ce=0.5, kl=0.5))
+    # a CE-only mix ignores a target state: the plain loss, bit for bit
     plain = dflash_loss(hidden, weight, labels, mask, B)
-    given = dflash_loss(hidden, weight, labels, mask, B, target_hidden=hidden.detach(), distill=0.0)
+    given = dflash_loss(hidden, weight, labels, mask, B, target_hidden=hidden.detach())
     assert torch.equal(plain.loss, given.loss)
 
 
@@ -301,7 +315,7 @@ def test_compiled_loss_chunk_matches_the_eager_one(a):
             chunk_blocks=3,
             compiled=compiled,
             target_hidden=target_hidden,
-            distill=a,
+            mix=LossMix(ce=1 - a, kl=a),
         )
         (grads[compiled],) = torch.autograd.grad(outs[compiled].loss, hidden)
     torch.testing.assert_close(outs[True].loss, outs[False].loss, rtol=1e-5, atol=1e-6)
@@ -309,3 +323,115 @@ def test_compiled_loss_chunk_matches_the_eager_one(a):
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-4, atol=1e-6)
     assert torch.equal(outs[True].predictions, outs[False].predictions)
     assert loss_mod.CHUNK_REGION is not None and loss_mod.CHUNK_REGION.graphs() >= 2  # full and last chunk
+
+
+MIXES = {
+    "ce": LossMix(),
+    "kl": LossMix(ce=0.0, kl=1.0),
+    "tv": LossMix(ce=0.0, tv=1.0),
+    "lk": LossMix(ce=0.0, lk=1.0),
+    "ce0.1+tv0.9": LossMix(ce=0.1, tv=0.9),
+    "ce0.5+kl0.3+lk0.2": LossMix(ce=0.5, kl=0.3, lk=0.2),
+}
+
+
+def _mix_reference(hidden, weight, labels, mask, target_hidden, mix, weighting, gamma=7.0, alpha=0.5):
+    """Naive, in float64: full logits at once, each part written from its definition, autograd's gradient.
+    KL(p_T || q_T), TV = 0.5 sum |p_T - q_T|, LK = lambda KL + (1 - lambda) TV with lambda = exp(-3 sg[1 - TV])."""
+    logits = (hidden @ weight.T).reshape(-1, V).double()
+    t = mix.temperature
+    q = (logits / t).softmax(-1)
+    p = ((target_hidden @ weight.T).reshape(-1, V).double() / t).softmax(-1)
+    ce = F.cross_entropy(logits, labels.reshape(-1), reduction="none")
+    kl = (p * (p.log() - q.log())).sum(-1)
+    tv = 0.5 * (p - q).abs().sum(-1)
+    lam = torch.exp(-LK_ETA * (1 - tv.detach()))
+    term = mix.ce * ce + mix.kl * kl + mix.tv * tv + mix.lk * (lam * kl + (1 - lam) * tv)
+    m = mask.view(b, N, B)
+    if weighting == "decay":
+        w = decay_weights(B, gamma).double().expand(b, N, B) * m
+    else:
+        w = dpace_weights(ce.view(b, N, B), m, alpha).double() * m
+    w = w.reshape(b, -1)
+    return (w * term.view(b, -1)).sum() / w.sum()
+
+
+@pytest.mark.parametrize("name", list(MIXES))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("head", ["frozen", "trainable"])
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+@pytest.mark.parametrize("chunk_blocks", [1, N])
+def test_every_loss_and_mix_matches_its_definition_value_and_gradient(
+    name, temperature, head, weighting, chunk_blocks
+):
+    """Each part's value and its gradient with respect to the drafter's state: the frozen head's analytic
+    gradient (TV's sign-based one included) and the trainable head's autograd, chunked or not, with the
+    slot weights on top, against the naive definition."""
+    mix = MIXES[name]._replace(temperature=temperature)
+    hidden, weight, labels, mask = _inputs(7)
+    # a target near the drafter, as after some training: q - p changes sign within each row
+    target_hidden = hidden.detach() + 0.7 * torch.randn(
+        b, N * B, H, generator=torch.Generator().manual_seed(8), dtype=hidden.dtype
+    )
+    if head == "trainable":
+        weight.requires_grad_()
+    out = dflash_loss(
+        hidden,
+        weight,
+        labels,
+        mask,
+        B,
+        weighting=weighting,
+        chunk_blocks=chunk_blocks,
+        target_hidden=target_hidden,
+        mix=mix,
+    )
+    (g_out,) = torch.autograd.grad(out.loss, hidden)
+    ref = _mix_reference(hidden, weight, labels, mask, target_hidden, mix, weighting)
+    (g_ref,) = torch.autograd.grad(ref, hidden)
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_out.double(), g_ref, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["tv", "lk", "ce0.1+tv0.9"])
+def test_the_frozen_head_path_is_the_autograd_path(name):
+    """The same loss and gradient whether the frozen head's own gradient or autograd through checkpointed
+    chunks computes it (the trainable-head path, with the head's gradient dropped)."""
+    mix = MIXES[name]._replace(temperature=0.8)
+    hidden, weight, labels, mask = _inputs(9)
+    target_hidden = hidden.detach() + torch.randn_like(hidden)
+    frozen = dflash_loss(
+        hidden, weight, labels, mask, B, chunk_blocks=3, target_hidden=target_hidden, mix=mix
+    )
+    (g_frozen,) = torch.autograd.grad(frozen.loss, hidden)
+    trainable = dflash_loss(
+        hidden,
+        weight.clone().requires_grad_(),
+        labels,
+        mask,
+        B,
+        chunk_blocks=3,
+        target_hidden=target_hidden,
+        mix=mix,
+    )
+    (g_auto,) = torch.autograd.grad(trainable.loss, hidden)
+    torch.testing.assert_close(frozen.loss, trainable.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g_frozen, g_auto, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(frozen.ce, trainable.ce)
+
+
+def test_tv_and_lk_vanish_where_the_drafter_is_the_target():
+    """TV(p, p) = 0 at every temperature; a CE part still pulls towards the label."""
+    hidden, weight, labels, mask = _inputs()
+    same = hidden.detach().clone()
+    for mix in (LossMix(ce=0.0, tv=1.0, temperature=0.6), LossMix(ce=0.0, lk=1.0, temperature=1.3)):
+        out = dflash_loss(hidden, weight, labels, mask, B, target_hidden=same, mix=mix)
+        (g,) = torch.autograd.grad(out.loss, hidden)
+        assert abs(float(out.loss.detach())) < 1e-6 and float(g.abs().max()) < 1e-6
+
+
+def test_a_mix_of_unknown_parts_is_refused():
+    with pytest.raises(ValueError, match="unknown loss terms"):
+        LossMix.of({"ce": 0.5, "rkl": 0.5})
+    assert LossMix.of({"ce": 0.1, "tv": 0.9}, 0.7) == LossMix(ce=0.1, tv=0.9, temperature=0.7)
+    assert not LossMix().needs_target and LossMix.of({"lk": 1.0}).needs_target

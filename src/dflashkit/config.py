@@ -25,6 +25,8 @@ from pydantic import (
 
 from dflashkit.errors import ConfigError
 
+LOSS_NAMES = ("ce", "kl", "tv", "lk")  # train.loss: see dflashkit.train.loss
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -177,7 +179,17 @@ class TrainSection(Section):
     # The target's distribution comes from its last layer (read beside the drafter's layers, through the
     # target's final norm and lm_head), so it needs the target online: a capture (data.features_dir) holds
     # the drafter's layers only.
-    distill: float = Field(0.0, ge=0, le=1)
+    distill: float = Field(0.0, ge=0, le=1)  # the older name of train.loss {ce: 1 - alpha, kl: alpha}
+    # Each slot's loss: ce (the target's argmax), kl (KL(p_T || q_T)), tv (total variation), lk (LK's
+    # adaptive KL/TV), or a weighted mix such as {ce: 0.1, tv: 0.9}; p_T, q_T the target's and the drafter's
+    # distributions at loss_temperature. kl, tv and lk read the target's last layer (online, or a capture
+    # made with this config).
+    loss: str | dict[str, float] = "ce"
+    loss_temperature: float = Field(1.0, gt=0)
+    # The temperature and proposal serving uses: validation reports the served-order expected acceptance
+    # length under them beside the greedy one, and best/ is chosen by it when serve_temperature > 0.
+    serve_temperature: float = Field(0.0, ge=0)
+    serve_draft_sampling: Literal["marginal", "argmax"] = "marginal"
     chunk_blocks: int = Field(32, ge=1)  # blocks per loss chunk (full-vocab logits never all at once)
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(100, ge=1)
@@ -190,6 +202,31 @@ class TrainSection(Section):
     # the matmuls; warmed before the first step like the attention). auto: on with flex on a GPU, except FSDP.
     compile: Literal["auto", "on", "off"] = "auto"
     tensorboard: bool = False
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str | dict[str, float]) -> str | dict[str, float]:
+        names = ", ".join(LOSS_NAMES)
+        weights = {v: 1.0} if isinstance(v, str) else v
+        unknown = sorted(set(weights) - set(LOSS_NAMES))
+        if unknown:
+            raise ValueError(
+                f"unknown loss {', '.join(unknown)}; use {names} or a mix such as {{ce: 0.1, tv: 0.9}}"
+            )
+        if any(w < 0 for w in weights.values()) or not sum(weights.values()) > 0:
+            raise ValueError(f"the weights of a loss mix must be >= 0 with a positive sum, not {weights}")
+        return v
+
+    def loss_weights(self) -> dict[str, float]:
+        """Each slot's loss as {name: weight}: train.loss, or train.distill = a as {ce: 1 - a, kl: a}."""
+        if self.distill > 0:
+            return {"ce": 1.0 - self.distill, "kl": self.distill}
+        return {self.loss: 1.0} if isinstance(self.loss, str) else dict(self.loss)
+
+    def reads_target_distribution(self) -> bool:
+        """Whether a run needs the target's whole distribution at each slot: a kl, tv or lk loss, or the
+        metric at a serving temperature above 0."""
+        return any(n != "ce" and w > 0 for n, w in self.loss_weights().items()) or self.serve_temperature > 0
 
     @field_validator("autocast", "compile", mode="before")
     @classmethod
@@ -339,11 +376,10 @@ class RunConfig(Section):
                 f"drafter.target_layer_ids has {len(d.target_layer_ids)} ids but drafter.num_target_layers is "
                 f"{d.num_target_layers}; make them agree (or drop target_layer_ids for the default spacing)"
             )
-        if t.distill > 0 and self.data.features_dir:
+        if t.distill > 0 and t.loss != "ce":
             raise ValueError(
-                f"train.distill={t.distill} needs the target's last layer at every step, and a capture "
-                f"(data.features_dir={self.data.features_dir}) holds the drafter's layers only; drop "
-                "data.features_dir to run the target online, or set train.distill: 0"
+                f"train.distill={t.distill} is the older name of train.loss {{ce: {1 - t.distill:g}, kl: "
+                f"{t.distill:g}}} and train.loss is {t.loss}: set one of them (train.distill: 0)"
             )
         return self
 

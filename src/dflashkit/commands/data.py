@@ -306,7 +306,8 @@ def _capture(args: argparse.Namespace) -> int:
         )
     table.add_row(
         "bytes per token",
-        f"{per['total']} = features {per['features']} + scale {per['scale']} + label {per['labels']} + row {per['rows']}",
+        f"{per['total']} = features {per['features']} + scale {per['scale']} + last hidden "
+        f"{per.get('last_hidden', 0)} + label {per['labels']} + row {per['rows']}",
     )
     table.add_row(
         "size", f"{m['bytes'] / 2**20:.1f} MiB ({m['measured_bytes_per_token']} B per stored token)"

@@ -105,8 +105,13 @@ def _train(args: argparse.Namespace) -> int:
         return 143 if result.stopped_by == "SIGTERM" else 130
     console.print(
         f"[bold green]done[/]: {result.steps} steps in {result.seconds:.0f} s; validation acceptance length "
-        f"{val.get('acceptance_length', float('nan')):.3f}, in served order {served_tau(val):.3f} "
-        f"(best {result.best_served_acceptance_length:.3f}); "
+        f"{val.get('acceptance_length', float('nan')):.3f}, in served order {served_tau(val):.3f}"
+        + (
+            f", expected at T={val['serve_temperature']:g} {val['served_expected_acceptance_length']:.3f}"
+            if "served_expected_acceptance_length" in val
+            else ""
+        )
+        + f" (best {result.best_served_acceptance_length:.3f}); "
         f"best drafter in {result.out_dir / 'best'}"
     )
     return 0

@@ -11,11 +11,20 @@ The folder (`out`):
                                   dtype, rows per shard (a restart must match it)
     train-00000.safetensors ...   R rows each: features [R, T, n*H] (bfloat16 | float32 | fp8 e4m3),
     validation-00000.safetensors  scale [R, T, n] (fp8 only: one float32 per token and layer),
+                                  last_hidden [R, T, H] (only for a config whose loss or metric needs the
+                                  target's whole distribution, and whose drafter does not read the last
+                                  layer itself: the target's last layer, bfloat16 | float32),
                                   labels [R, T] int32 (the target's argmax), input_ids, doc_ids,
                                   position_ids [R, T] int32, loss_mask [R, T] uint8; the metadata
                                   names the rows and carries a digest of the tensors
     fingerprint.json              the environment it was made in
     manifest.json                 written last: identity, counts, bytes per token, shard list
+
+The target's whole distribution at a token (train.loss kl, tv or lk, train.serve_temperature > 0) is its
+last layer's output through its final norm and lm_head, computed at training time from the stored last
+hidden state: H values a token (576 for the embedded target, 1152 B in bf16; 4096 for a Qwen3-8B-shaped
+one, 8 KiB in bf16), never the vocabulary-sized logits. The manifest's "target_last_hidden" says where it
+is (or null: a capture that cannot train such a config, which training refuses).
 
 Restarting the same command keeps every finished shard (its digest checks out) and rewrites the rest,
 a torn or stale one included. `verify_features` re-reads every shard. `FeatureStore` serves rows to the
@@ -71,22 +80,34 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 # (int32 each) and loss_mask (uint8).
 ROW_BYTES = 4 + 4 + 4 + 1
 LABEL_BYTES = 4  # int32 argmax
+LAST_HIDDEN = "last_hidden"  # the target's last layer, stored beside the drafter's layers when needed
 
 
 # --------------------------------------------------------------------------------------------------
 # Sizes
 
 
-def bytes_per_token(hidden_size: int, num_layers: int, dtype: str = "bfloat16") -> dict[str, int]:
-    """Bytes one captured token takes: features (n layers x H), the fp8 scales, the label and the row
-    data. Embedded target, 3 x 576 in bf16: 3456 B of features; a Qwen3-8B-shaped target, 5 x 4096:
-    40960 B in bf16, 20480 B in fp8."""
+def last_hidden_dtype(dtype: str) -> str:
+    """The dtype the target's last hidden state is stored in for features in ``dtype``: the same, but
+    bfloat16 for fp8 (the distribution it gives is the loss's target)."""
+    return "bfloat16" if dtype == FP8 else dtype
+
+
+def bytes_per_token(
+    hidden_size: int, num_layers: int, dtype: str = "bfloat16", last_hidden: bool = False
+) -> dict[str, int]:
+    """Bytes one captured token takes: features (n layers x H), the fp8 scales, the target's last hidden
+    state (``last_hidden``: H values), the label and the row data. Embedded target, 3 x 576 in bf16: 3456 B
+    of features, 1152 B of last hidden state; a Qwen3-8B-shaped target, 5 x 4096: 40960 B in bf16, 20480 B
+    in fp8, 8192 B of last hidden state."""
     if dtype not in FEATURE_DTYPES:
         raise ConfigError(f"feature dtype {dtype!r} is not one of {', '.join(FEATURE_DTYPES)}")
     item = torch.empty(0, dtype=FEATURE_DTYPES[dtype]).element_size()
+    last_item = torch.empty(0, dtype=FEATURE_DTYPES[last_hidden_dtype(dtype)]).element_size()
     sizes = {
         "features": num_layers * hidden_size * item,
         "scale": 4 * num_layers if dtype == FP8 else 0,
+        LAST_HIDDEN: hidden_size * last_item if last_hidden else 0,
         "labels": LABEL_BYTES,
         "rows": ROW_BYTES,
     }
@@ -259,9 +280,11 @@ def _capture_identity(
     settings: CaptureSettings,
     target_dtype: torch.dtype,
     rows_per_shard: int,
+    last_hidden: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Everything the shard bytes depend on; a restart into the same folder must match it."""
     return {
+        "target_last_hidden": last_hidden,
         "kind": KIND,
         "schema": SCHEMA,
         "target": {k: ident.get(k) for k in ("hash", "hidden_size", "num_layers", "vocab_size")},
@@ -350,14 +373,18 @@ def capture_features(
     layer_ids = target_layer_ids_of(cfg.drafter, target.num_layers)
     train_rows, val_rows = pack_dataset(cfg, target.config)
     rows = {"train": train_rows, "validation": val_rows}
+    last_hidden = last_hidden_plan(cfg, layer_ids, target.num_layers, target.hidden_size, settings.dtype)
+    store_last = last_hidden is not None and last_hidden["stored"] == LAST_HIDDEN
 
     T = cfg.train.max_len
-    per_token = bytes_per_token(target.hidden_size, len(layer_ids), settings.dtype)
+    per_token = bytes_per_token(target.hidden_size, len(layer_ids), settings.dtype, store_last)
     batch_rows = settings.batch_rows or cfg.train.batch_size
     rows_per_shard = max(1, int(settings.shard_mb * 2**20 // (T * per_token["total"])))
     if rows_per_shard > batch_rows:  # whole target passes per shard
         rows_per_shard -= rows_per_shard % batch_rows
-    identity = _capture_identity(cfg, ident, layer_ids, data_manifest, rows, settings, dtype, rows_per_shard)
+    identity = _capture_identity(
+        cfg, ident, layer_ids, data_manifest, rows, settings, dtype, rows_per_shard, last_hidden
+    )
     out.mkdir(parents=True, exist_ok=True)
     _check_restart(out / CAPTURE_FILE, identity)
     _write_json(out / CAPTURE_FILE, identity)
@@ -385,7 +412,7 @@ def capture_features(
                 else:
                     t0 = time.perf_counter()
                     tensors = _capture_shard(
-                        target, rows[split], start, stop, layer_ids, batch_rows, settings.dtype
+                        target, rows[split], start, stop, layer_ids, batch_rows, settings.dtype, store_last
                     )
                     write_shard(path, tensors, expected)
                     written += 1
@@ -432,21 +459,69 @@ def capture_features(
     return manifest
 
 
+def last_hidden_plan(
+    cfg: Any, layer_ids: list[int], num_layers: int, hidden_size: int, dtype: str
+) -> dict[str, Any] | None:
+    """The manifest's "target_last_hidden" for a capture made with ``cfg``: None when its loss and metric
+    need only the target's argmax; else the last layer, where it is stored ("features" when the drafter
+    reads it anyway, else the "last_hidden" tensor), its dtype and its bytes per token."""
+    if not cfg.train.reads_target_distribution():
+        return None
+    last = num_layers - 1
+    if last in layer_ids:
+        return {"layer": last, "stored": "features", "dtype": dtype, "bytes_per_token": 0}
+    kept = last_hidden_dtype(dtype)
+    item = torch.empty(0, dtype=FEATURE_DTYPES[kept]).element_size()
+    return {"layer": last, "stored": LAST_HIDDEN, "dtype": kept, "bytes_per_token": hidden_size * item}
+
+
+def check_capture_has_distribution(manifest: Mapping[str, Any], cfg: Any, where: str) -> None:
+    """A config whose loss or metric needs the target's whole distribution trains only from a capture
+    that stored the target's last hidden state (`last_hidden_plan`), or one clear ConfigError."""
+    last = int(manifest["target"]["num_layers"]) - 1
+    stored = manifest.get("target_last_hidden") or last in manifest["target_layer_ids"]
+    if cfg.train.reads_target_distribution() and not stored:
+        t = cfg.train
+        why = (
+            f"train.loss={t.loss_weights()}"
+            if t.serve_temperature <= 0
+            else (f"train.loss={t.loss_weights()} with train.serve_temperature={t.serve_temperature:g}")
+        )
+        raise ConfigError(
+            f"{where} holds no target distribution (the target's last hidden state) and {why} needs it; "
+            "capture again with this config (dflashkit capture -c CONFIG), or drop data.features_dir to "
+            "run the target online"
+        )
+
+
 def _capture_shard(
-    target: Any, rows: Any, start: int, stop: int, layer_ids: list[int], batch_rows: int, dtype: str
+    target: Any,
+    rows: Any,
+    start: int,
+    stop: int,
+    layer_ids: list[int],
+    batch_rows: int,
+    dtype: str,
+    last_hidden: bool = False,
 ) -> dict[str, Tensor]:
     """The stored tensors of rows [start, stop): features encoded in ``dtype`` (on the target's device,
-    ``batch_rows`` rows per target pass), labels and row data, on the CPU."""
+    ``batch_rows`` rows per target pass), with ``last_hidden`` the target's last layer beside them, labels
+    and row data, on the CPU."""
     parts: dict[str, list[Tensor]] = {}
+    read = layer_ids + [target.num_layers - 1] if last_hidden else layer_ids
     for s in range(start, stop, batch_rows):
         idx = list(range(s, min(stop, s + batch_rows)))
-        f, a = target_pass(target, rows.take(idx, target.device), layer_ids)
+        f, a = target_pass(target, rows.take(idx, target.device), read)
         if not bool(torch.isfinite(f).all()):
             raise DataError(
                 f"the target produced non-finite features for rows {idx[0]}..{idx[-1]}; "
                 "capture with target.dtype=float32"
             )
-        for k, v in {**encode_features(f, dtype, len(layer_ids)), "labels": a.to(torch.int32)}.items():
+        stored = {"labels": a.to(torch.int32)}
+        if last_hidden:  # the last layer comes last in `read`
+            H = target.hidden_size
+            f, stored[LAST_HIDDEN] = f[..., :-H], f[..., -H:].to(FEATURE_DTYPES[last_hidden_dtype(dtype)])
+        for k, v in {**encode_features(f, dtype, len(layer_ids)), **stored}.items():
             parts.setdefault(k, []).append(v.cpu())
     sl = slice(start, stop)
     return {
@@ -501,6 +576,9 @@ def verify_features(
     vocab = manifest["target"]["vocab_size"]
     want_dtype = FEATURE_DTYPES[manifest["dtype"]]
     names = {"features", "labels", *ROW_FIELDS} | ({"scale"} if manifest["dtype"] == FP8 else set())
+    last = manifest.get("target_last_hidden") or {}
+    if last.get("stored") == LAST_HIDDEN:
+        names.add(LAST_HIDDEN)
     counts = {"shards": 0, "rows": 0, "tokens": 0}
     for split, info in manifest["splits"].items():
         row_parts: dict[str, list[Tensor]] = {k: [] for k in ROW_FIELDS}
@@ -516,9 +594,12 @@ def verify_features(
                 raise bad("its tensors do not match their digest (corrupted)")
             if set(tensors) != names:
                 raise bad(f"holds tensors {sorted(tensors)}, expected {sorted(names)}")
-            shapes = {"features": (R, T, D), "scale": (R, T, n), "labels": (R, T)} | dict.fromkeys(
-                ROW_FIELDS, (R, T)
-            )
+            shapes = {
+                "features": (R, T, D),
+                "scale": (R, T, n),
+                LAST_HIDDEN: (R, T, manifest["hidden_size"]),
+                "labels": (R, T),
+            } | dict.fromkeys(ROW_FIELDS, (R, T))
             for k, t in tensors.items():
                 if tuple(t.shape) != shapes[k]:
                     raise bad(f"{k} has shape {tuple(t.shape)}, expected {shapes[k]}")
@@ -526,6 +607,8 @@ def verify_features(
                 raise bad(f"features are {tensors['features'].dtype}, the manifest says {manifest['dtype']}")
             if not bool(torch.isfinite(decode_features(tensors, torch.float32)).all()):
                 raise bad("holds non-finite features")
+            if LAST_HIDDEN in tensors and not bool(torch.isfinite(tensors[LAST_HIDDEN]).all()):
+                raise bad("holds a non-finite last hidden state")
             if "scale" in tensors and not bool((tensors["scale"] > 0).all()):
                 raise bad("holds non-positive fp8 scales")
             labels = tensors["labels"]
@@ -611,6 +694,10 @@ class FeatureStore:
         self.path = Path(path)
         self.manifest = read_features_manifest(self.path)
         self._fields = ("features", "labels") + (("scale",) if self.manifest["dtype"] == FP8 else ())
+        last = self.manifest.get("target_last_hidden") or {}
+        self.has_last_hidden = last.get("stored") == LAST_HIDDEN  # a tensor of its own
+        if self.has_last_hidden:
+            self._fields += (LAST_HIDDEN,)
         self._starts: dict[str, list[int]] = {}
         self._files: dict[str, list[Any]] = {}
         for split, info in self.manifest["splits"].items():
@@ -629,9 +716,11 @@ class FeatureStore:
         return int(self.manifest["splits"][split]["rows"])
 
     def read(
-        self, split: str, idx: list[int], device: torch.device, dtype: torch.dtype
+        self, split: str, idx: list[int], device: torch.device, dtype: torch.dtype, last_hidden: bool = False
     ) -> tuple[Tensor, Tensor]:
-        """Features [b, T, n*H] in ``dtype`` and argmax labels [b, T] (long) of rows ``idx`` of a split."""
+        """Features [b, T, n*H] in ``dtype`` and argmax labels [b, T] (long) of rows ``idx`` of a split;
+        with ``last_hidden``, the target's last hidden state after them ([b, T, (n + 1) * H]: the layers
+        of `sources.feature_layers`)."""
         parts: dict[str, list[Tensor]] = {}
         for i in idx:
             if not 0 <= i < self.rows(split):
@@ -641,4 +730,9 @@ class FeatureStore:
             for name in self._fields:
                 parts.setdefault(name, []).append(f.get_slice(name)[local : local + 1])
         stored = {k: torch.cat(v).to(device, non_blocking=True) for k, v in parts.items()}
-        return decode_features(stored, dtype), stored["labels"].long()
+        features = decode_features(stored, dtype)
+        if last_hidden:
+            if not self.has_last_hidden:
+                raise DataError(f"{self.path} holds no last hidden state of the target; capture again")
+            features = torch.cat([features, stored[LAST_HIDDEN].to(dtype)], dim=-1)
+        return features, stored["labels"].long()

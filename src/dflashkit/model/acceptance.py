@@ -12,6 +12,19 @@ stopped, so it spends more rounds where the drafter is weak. `served_order_walk`
 rows measured at every anchor; its tokens / rounds is the served-order acceptance length, the one evaluation
 reports as the number to expect at serving and the one the best checkpoint is chosen by.
 
+At a serving temperature T > 0 a slot is accepted by chance, and the metric is an expectation, computed
+exactly from the two distributions per slot (no sampling noise): `slot_acceptance` gives each slot's
+acceptance probability under the proposal and rule, sum_x min(p_T(x), q_T(x)) = 1 - TV(p_T, q_T) for the
+marginal proposal (draft x ~ q_T, accept with min(1, p_T(x) / q_T(x))) and p_T(argmax q) for the argmax
+proposal (a one-hot q); a block's expected acceptance length is 1 + sum_k prod_{i <= k} a_i
+(`expected_block_lengths`), and `served_order_expectation` takes the served-order walk's expectation over
+the chance of each round's length. The approximation: the target's distribution at slot k is the one given
+the data's tokens before it (the held-out reply, as the T=0 figure reads the target's argmax there), where
+serving conditions on the tokens the round accepted (the drafter's argmaxes, or its accepted draws); the
+drafter's q does not depend on them (its block holds mask tokens after the anchor). So the figure is exact
+where the accepted tokens are the data's, and an estimate elsewhere; on held-out replies sampled from the
+target at T it weighs each prefix as serving would meet it.
+
 Stats are sums and counts (long tensors) so that they add across batches (`add_stats`) and ranks
 (`train.distributed.reduce_stats`); `finalize_stats` turns a sum into plain numbers. Training measures
 them; `dflashkit eval` reads the served-order figure of a trained drafter (`served_tau`).
@@ -63,6 +76,68 @@ def served_order_walk(anchors: Tensor, lengths: Tensor, valid: Tensor) -> list[i
             rounds.append(tau[p])
             p += tau[p]
     return rounds
+
+
+def served_order_expectation(anchors: Tensor, accept: Tensor, valid: Tensor) -> tuple[float, float]:
+    """Expected tokens and rounds of the served-order walk on one row when each round's length is random:
+    the walk of `served_order_walk`, with the block at anchor a accepting slot k (given slots 1..k-1) with
+    probability accept[., k - 1].
+
+    anchors, valid: [M]; accept: [M, B - 1], the acceptance probability of slots 1..B-1 of each block (0 from
+    its first untrained slot on). The walk visits anchor a with probability v(a): 1 at the first anchor of
+    each response, and v(a + l) += v(a) P(L_a = l) with P(L = l) = prod_{i < l} a_i (1 - a_l). Expected
+    tokens = sum_a v(a) E[L_a], expected rounds = sum_a v(a): serving many rows measures tokens / rounds
+    of their sums. With probabilities 0 and 1 it is `served_order_walk`."""
+    reach = torch.cumprod(accept.double().cpu(), dim=-1)  # [M, B - 1]: P(L >= k + 1), k = 1..B-1
+    ones = torch.ones(reach.shape[0], 1, dtype=reach.dtype)
+    at_least = torch.cat([ones, reach], dim=-1)  # [M, B]: P(L >= l), l = 1..B
+    exactly = at_least - torch.cat([reach, torch.zeros_like(ones)], dim=-1)  # P(L = l), l = 1..B
+    row = {int(a): i for i, (a, v) in enumerate(zip(anchors.tolist(), valid.tolist(), strict=True)) if v}
+    visit = {a: 1.0 for a in row if a - 1 not in row}
+    tokens = rounds = 0.0
+    for a in sorted(row):
+        v = visit.get(a, 0.0)
+        if v == 0.0:
+            continue
+        i = row[a]
+        rounds += v
+        tokens += v * float(at_least[i].sum())  # E[L] = sum_l P(L >= l)
+        for n, pn in enumerate(exactly[i].tolist(), start=1):
+            if pn > 0 and a + n in row:
+                visit[a + n] = visit.get(a + n, 0.0) + v * pn
+    return tokens, rounds
+
+
+def slot_acceptance(
+    target_logits: Tensor, drafter_logits: Tensor, temperature: float, proposal: str
+) -> tuple[Tensor, Tensor]:
+    """Each slot's acceptance probability at a serving temperature, and the target's top probability:
+    [n, V] x2 -> ([n], [n]) float32. ``proposal`` "marginal": sum_x min(p_T(x), q_T(x)) (a draft from q_T
+    through the rejection rule); "argmax": p_T(argmax q) (the drafter's argmax, accepted with p_T of it).
+    The second is max_x p_T(x), the argmax chain's per-slot ceiling."""
+    if temperature <= 0:
+        raise ValueError(f"slot_acceptance is for a temperature above 0, not {temperature}")
+    p = (target_logits.float() / temperature).softmax(-1)
+    if proposal == "marginal":
+        accept = torch.minimum(p, (drafter_logits.float() / temperature).softmax(-1)).sum(-1)
+    elif proposal == "argmax":
+        accept = p.gather(-1, drafter_logits.argmax(-1, keepdim=True)).squeeze(-1)
+    else:
+        raise ValueError(f"unknown proposal {proposal!r}; choose 'marginal' or 'argmax'")
+    return accept, p.amax(-1)
+
+
+def block_slot_acceptance(accept: Tensor, mask: Tensor, block_size: int) -> Tensor:
+    """Slot acceptance probabilities [b, N*B] and the trained mask [b, N*B] -> [b, N, B - 1] for slots
+    1..B-1, 0 from each block's first untrained slot on (a block stops there, as in `block_lengths`)."""
+    b = accept.shape[0]
+    a = (accept.float() * mask.bool()).reshape(b, -1, block_size)[:, :, 1:]
+    return a * torch.cumprod(mask.bool().reshape(b, -1, block_size)[:, :, 1:].long(), dim=-1)
+
+
+def expected_block_lengths(slot_accept: Tensor) -> Tensor:
+    """Expected acceptance length of each block, 1 + sum_k prod_{i <= k} a_i: [..., B - 1] -> [...]."""
+    return 1 + torch.cumprod(slot_accept, dim=-1).sum(-1)
 
 
 def served_tau(val: dict) -> float:

@@ -140,15 +140,29 @@ def load_weights(drafter: DFlashDrafter, weights: dict[str, Tensor], where: Path
         ) from None
 
 
-def best_so_far(extra: dict[str, Any], out_dir: Path) -> float:
-    """The best held-out served-order acceptance length of a resumed run. A checkpoint written before it
-    was recorded holds another figure (the mean over anchors, higher than the served order), so the best
-    is then read from best/metrics.json where that holds a served-order figure; without one, none is
-    known (-inf) and the next evaluation writes best/ again."""
+def best_figure(cfg: RunConfig) -> str:
+    """The held-out figure best/ is chosen by: the served-order acceptance length at the temperature the
+    config serves at (train.serve_temperature), exact at 0 and expected above (`validation.validate`)."""
+    return (
+        "served_expected_acceptance_length" if cfg.train.serve_temperature > 0 else "served_acceptance_length"
+    )
+
+
+def best_metric(val: dict[str, Any], cfg: RunConfig) -> float:
+    """``val``'s `best_figure` (nan where it is missing)."""
+    return float(val.get(best_figure(cfg), float("nan")))
+
+
+def best_so_far(extra: dict[str, Any], out_dir: Path, cfg: RunConfig) -> float:
+    """The best held-out served-order acceptance length of a resumed run (`best_figure`; a resume keeps
+    train.serve_temperature). A checkpoint written before it was recorded holds another figure (the mean
+    over anchors, higher than the served order), so the best is then read from best/metrics.json where
+    that holds a served-order figure; without one, none is known (-inf) and the next evaluation writes
+    best/ again."""
     if BEST_KEY in extra:
         return float(extra[BEST_KEY])
     try:
-        served = json.loads((out_dir / BEST / BEST_METRICS).read_text()).get("served_acceptance_length")
+        served = json.loads((out_dir / BEST / BEST_METRICS).read_text()).get(best_figure(cfg))
     except (OSError, ValueError, AttributeError):
         served = None
     return float(served) if isinstance(served, (int, float)) and math.isfinite(served) else float("-inf")

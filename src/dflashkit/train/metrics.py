@@ -2,7 +2,9 @@
 same scalars in TensorBoard), the curves as training.png at the end. Rank 0 writes; every rank may call.
 
 A training record holds the step's loss, learning rate, gradient norm and the acceptance of the training
-batches since the last record; an evaluation adds "val": the held-out measurement (`validation.validate`).
+batches since the last record; an evaluation adds "val": the held-out measurement (`validation.validate`),
+with, at train.serve_temperature > 0, the expected acceptance lengths at that temperature beside the
+greedy ones (and the curve of the served-order one in training.png).
 A resumed run first drops the records of the steps it trains again (`trim_metrics`), so every step is
 logged once.
 """
@@ -142,6 +144,16 @@ def plot_training(metrics_path: Path, png: Path) -> Path | None:
         label="held-out, served order (what serving measures)",
         color="#2a9d5c",
     )
+    expected = [r for r in val if "served_expected_acceptance_length" in r["val"]]
+    if expected:  # train.serve_temperature > 0: the figure best/ is chosen by
+        ax2.plot(
+            [r["step"] for r in expected],
+            [r["val"]["served_expected_acceptance_length"] for r in expected],
+            "^:",
+            label=f"held-out, served order, expected at T={expected[-1]['val']['serve_temperature']:g} "
+            f"({expected[-1]['val']['serve_draft_sampling']})",
+            color="#8a3bd8",
+        )
     ax2.set_xlabel("step")
     ax2.set_ylabel("exact block acceptance length")
     ax2.legend()

@@ -13,7 +13,11 @@ from rich.table import Table
 from dflashkit.attention.dense_budget import dense_budget_gib, preflight_dense
 from dflashkit.config import RunConfig
 from dflashkit.data.dataset import read_manifest
-from dflashkit.data.features import check_capture_matches, read_features_manifest
+from dflashkit.data.features import (
+    check_capture_has_distribution,
+    check_capture_matches,
+    read_features_manifest,
+)
 from dflashkit.data.rows import pack_dataset
 from dflashkit.model.checkpoint import check_drafter_files
 from dflashkit.runtime.devices import resolve_backend, resolve_device, use_compiled_regions
@@ -72,6 +76,7 @@ def dry_run(
             data_manifest=manifest,
             rows={"train": train_rows, "validation": val_rows},
         )
+        check_capture_has_distribution(fm, cfg, cfg.data.features_dir)
         features = f"offline, {cfg.data.features_dir} ({fm['dtype']}, layers {fm['target_layer_ids']})"
     per_step = ranks * cfg.train.batch_size * cfg.train.grad_accum
     cache = cfg.run.compile_cache

@@ -50,9 +50,12 @@ class TrainProgress:
                 parts.append(f"tau(train) {record['acceptance_length']:.2f}")
             if "val" in record:
                 val = record["val"]
-                parts.append(
-                    f"tau(val) {val['acceptance_length']:.2f}, served order {served_tau(val):.2f} (best {best:.2f})"
-                )
+                served = f"served order {served_tau(val):.2f}"
+                if "served_expected_acceptance_length" in val:  # best/ is chosen by the figure at T
+                    served += (
+                        f", at T={val['serve_temperature']:g} {val['served_expected_acceptance_length']:.2f}"
+                    )
+                parts.append(f"tau(val) {val['acceptance_length']:.2f}, {served} (best {best:.2f})")
             self.info = "  ".join(parts)
             if not self.console.is_terminal:
                 self.console.print(f"step {step}: {self.info}")

@@ -81,6 +81,8 @@ _KINDS = (
     ("train.dpace_alpha", "the loss"),
     ("train.labels", "the loss"),
     ("train.distill", "the loss"),
+    ("train.loss", "the loss"),  # train.loss_temperature too
+    ("train.serve_", "the best/ choice"),
     ("train.lr", "the optimizer"),
     ("train.betas", "the optimizer"),
     ("train.weight_decay", "the optimizer"),

@@ -14,7 +14,7 @@ import torch
 
 from dflashkit.config import RunConfig
 from dflashkit.data.dataset import read_manifest
-from dflashkit.data.features import FeatureStore, check_capture_matches
+from dflashkit.data.features import FeatureStore, check_capture_has_distribution, check_capture_matches
 from dflashkit.data.rows import Rows, pack_dataset
 from dflashkit.data.rows import check_data_matches_target as check_data_matches
 from dflashkit.data.stream import MicroBatchStream
@@ -219,6 +219,7 @@ def setup_run(
             data_manifest=manifest,
             rows={"train": train_rows, "validation": val_rows},
         )
+        check_capture_has_distribution(store.manifest, cfg, cfg.data.features_dir)
     check_rows(cfg, train_rows, dist.world_size)
     stream = MicroBatchStream(
         len(train_rows), cfg.train.batch_size, cfg.train.seed, world_size=dist.world_size, rank=dist.rank

@@ -13,7 +13,8 @@ split, on the device of the rows it is handed. Four kinds:
 `feature_source` picks the first three from the config; the fan-out builds the fed ones.
 
 The layers a source reads are `feature_layers`: the drafter's own, and the target's last when the run
-distils (train.distill > 0: the target's distribution is its last layer through its final norm and head).
+needs the target's whole distribution (a kl, tv or lk train.loss, or train.serve_temperature > 0: the
+target's distribution is its last layer through its final norm and head).
 `split_features` takes the drafter's context features and that last layer apart again.
 """
 
@@ -38,9 +39,9 @@ Features = tuple[Tensor, Tensor]  # context features [b, T, n*H], argmax labels 
 
 def feature_layers(cfg: RunConfig, config: DrafterConfig) -> list[int]:
     """The target layers a run reads at each step, in order: the drafter's (its context features) and, when
-    it distils (train.distill > 0), the target's last one."""
+    it needs the target's distribution (`TrainSection.reads_target_distribution`), the target's last one."""
     layers = set(config.target_layer_ids)
-    if cfg.train.distill > 0:
+    if cfg.train.reads_target_distribution():
         layers.add(config.num_target_layers - 1)
     return sorted(layers)
 
@@ -57,9 +58,9 @@ def feature_columns(union: list[int], layer_ids: list[int], hidden: int) -> Tens
 
 def split_features(features: Tensor, cfg: RunConfig, config: DrafterConfig) -> tuple[Tensor, Tensor | None]:
     """Features of `feature_layers` [b, T, n*H] -> the drafter's context features and the target's last-layer
-    output [b, T, H] (None when the run does not distil). The last layer comes last in layer order: the
+    output [b, T, H] (None when the run does not read the target's distribution). The last layer comes last in layer order: the
     drafter's are the columns before it, or all of them when it reads the last layer itself (views both)."""
-    if cfg.train.distill <= 0:
+    if not cfg.train.reads_target_distribution():
         return features, None
     H = config.hidden_size
     last = features[..., -H:]
@@ -119,14 +120,16 @@ class CachedFeatures(OnlineFeatures):
 
 
 class CapturedFeatures:
-    """Features and labels read from a capture (`dflashkit capture`), in the target's dtype."""
+    """Features and labels read from a capture (`dflashkit capture`), in the target's dtype; with
+    ``last_hidden``, the target's last hidden state stored beside them comes after them."""
 
-    def __init__(self, store: FeatureStore, dtype: torch.dtype):
+    def __init__(self, store: FeatureStore, dtype: torch.dtype, last_hidden: bool = False):
         self.store = store
         self.dtype = dtype
+        self.last_hidden = last_hidden
 
     def features(self, split: str, idx: list[int], rows: Rows) -> Features:
-        return self.store.read(split, idx, rows.input_ids.device, self.dtype)
+        return self.store.read(split, idx, rows.input_ids.device, self.dtype, self.last_hidden)
 
     def batch(self, mb: MicroBatch, rows: Rows) -> Features:
         return self.features("train", mb.rows, rows)
@@ -137,8 +140,10 @@ def feature_source_for(
 ) -> OnlineFeatures | CapturedFeatures:
     """The source a config asks for: a capture's ``store`` (data.features_dir), cached target passes
     (train.cache_features) or the target every time, for ``layer_ids`` of ``target`` (`feature_layers`)."""
-    if store is not None:
-        return CapturedFeatures(store, target.dtype)
+    if store is not None:  # the last layer, when asked for and not among the drafter's, is stored apart
+        last = target.num_layers - 1
+        apart = last in layer_ids and last not in store.manifest["target_layer_ids"]
+        return CapturedFeatures(store, target.dtype, last_hidden=apart)
     kind = CachedFeatures if cfg.train.cache_features else OnlineFeatures
     return kind(target, layer_ids)
 

@@ -22,7 +22,7 @@ from dflashkit.model.drafter import DFlashDrafter, build_block_masks
 from dflashkit.target.hf import TargetModel
 from dflashkit.train.anchors import block_inputs, block_labels, block_positions, label_states, sample_anchors
 from dflashkit.train.distributed import unwrap
-from dflashkit.train.loss import LossOutput, dflash_loss
+from dflashkit.train.loss import LossMix, LossOutput, dflash_loss, serving_acceptance
 from dflashkit.train.sources import split_features
 
 
@@ -63,6 +63,11 @@ class StepOutput:
     stats: dict[str, Tensor]
     layout: BlockLayout
     lengths: Tensor  # [b, N]: each block's exact acceptance length (padding blocks included)
+    mask: Tensor  # [b, N*B]: the trained slots (`block_labels`)
+    # With ``serving=True`` and train.serve_temperature > 0: each slot's acceptance probability at that
+    # temperature under train.serve_draft_sampling, and the target's top probability, [b, N*B] each.
+    accept: Tensor | None = None
+    top_probability: Tensor | None = None
 
 
 def block_step(
@@ -78,11 +83,13 @@ def block_step(
     *,
     seeds: Sequence[int] | None = None,
     layout: BlockLayout | None = None,
+    serving: bool = False,
 ) -> StepOutput:
     """Anchors -> blocks -> drafter -> chunked weighted loss, for one micro-batch. ``drafter`` may be a
     DDP wrapper; ``seeds`` (one per row) make each row's anchors its own draw (`draw_anchors`); ``layout``
-    gives the anchors instead (evaluation's `covering_layouts`). ``features`` are those of the run's
-    `feature_layers`: with train.distill, the target's last layer beside the drafter's, whose output through
+    gives the anchors instead (evaluation's `covering_layouts`); ``serving`` (evaluation) adds each slot's
+    acceptance probability at train.serve_temperature when that is above 0. ``features`` are those of the run's
+    `feature_layers`: with a distribution loss, the target's last layer beside the drafter's, whose output through
     the target's final norm gives the loss the target's whole distribution at each slot."""
     config = unwrap(drafter).config
     B = config.block_size
@@ -110,8 +117,20 @@ def block_step(
             chunk_blocks=cfg.train.chunk_blocks,
             compiled=unwrap(drafter).compiled_regions,
             target_hidden=target_hidden,
-            distill=cfg.train.distill,
+            mix=LossMix.of(cfg.train.loss_weights(), cfg.train.loss_temperature),
         )
+        accept = top = None
+        t = cfg.train
+        if serving and t.serve_temperature > 0 and target_hidden is not None:
+            accept, top = serving_acceptance(
+                hidden,
+                target_hidden,
+                target.lm_head_weight(),
+                B,
+                t.chunk_blocks,
+                t.serve_temperature,
+                t.serve_draft_sampling,
+            )
     lengths = block_lengths(out.predictions, labels, label_mask, B)
     stats = acceptance_stats(out.predictions, labels, label_mask, layout.block_valid, B, lengths)
-    return StepOutput(out, stats, layout, lengths)
+    return StepOutput(out, stats, layout, lengths, label_mask, accept, top)

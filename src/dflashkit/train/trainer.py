@@ -11,7 +11,8 @@
 Each optimizer step takes train.grad_accum micro-batches of the stream (`data.stream`): their features
 (`sources`), anchors and blocks, the drafter and the chunked, position-weighted loss (`step.block_step`),
 backward. A non-finite loss stops the run before the optimizer applies it. Held-out acceptance
-(`validation.validate`) picks best/ by the served-order acceptance length, what serving measures.
+(`validation.validate`) picks best/ by the served-order acceptance length at the temperature the config
+serves at (`checkpoints.best_metric`), what serving measures.
 Started by torchrun, each process trains its share of every global batch (`distributed`); a fan-out's
 drafter threads run `start` and `loop` themselves, fed by its target workers (`fanout`).
 
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 from dflashkit.config import RunConfig, dump_config
 from dflashkit.data.stream import MicroBatch
 from dflashkit.errors import NonFiniteLossError
-from dflashkit.model.acceptance import add_stats, finalize_stats, served_tau
+from dflashkit.model.acceptance import add_stats, finalize_stats
 from dflashkit.model.checkpoint import load_drafter
 from dflashkit.runtime import fingerprint
 from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
@@ -49,6 +50,7 @@ from dflashkit.train import distributed, state
 from dflashkit.train.checkpoints import (
     BEST_KEY,
     ResumePoint,
+    best_metric,
     best_so_far,
     load_weights,
     open_run_folder,
@@ -150,7 +152,7 @@ def start(run: Run, resume_from: ResumePoint | None, console: Any) -> Session:
         restored = state.apply_training_state(resume_from.saved, optimizer_io, scheduler)
         state.restore_rng(restored.rng, {"anchors": generator})
         step, cursor = restored.step, dict(restored.data_cursor)
-        best = best_so_far(restored.extra, run.out_dir)
+        best = best_so_far(restored.extra, run.out_dir, run.cfg)
         console.print(f"resumed from {resume_from.checkpoint} at step {step}")
         note = distributed.resume_note(restored.extra, d, global_batch(run))
         if note:
@@ -242,8 +244,8 @@ def loop(
                 last_val = validate(run, source, on_row=progress.evaluating)  # the same on every rank
                 progress.evaluated()
                 record = (record or {"step": s.step}) | {"val": last_val}
-                if served_tau(last_val) > s.best:  # chosen by what serving will measure
-                    s.best = served_tau(last_val)
+                if best_metric(last_val, run.cfg) > s.best:  # chosen by what serving will measure
+                    s.best = best_metric(last_val, run.cfg)
                     save_best(run, s.step, last_val)
             if record is not None:
                 s.metrics.log(record)
