@@ -75,6 +75,10 @@ def _bench(args: argparse.Namespace) -> int:
     console = Console()
     temperatures = parse_temperatures(args.temperatures)
     specs = set_specs(args)
+    if args.draft_sampling == "auto" and args.ceilings <= 0 and any(t > 0 for t in temperatures):
+        raise ConfigError(
+            "--draft-sampling auto chooses by the ceilings: give --ceilings N above 0, or a proposal"
+        )
     if args.summary and 0.0 not in temperatures:
         raise ConfigError("--summary holds the T=0 figures: include 0 in --temperatures")
     data_from_config = False
@@ -126,10 +130,6 @@ def _bench(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "enable_thinking": thinking,
     }
-    if args.draft_sampling == "auto" and not args.ceilings and any(t > 0 for t in temperatures):
-        raise ConfigError(
-            "--draft-sampling auto chooses by the ceilings: give --ceilings N above 0, or a proposal"
-        )
     if args.draft_sampling != "marginal":  # only then: results measured before the flag keep their settings
         settings["draft_sampling"] = args.draft_sampling
     if greedy_trees or sampled_trees:  # only then: chain results measured before trees keep their settings

@@ -110,8 +110,9 @@ def round_figures(
     a = q.argmax(-1)
     at_a = p[argmax_path[:D]]  # p_k where the argmax chain stands before slot k
     p_a = at_a.gather(1, a[:, None])[:, 0]
-    top = q.topk(TOP_K, dim=-1).indices
-    mass = at_a.gather(1, top).cumsum(-1)  # [D, TOP_K]
+    top = q.topk(min(TOP_K, q.shape[-1]), dim=-1).indices
+    mass = at_a.gather(1, top).cumsum(-1)
+    mass = torch.cat([mass, mass[:, -1:].expand(D, TOP_K - mass.shape[1])], dim=1)  # [D, TOP_K]
     at_m = p[marginal_path[:D]]
     beta = torch.minimum(at_m, q).sum(-1)
     ratio = (at_m.gather(1, marginal[:, None])[:, 0] / q.gather(1, marginal[:, None])[:, 0]).clamp(max=1.0)

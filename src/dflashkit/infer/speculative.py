@@ -219,8 +219,11 @@ def _tree_round(
     dec: Engine, anchor: int, draft_logits: Tensor, budget: int, s: Sampling, gen: torch.Generator | None
 ) -> tuple[Verified, list[int], list[int]]:
     """The tree: the budget's best branches of the drafter's per-slot top-k, verified in one pass; the
-    target chooses at every node, and the walk follows its choices. Built and walked on the device: one
-    copy to the host per round, as the chain."""
+    target chooses at every node, and the walk follows its choices. At T > 0 this is sample-and-match
+    (DDTree's ``follow_verified_tree``): each node's draw is from p_T under the ancestor mask, independent of
+    the others, and only the draws at the nodes the walk visits decide anything, so every committed token is
+    one target draw given the tokens before it (tests/test_sampling_exact.py holds it to the target's
+    distribution). Built and walked on the device: one copy to the host per round, as the chain."""
     probs = torch.softmax(draft_logits.float(), dim=-1) if s.greedy else probabilities(draft_logits, s)
     tree = dec.build_tree(anchor, probs, budget)
     verified = dec.verify_tree(tree)
