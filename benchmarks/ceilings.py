@@ -82,9 +82,9 @@ def main() -> None:
         print("  slot        " + " ".join(f"{k:>6d}" for k in range(1, len(fig["max_p"]) + 1)))
         for name, values in rows:
             print(f"  {name:<12}" + " ".join(f"{v:6.3f}" for v in values))
-    if args.out:
-        _write_json(args.out, record)
-        print(f"wrote {args.out}")
+        if args.out:  # after each temperature: a long run keeps what it measured
+            _write_json(args.out, record)
+            print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
