@@ -437,8 +437,10 @@ def test_greedy_rounds_as_one_step_equal_the_separate_calls(target, drafter, fix
     assert out[True].tokens == autoregressive_generate(target, prompt, 19, layer_ids=LAYERS).tokens
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_sampled_rounds_as_one_step_equal_the_separate_calls(target, drafter, top_p, monkeypatch):
+@pytest.mark.parametrize(("top_p", "draft_sampling"), [(1.0, "marginal"), (0.9, "marginal"), (1.0, "argmax")])
+def test_sampled_rounds_as_one_step_equal_the_separate_calls(
+    target, drafter, top_p, draft_sampling, monkeypatch
+):
     """At T > 0 under the rejection rule the graphs engine's chain round as one step (draft, the drafts raced
     from the drafter's distribution, verify, accept, the next round's state, on the device) commits, for a
     seed, the tokens of the draft, verify and keep calls: both draw the round's noise first, in one order
@@ -454,13 +456,14 @@ def test_sampled_rounds_as_one_step_equal_the_separate_calls(target, drafter, to
                 engine.fused_rounds = fused
                 keys.clear()
                 # a high temperature: the random drafter's drafts are accepted often (both distributions flat)
-                s = Sampling(temperature=20.0, top_p=top_p, rule="rejection", seed=seed)
+                s = Sampling(20.0, top_p, "rejection", seed, draft_sampling)
                 out[fused] = speculative_generate(target, drafter, prompt, 19, s, engine=engine)
                 assert ("sampled round" in keys) == fused and ("draft" in keys) != fused
             assert out[True].tokens == out[False].tokens
             assert out[True].accept_lengths == out[False].accept_lengths
             accepted += sum(t - 1 for t in out[True].accept_lengths)
-    assert accepted > 0, "the test must exercise accepted drafts"
+    # the random drafter's argmax is a token the flat target rarely draws: argmax rounds mostly reject
+    assert accepted > 0 or draft_sampling == "argmax", "the test must exercise accepted drafts"
     # another temperature is another captured step; the exact rule and greedy decoding take their own ways
     engine.fused_rounds = True
     with pytest.raises(DflashkitError, match="rejection rule"):

@@ -9,7 +9,14 @@ from typing import Any
 
 from dflashkit.atomic import check_folder_can_be_made
 from dflashkit.commands import values
-from dflashkit.commands.infer import ENGINE_CHOICES, _enable_thinking, _eos_ids, _load, add_tree_budget
+from dflashkit.commands.infer import (
+    ENGINE_CHOICES,
+    _enable_thinking,
+    _eos_ids,
+    _load,
+    add_draft_sampling,
+    add_tree_budget,
+)
 from dflashkit.config import PATHS_RULE, load_config
 from dflashkit.errors import ConfigError
 from dflashkit.lock import hold_folder
@@ -51,6 +58,10 @@ def _bench(args: argparse.Namespace) -> int:
     console = Console()
     temperatures = args.temperatures
     specs = set_specs(args)
+    if args.draft_sampling == "auto" and args.ceilings <= 0 and any(t > 0 for t in temperatures):
+        raise ConfigError(
+            "--draft-sampling auto chooses by the ceilings: give --ceilings N above 0, or a proposal"
+        )
     if args.summary and 0.0 not in temperatures:
         raise ConfigError("--summary holds the T=0 figures: include 0 in --temperatures")
     data_from_config = False
@@ -102,6 +113,8 @@ def _bench(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "enable_thinking": thinking,
     }
+    if args.draft_sampling != "marginal":  # only then: results measured before the flag keep their settings
+        settings["draft_sampling"] = args.draft_sampling
     if greedy_trees or sampled_trees:  # only then: chain results measured before trees keep their settings
         settings["tree_budget"] = max(greedy_trees, sampled_trees)
         if not sampled_trees:
@@ -125,6 +138,8 @@ def _bench(args: argparse.Namespace) -> int:
             console=console,
             tree_budget=measured_trees or None,
             sampled_trees=bool(sampled_trees),
+            draft_sampling=args.draft_sampling,
+            ceiling_prompts=args.ceilings,
         )
 
     dec = decoder(target, drafter, args.engine)
@@ -447,6 +462,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "graphs-kernels (graphs-layers with the target and draft steps as six Triton kernels a layer; GPU only)",
     )
     add_tree_budget(p)
+    add_draft_sampling(p)
+    p.add_argument(
+        "--ceilings",
+        type=int,
+        default=8,
+        metavar="N",
+        help="at each T > 0, measure on the first N prompts of each set, exactly, what each slot can accept "
+        "(E[max p], each proposal's acceptance, the mass on the top-k children; recorded with the figures, "
+        "where --draft-sampling auto and --tree-budget auto read them; default 8, 0: none)",
+    )
     p.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16"], help="target/drafter dtype (auto: bf16 on GPU)"
     )

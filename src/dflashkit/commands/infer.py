@@ -73,10 +73,17 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
     return target, drafter, tokenizer, dtype, manifest
 
 
-def _sampling(args: argparse.Namespace):
+def _sampling(args: argparse.Namespace, console: Any):
+    """The sampling settings of the flags; --draft-sampling auto resolved (`ceilings.resolve_draft_sampling`)
+    and said in one line when it matters (T > 0)."""
+    from dflashkit.infer.ceilings import resolve_draft_sampling
     from dflashkit.infer.speculative import Sampling
 
-    return Sampling(temperature=args.temperature or 0.0, top_p=args.top_p, rule=args.rule, seed=args.seed)
+    t = args.temperature or 0.0
+    proposal, why = resolve_draft_sampling(args.draft_sampling, Path(args.drafter), t, args.top_p)
+    if args.draft_sampling == "auto" and t > 0:
+        console.print(f"[dim]draft sampling {proposal} (--draft-sampling auto: {why})[/]")
+    return Sampling(temperature=t, top_p=args.top_p, rule=args.rule, seed=args.seed, draft_sampling=proposal)
 
 
 def _enable_thinking(args: argparse.Namespace, tokenizer: Any, manifest: dict[str, Any] | None) -> bool:
@@ -152,7 +159,7 @@ def _eval(args: argparse.Namespace) -> int:
     prompt_ids, source = eval_prompts(args, tokenizer, thinking)
     if not prompt_ids:  # nothing to measure: said before any file is written
         raise DataError(f"no prompts to evaluate in {source}; give a file or a split that holds some")
-    sampling = _sampling(args)
+    sampling = _sampling(args, console)
     rounds = choose_rounds(args, drafter, sampling.temperature)
     longest = max((len(p) for p in prompt_ids), default=0)
     capacity = longest + args.max_new_tokens + _width(args, drafter)
@@ -310,16 +317,22 @@ def _engine(args: argparse.Namespace, target: Any, drafter: Any, capacity: int, 
 
 def choose_rounds(args: argparse.Namespace, drafter: Any, temperature: float) -> str:
     """Resolve --tree-budget (auto: ``resolve_tree_budget`` for --engine, already resolved, at
-    ``temperature``) into ``args.tree_budget``; what a round verifies, said to the user: "trees of N drafted
-    nodes" or "chains", and whether auto chose it."""
+    ``temperature``; above 0 by the drafter's bench record, `ceilings.sampled_trees_pay`) into
+    ``args.tree_budget``; what a round verifies, said to the user: "trees of N drafted nodes" or "chains", and
+    whether auto chose it (and why, when sampling)."""
+    from dflashkit.infer.ceilings import recorded, sampled_trees_pay
     from dflashkit.infer.engine import resolve_tree_budget
 
     chosen = args.tree_budget is None
+    why = ""
+    sampled_trees = False
+    if chosen and temperature > 0:
+        sampled_trees, why = sampled_trees_pay(recorded(Path(args.drafter), temperature, args.top_p))
     args.tree_budget = resolve_tree_budget(
-        args.tree_budget, args.engine, drafter.config.block_size, temperature
+        args.tree_budget, args.engine, drafter.config.block_size, temperature, sampled_trees
     )
     what = f"trees of {args.tree_budget} drafted nodes" if args.tree_budget else "chains"
-    return what + (" (--tree-budget auto)" if chosen else "")
+    return what + (f" (--tree-budget auto{': ' + why if why else ''})" if chosen else "")
 
 
 def _width(args: argparse.Namespace, drafter: Any) -> int:
@@ -346,7 +359,7 @@ def _generate(args: argparse.Namespace) -> int:
     args.engine = resolve_engine(args.engine, target, args.tree_budget)
     thinking = _enable_thinking(args, tokenizer, manifest)
     stopper = Stopper(_eos_ids(target, tokenizer), args.stop or [], tokenizer)
-    sampling = _sampling(args)
+    sampling = _sampling(args, console)
     rounds = choose_rounds(args, drafter, sampling.temperature)
 
     engines: list[Any] = []  # the static engine, built for the first prompt and rebuilt if one is longer
@@ -491,6 +504,19 @@ def _common(p: argparse.ArgumentParser) -> None:
         "draft steps as six hand-written Triton kernels a layer; GPU only)",
     )
     add_tree_budget(p)
+    add_draft_sampling(p)
+
+
+def add_draft_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft-sampling",
+        choices=["marginal", "argmax", "auto"],
+        default="auto",
+        help="a chain round's drafts when sampling (both keep the target's distribution): marginal (each slot "
+        "drawn from the drafter's distribution), argmax (each slot's most likely token, accepted with the "
+        "target's probability of it) or auto (the default: the one the drafter's latest bench record at this "
+        "temperature expects more tokens from; marginal without a record)",
+    )
 
 
 def add_tree_budget(p: argparse.ArgumentParser) -> None:
@@ -502,7 +528,8 @@ def add_tree_budget(p: argparse.ArgumentParser) -> None:
         help="verify a tree of N drafted nodes per round (the best branches of the drafter's per-slot top-k, "
         "one target pass, the longest branch the target agrees with; lossless) instead of the chain (0); "
         "auto (the default): trees of 15 where they were measured faster (greedy decoding on the "
-        "graphs-kernels engine, a block of at most 16), else the chain",
+        "graphs-kernels engine, a block of at most 16; when sampling, where the drafter's bench record at "
+        "this temperature expects a tree's extra tokens to pay for its round), else the chain",
     )
 
 

@@ -5,7 +5,9 @@ temperature, every prompt is decoded speculatively and autoregressively on the s
 (`dflashkit.infer.engine`, the loops of `dflashkit.infer.speculative`): the served acceptance length tau
 (tokens per target pass over all rounds, and its spread over prompts), tokens/s of both loops and their
 ratio. At T = 0 the rule is greedy; above 0 it is speculative rejection sampling (`Sampling(rule=
-"rejection")`), which keeps the target's distribution exactly. The fp32 lossless check decodes greedily in
+"rejection")`), which keeps the target's distribution exactly, its drafts by ``--draft-sampling`` (under
+"auto", at each T > 0 the proposal the set's ceilings expect more tokens from: `dflashkit.infer.ceilings`,
+measured on the set's first prompts and recorded beside the figures, where generate and eval read them). The fp32 lossless check decodes greedily in
 float32 (the run itself when it is float32, otherwise float32 copies of the target and drafter) and
 compares speculative and autoregressive output token for token; for an engine Inductor compiles it decodes
 on the same engine's eager steps (`lossless_engine`): the check is of the rounds, and compiling float32
@@ -202,6 +204,8 @@ class Decoder:
     compile: bool | None = None  # static engine: compile its steps (None: on a GPU)
     tree_budget: int | None = None  # drafted nodes per tree round (None: chain rounds)
     sampled_trees: bool = True  # trees at T > 0 too (False: trees at T = 0, chains above: --tree-budget auto)
+    draft_sampling: str = "marginal"  # a chain round's proposal at T > 0, or "auto": the ceilings' choice
+    ceiling_prompts: int = 0  # prompts of each set whose ceilings are measured at T > 0 (`infer.ceilings`)
     console: Any = None
     _engine: Any = field(default=None, repr=False)
 
@@ -264,12 +268,29 @@ class Decoder:
         n = min(4, self.max_new_tokens)
         engine = self.ready(len(ids) + n + round_width(self.drafter.config.block_size, self.tree_budget))
         for t in temperatures:
-            s = Sampling(temperature=t, top_p=self.top_p, rule="rejection", seed=0)
-            speculative_generate(
-                self.target, self.drafter, ids, n, s, engine=engine, tree_budget=self.rounds(t)
-            )
+            for proposal in self.proposals() if t > 0 else ("marginal",):
+                s = Sampling(t, self.top_p, "rejection", 0, proposal)  # type: ignore[arg-type]
+                speculative_generate(
+                    self.target, self.drafter, ids, n, s, engine=engine, tree_budget=self.rounds(t)
+                )
             layers = self.drafter.config.target_layer_ids
             autoregressive_generate(self.target, ids, n, s, layer_ids=layers, engine=engine)
+
+    def proposals(self) -> tuple[str, ...]:
+        """The proposals a sampled chain round may take: the one given, or both under "auto"."""
+        return ("marginal", "argmax") if self.draft_sampling == "auto" else (self.draft_sampling,)
+
+    def ceilings(self, bset: BenchSet, temperature: float) -> dict[str, Any] | None:
+        """The ceilings (`infer.ceilings.measure`) on the first turns of the set's first ``ceiling_prompts``
+        conversations at ``temperature`` on the reference engine; None when none are asked for."""
+        from dflashkit.infer.ceilings import measure
+        from dflashkit.infer.sampling import Sampling
+
+        if not self.ceiling_prompts or temperature <= 0 or not bset.conversations:
+            return None
+        prompts = [self.prompt_ids(c, 0, []) for c in bset.conversations[: self.ceiling_prompts]]
+        s = Sampling(temperature=temperature, top_p=self.top_p, seed=self.seed)
+        return measure(self.target, self.drafter, prompts, s, self.max_new_tokens, self.eos_ids)
 
     def reply_text(self, tokens: list[int]) -> str:
         eos = set(self.eos_ids)
@@ -285,10 +306,12 @@ def decode_set(
     compare: bool = False,
     stop_at_difference: bool = False,
     progress: Callable[[Response], None] | None = None,
+    draft_sampling: str = "marginal",
 ) -> list[Response]:
     """Decode every response of ``bset`` at ``temperature``: speculatively, and autoregressively when
     ``baseline`` or ``compare`` (greedy only: record where the two outputs first differ; with
-    ``stop_at_difference`` stop at the first response that differs). Each response gets its own sampling seed."""
+    ``stop_at_difference`` stop at the first response that differs). Each response gets its own sampling seed;
+    a sampled chain round proposes by ``draft_sampling`` (`sampling.propose`)."""
     from dflashkit.infer.evaluate import first_difference
     from dflashkit.infer.speculative import (
         Sampling,
@@ -312,7 +335,7 @@ def decode_set(
             ids = dec.prompt_ids(conv, turn, replies)
             engine = dec.ready(len(ids) + dec.max_new_tokens + round_width(B, dec.tree_budget))
             seed = dec.seed * 1_000_003 + len(out)
-            s = Sampling(temperature=temperature, top_p=dec.top_p, rule=rule, seed=seed)
+            s = Sampling(temperature, dec.top_p, rule, seed, draft_sampling)  # type: ignore[arg-type]
             spec = speculative_generate(
                 dec.target,
                 dec.drafter,
@@ -743,8 +766,16 @@ def run_set(
             if progress is not None:
                 progress(f"{bset.name} T={key}", r)
 
-        responses = decode_set(dec, bset, t, compare=compare, progress=report)
+        ceilings = dec.ceilings(bset, t)
+        proposal = dec.draft_sampling
+        if proposal == "auto":  # the proposal whose chain the ceilings expect more tokens from
+            proposal = ceilings["draft_sampling"] if ceilings else "marginal"
+        responses = decode_set(dec, bset, t, compare=compare, progress=report, draft_sampling=proposal)
         result["temperatures"][key] = figures(responses, B, t)
+        if t > 0:
+            result["temperatures"][key]["draft_sampling"] = proposal
+        if ceilings is not None:
+            result["temperatures"][key]["ceilings"] = ceilings
         result["responses_detail"][key] = [
             {**r.__dict__, "key": bset.conversations[r.conversation].key} for r in responses
         ]

@@ -561,15 +561,19 @@ AUTO_TREE_BUDGET = 15
 AUTO_TREE_MAX_BLOCK = 16
 
 
-def resolve_tree_budget(requested: int | None, engine: str, block_size: int, temperature: float) -> int:
+def resolve_tree_budget(
+    requested: int | None, engine: str, block_size: int, temperature: float, sampled_trees: bool = False
+) -> int:
     """The drafted nodes a round verifies (0: the chain). ``requested`` None is `--tree-budget auto`: trees of
     AUTO_TREE_BUDGET nodes where they were measured faster than the chain (greedy decoding on the
-    graphs-kernels engine with a block of at most AUTO_TREE_MAX_BLOCK), else the chain: at T = 1 a sampled tree
-    accepted no more than the chain (1.68 against 1.73 on MT-Bench, benchmarks/RESULTS.md,
+    graphs-kernels engine with a block of at most AUTO_TREE_MAX_BLOCK; at T > 0 only where a recorded
+    measurement says so, ``sampled_trees``: `ceilings.sampled_trees_pay`), else the chain: at T = 1 a sampled
+    tree accepted no more than the chain (1.68 against 1.73 on MT-Bench, benchmarks/RESULTS.md,
     2026-12-05), and on the other engines a tree's round costs more than its tau gains. A number is taken as given."""
     if requested is not None:
         return requested
-    trees_pay = engine == "graphs-kernels" and temperature == 0 and block_size <= AUTO_TREE_MAX_BLOCK
+    measured = temperature == 0 or sampled_trees
+    trees_pay = engine == "graphs-kernels" and measured and block_size <= AUTO_TREE_MAX_BLOCK
     return AUTO_TREE_BUDGET if trees_pay else 0
 
 

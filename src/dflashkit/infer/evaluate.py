@@ -67,6 +67,7 @@ class EvalReport:
     dtype: str = ""  # of the target and drafter the figures were measured with
     # the greedy check when it ran on float32 copies (a bf16 run): its dtype, prompts, tau and speedup
     lossless_check: dict[str, Any] | None = None
+    draft_sampling: str = "marginal"  # a sampled chain round's proposal (`sampling.propose`)
 
     @property
     def round_cost(self) -> float | None:
@@ -184,6 +185,7 @@ def evaluate(
         block_size=B,
         temperature=sampling.temperature,
         rule=sampling.rule,
+        draft_sampling=sampling.draft_sampling,
         mean_acceptance_length=mean_tau,
         accept_length_histogram=hist,
         per_position_acceptance=per_pos,

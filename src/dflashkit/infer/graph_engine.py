@@ -23,8 +23,8 @@ Steps (fixed shapes, as the static engine's):
   ``speculative_generate`` uses it at T=0, unless ``fused_rounds`` is False; a tree's: below);
 - next token [1, 1] (one per temperature and top-p, captured on its first call): autoregressive decoding's
   step, the target step and the next token chosen on the device (`next_token`);
-- sampled round [1, B] (one per temperature and top-p, captured on its first call): the same at T > 0 under
-  the rejection rule, the drafts raced from the drafter's distribution and accepted by
+- sampled round [1, B] (one per temperature, top-p and proposal, captured on its first call): the same at
+  T > 0 under the rejection rule, the drafts proposed by ``sampling.propose`` and accepted by
   ``sampling.accept_sampled`` from noise written before the replay (`sampled_round`): for a seed, the tokens
   the separate calls commit;
 - target tree [1, N+1] (built with ``tree_budget=N``): the root and N nodes of a ``DraftTree``, written at
@@ -90,7 +90,7 @@ from dflashkit.infer.draft_kernels import (
     write_prompt_context,
 )
 from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
-from dflashkit.infer.sampling import Sampling, accept_sampled, probabilities, race, rejection_noise
+from dflashkit.infer.sampling import Sampling, accept_sampled, probabilities, propose, race, rejection_noise
 from dflashkit.infer.tree import (
     DraftTree,
     accepted_path,
@@ -670,15 +670,15 @@ class GraphEngine:
 
     def _sampled_round_step(self) -> None:
         """A sampled chain round on the device under the rejection rule (`sampling.accept_sampled`), from the
-        noise in ``_noise`` and the temperature and top-p of ``_step_sampling`` (constants of the captured
-        step: its key names them): draft, race the drafts from the drafter's distribution, verify, accept,
+        noise in ``_noise`` and the temperature, top-p and proposal of ``_step_sampling`` (constants of the
+        captured step: its key names them): draft, propose the drafts (`sampling.propose`), verify, accept,
         the next round's state, as `_round_step` does greedily."""
         B, s = self.block_size, self._step_sampling
         races, uniforms = self._noise
         self._draft_step()
-        q = probabilities(self._draft_logits, s)
+        proposed, q = propose(self._draft_logits, s, races[:-1])
         drafts = self._ids[B][0, 1:]  # written where the verify reads them
-        drafts.copy_(race(q, races[:-1]))
+        drafts.copy_(proposed)
         self._verify_block()
         n, token = accept_sampled(drafts, q, probabilities(self._logits[B], s), uniforms, races[-1])
         self._next_round(n, drafts, token)
@@ -900,7 +900,7 @@ class GraphEngine:
         self, anchor: int | None, s: Sampling, gen: torch.Generator | None, tree: bool = False
     ) -> list[int]:
         """One sampled chain round under the rejection rule as one step (`_sampled_round_step`: one replay of
-        the step captured for this temperature and top-p, one copy to the host), from noise ``gen`` draws
+        the step captured for this temperature, top-p and proposal, one copy to the host), from noise ``gen`` draws
         first, in the order the separate calls draw it (`sampling.rejection_noise`): for a seed, the tokens
         the draft, verify and keep calls commit. ``anchor`` as for `greedy_round`. ``tree``: a sampled tree
         round of the engine's budget (`_sampled_tree_round_step`; a tree always takes the exact rule), its
@@ -930,7 +930,7 @@ class GraphEngine:
         self._start_rounds(anchor)
         rejection_noise(B, self.w.vocab_size, gen, self.target.device, out=self._noise)
         self._step_sampling = s
-        self._run(("sampled round", s.temperature, s.top_p), self._sampled_round_step)
+        self._run(("sampled round", s.temperature, s.top_p, s.draft_sampling), self._sampled_round_step)
         return self._committed()
 
     def _start_rounds(self, anchor: int | None) -> None:

@@ -1,17 +1,23 @@
 """Drawing tokens at T > 0, and speculative rejection sampling on the device.
 
-- `Sampling`: temperature, top-p, the acceptance rule and the seed of one generation.
+- `Sampling`: temperature, top-p, the acceptance rule, the draft proposal and the seed of one generation.
 - `probabilities`: softmax(logits / T), restricted to the top-p nucleus.
 - `choose`: one token per row (argmax when greedy, else a sample).
 - `race`: a sample from each row of p given Exp(1) noise of its shape, argmax p / noise: the first of
   independent exponential clocks of rates p to ring is token i with probability p_i. It needs no copy to the
   host (torch.multinomial's callers read its result at once) and takes its randomness as a tensor, so a
   captured step (a CUDA graph) can draw from noise written before each replay.
+- `propose`: a chain round's drafts and the distribution q they were drawn from, by ``Sampling.draft_sampling``:
+  "marginal" races each slot from the drafter's distribution at the temperature (q: that distribution);
+  "argmax" takes each slot's most likely token (q: one-hot on it, so the rejection rule accepts it with
+  probability p(x) and on rejection draws from p with x removed, renormalised: what z-lab's reference loop,
+  vLLM's default and SGLang do). Both keep the target's distribution exactly; which accepts more depends on
+  the drafter and the temperature (measured by `dflashkit.infer.ceilings`).
 - `rejection_noise` and `accept_sampled`: one chain round's rejection sampling from noise drawn up front,
-  on the device: the drafts raced from the drafter's q, each accepted with probability min(1, p/q), the token
-  after them raced from the residual max(0, p - q) (or from p after a whole block). The round's separate
-  calls and the graphs engine's one-step round (`GraphEngine.sampled_round`) both run it, on the same noise
-  drawn in the same order, so they commit the same tokens for a seed.
+  on the device: the drafts from `propose`, each accepted with probability min(1, p/q), the token after them
+  raced from the residual max(0, p - q) (or from p after a whole block). The round's separate calls and the
+  graphs engine's one-step round (`GraphEngine.sampled_round`) both run it, on the same noise drawn in the
+  same order, so they commit the same tokens for a seed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch
 from torch import Tensor
 
 Rule = Literal["exact", "rejection"]
+DraftSampling = Literal["marginal", "argmax"]
+DRAFT_SAMPLINGS: tuple[DraftSampling, ...] = ("marginal", "argmax")
 
 
 @dataclass
@@ -31,6 +39,7 @@ class Sampling:
     top_p: float = 1.0
     rule: Rule = "exact"
     seed: int | None = None
+    draft_sampling: DraftSampling = "marginal"  # a chain round's proposal at T > 0 (`propose`)
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +87,20 @@ def race(p: Tensor, noise: Tensor) -> Tensor:
     return (p / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
 
 
+def propose(draft_logits: Tensor, s: Sampling, noise: Tensor) -> tuple[Tensor, Tensor]:
+    """A chain round's drafts [D] from the drafter's logits [D, V] at T > 0 and the distribution q [D, V] each
+    was drawn from (see the module docstring): "marginal", raced from softmax(logits / T) in top-p with Exp(1)
+    ``noise`` [D, V]; "argmax", each slot's most likely token (``noise`` unread), q one-hot on it."""
+    if s.draft_sampling == "argmax":
+        drafts = draft_logits.argmax(-1)
+        q = torch.zeros(draft_logits.shape, dtype=torch.float32, device=draft_logits.device)
+        return drafts, q.scatter_(-1, drafts[..., None], 1.0)
+    if s.draft_sampling != "marginal":
+        raise ValueError(f"draft sampling is one of {', '.join(DRAFT_SAMPLINGS)}, not {s.draft_sampling!r}")
+    q = probabilities(draft_logits, s)
+    return race(q, noise), q
+
+
 def rejection_noise(
     block_size: int,
     vocab: int,
@@ -104,8 +127,8 @@ def rejection_noise(
 def accept_sampled(
     drafts: Tensor, q: Tensor, p: Tensor, uniforms: Tensor, residual_race: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Speculative rejection sampling over one block, on the device: drafts [B-1] drawn from the drafter's q
-    [B-1, V], the target's p [B, V] (p[i]: its distribution for the token after block[i]). Draft i is kept
+    """Speculative rejection sampling over one block, on the device: drafts [B-1] drawn from q [B-1, V]
+    (`propose`'s), the target's p [B, V] (p[i]: its distribution for the token after block[i]). Draft i is kept
     while uniforms[i] < min(1, p_i(d_i) / q_i(d_i)); the token after the n kept ones is raced
     (``residual_race`` [V]) from max(0, p_n - q_n), or from p_n when that is zero everywhere or n = B-1.
     Returns (n [1], that token [1]): the target's own distribution exactly, whatever q."""

@@ -25,6 +25,9 @@ Acceptance rules (`rule`):
     probability min(1, p(d_i)/q(d_i)); at the first rejection draw from norm(max(0, p - q)). Also
     lossless (the output is distributed exactly as the target's), and accepts more than "exact" when
     temperature > 0. At temperature 0 both rules are the greedy rule.
+The drafts of a chain round at T > 0 (`Sampling.draft_sampling`, `sampling.propose`): "marginal", each slot
+raced from the drafter's distribution, or "argmax", each slot's most likely token (a one-hot q); both rules
+keep the target's distribution with either.
 A tree round always uses "exact" (a tree's tokens are the drafter's top-k, not samples from q; for fixed
 candidates that rule is the best a lossless rule can do: ``dflashkit.infer.tree``).
 """
@@ -46,7 +49,7 @@ from dflashkit.infer.sampling import (
     choose,
     new_generator,
     probabilities,
-    race,
+    propose,
     rejection_noise,
 )
 from dflashkit.model.drafter import DFlashDrafter
@@ -188,20 +191,24 @@ def fuses(s: Sampling, tree_budget: int | None) -> bool:
 def _chain_round(
     dec: Engine, anchor: int, draft_logits: Tensor, s: Sampling, gen: torch.Generator | None
 ) -> tuple[Verified, list[int], list[int]]:
-    """The chain: the drafter's choice per slot, verified as one block [anchor, d1 .. d_{B-1}]. Under the
-    rejection rule at T > 0 the drafts, the acceptance and the token after it come from noise drawn up front
-    (`sampling.accept_sampled`), as the graphs engine's one-step round draws them."""
+    """The chain: the drafter's choice per slot, verified as one block [anchor, d1 .. d_{B-1}]. At T > 0 the
+    drafts are ``s.draft_sampling``'s proposal (`sampling.propose`); under the rejection rule the drafts, the
+    acceptance and the token after it come from noise drawn up front (`sampling.accept_sampled`), as the
+    graphs engine's one-step round draws them."""
     if not s.greedy and s.rule == "rejection":
         B, V = draft_logits.shape[0] + 1, draft_logits.shape[-1]
         races, uniforms = rejection_noise(B, V, gen, draft_logits.device)
-        q = probabilities(draft_logits, s)
-        drafts = race(q, races[:-1])
+        drafts, q = propose(draft_logits, s, races[:-1])
         verified = dec.verify(torch.cat([drafts.new_full((1,), anchor), drafts])[None])
         n, token = accept_sampled(drafts, q, probabilities(verified.logits, s), uniforms, races[-1])
         out = torch.cat([n, drafts, token]).tolist()  # one copy from the device
         acc = out[0]
         return verified, list(range(acc + 1)), out[1 : 1 + acc] + [out[-1]]
-    drafts = choose(draft_logits, s, gen)  # [B-1]
+    if s.greedy:
+        drafts = draft_logits.argmax(-1)  # [B-1]
+    else:  # the noise `choose` would draw
+        noise = torch.empty(draft_logits.shape, device=draft_logits.device).exponential_(generator=gen)
+        drafts = propose(draft_logits, s, noise)[0]
     block = torch.cat([drafts.new_full((1,), anchor), drafts])[None]
     verified = dec.verify(block)  # logits[i]: the target's distribution for the token after block[i]
     acc, committed = _exact(drafts, choose(verified.logits, s, gen))
@@ -212,8 +219,11 @@ def _tree_round(
     dec: Engine, anchor: int, draft_logits: Tensor, budget: int, s: Sampling, gen: torch.Generator | None
 ) -> tuple[Verified, list[int], list[int]]:
     """The tree: the budget's best branches of the drafter's per-slot top-k, verified in one pass; the
-    target chooses at every node, and the walk follows its choices. Built and walked on the device: one
-    copy to the host per round, as the chain."""
+    target chooses at every node, and the walk follows its choices. At T > 0 this is sample-and-match
+    (DDTree's ``follow_verified_tree``): each node's draw is from p_T under the ancestor mask, independent of
+    the others, and only the draws at the nodes the walk visits decide anything, so every committed token is
+    one target draw given the tokens before it (tests/test_sampling_exact.py holds it to the target's
+    distribution). Built and walked on the device: one copy to the host per round, as the chain."""
     probs = torch.softmax(draft_logits.float(), dim=-1) if s.greedy else probabilities(draft_logits, s)
     tree = dec.build_tree(anchor, probs, budget)
     verified = dec.verify_tree(tree)
