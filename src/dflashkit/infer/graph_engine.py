@@ -80,7 +80,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from dflashkit.data.generator import Steps
 from dflashkit.errors import DflashkitError
 from dflashkit.infer.draft_kernels import (
     DraftKernels,
@@ -106,6 +105,7 @@ from dflashkit.runtime import triton_cache
 from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
 from dflashkit.runtime.compile_cache import CacheUse, CompileCacheError, portable_cache
 from dflashkit.runtime.compiled_region import CompiledRegion
+from dflashkit.runtime.cuda_graph import Steps
 from dflashkit.runtime.precompiled import compile_step, guarded, step_path
 from dflashkit.target.hf import TargetModel
 from dflashkit.target.kernels import KERNELS, check_runnable, decode_by_kernels, unsupported
