@@ -1,4 +1,4 @@
-"""The drafter's step through the decoder kernels (``dflashkit.infer.draft_kernels``; on the CPU in Triton's
+"""The drafter's step through the decoder kernels (``dflashkit.infer.kernels.draft``; on the CPU in Triton's
 interpreter, which conftest turns on): after a prompt's context and over rounds whose context rows and blocks
 overlap as a decode's do, its drafted slots' logits equal the graphs engine's draft step's in float32; a
 drafter the kernels cannot run is refused by name."""
@@ -8,17 +8,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from dflashkit.infer.draft_kernels import (  # noqa: E402
+from dflashkit.infer.graph_engine import draft_step  # noqa: E402
+from dflashkit.infer.kernels.decoder import interpreting  # noqa: E402
+from dflashkit.infer.kernels.draft import (  # noqa: E402
     draft_kernels,
     kernel_draft_step,
     unsupported_drafter,
     write_context,
     write_prompt_context,
 )
-from dflashkit.infer.graph_engine import draft_step  # noqa: E402
 from dflashkit.model.config import config_for_target  # noqa: E402
 from dflashkit.model.drafter import DFlashDrafter, RMSNorm  # noqa: E402
-from dflashkit.target.kernels import interpreting  # noqa: E402
 from dflashkit.target.slot_decoder import DecoderWeights  # noqa: E402
 from test_kernels import tiny_model  # noqa: E402
 
@@ -94,7 +94,7 @@ def test_a_prompts_context_is_written_without_a_kernel_as_the_kernel_writes_it(d
     """A prompt's context rows come in any count: written through plain torch ops (no kernel, so no program
     compiled per row tile mid-generation), they are the keys and values the qkv kernel writes, up to the
     order of sums (float32) or one rounding (bf16)."""
-    from dflashkit.target import kernels
+    from dflashkit.infer.kernels import decoder as kernels
 
     model = tiny_model().to(device, dtype)
     w = DecoderWeights.from_hf(model)
@@ -145,28 +145,3 @@ def test_the_draft_step_through_the_kernels_in_bf16_stays_near_the_draft_step(de
     kernel_draft_step(dk, rows, at[0], block, at[1], out)
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 6 / 7
-
-
-@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")
-def test_the_draft_tiles_benchmark_checks_every_variant(tmp_path):
-    """benchmarks/draft_tiles.py --smoke: each variant's draft step runs once and its drafts are checked
-    against the default tiles' (the script stops where they differ), so that a GPU session does not spend its
-    time on a broken script."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "draft_tiles.py"
-    out = tmp_path / "draft_tiles.json"
-    run = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--variants", "default,qusplit8,block64", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert [r["variant"] for r in result["variants"]] == ["default", "qusplit8", "block64"]
-    assert all(r["same_argmax"] for r in result["variants"])
-    assert result["variants"][1]["tiles"]["qkv_splits"] == 8

@@ -289,13 +289,13 @@ def test_auto_engine_is_the_fastest_lossless_one(target):
     on_gpu = SimpleNamespace(device=torch.device("cuda"), config=target.config, dtype=torch.bfloat16)
     assert resolve_engine("auto", on_gpu) == resolve_engine("auto", on_gpu, tree_budget=8) == "graphs"
     # commands that measure over many prompts (bench, eval) take the decoder kernels on a GPU only
-    with mock.patch("dflashkit.target.kernels.triton_missing", return_value=None):
+    with mock.patch("dflashkit.infer.kernels.decoder.triton_missing", return_value=None):
         assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-kernels"  # chain rounds
         assert resolve_engine("auto", on_gpu, tree_budget=8, long_run=True) == "graphs-kernels"  # tree rounds
     # ... or the compiled layers where the kernels cannot run the target: another dtype, no Triton
     in_fp64 = SimpleNamespace(device=on_gpu.device, config=target.config, dtype=torch.float64)
     assert resolve_engine("auto", in_fp64, long_run=True) == "graphs-layers"
-    with mock.patch("dflashkit.target.kernels.triton_missing", return_value="no Triton"):
+    with mock.patch("dflashkit.infer.kernels.decoder.triton_missing", return_value="no Triton"):
         assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-layers"
     assert resolve_engine("auto", target, long_run=True) == "graphs"
     other = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(model_type="gpt2"))
@@ -1011,7 +1011,8 @@ def test_kernels_engine_builds_a_large_tree_with_torch(tmp_path, monkeypatch):
     says so by its build step, the kernel refuses such a table in words, and the tree rounds still decode as
     autoregressive decoding (the limit lowered here, so that the tiny drafter's table passes it)."""
     pytest.importorskip("triton")
-    from dflashkit.infer import graph_engine, tree_kernels
+    from dflashkit.infer import graph_engine
+    from dflashkit.infer.kernels import tree as tree_kernels
     from dflashkit.infer.tree import tree_candidates
 
     big = tree_candidates(15, 49152, 64)

@@ -1,4 +1,4 @@
-"""The decoder kernels (``dflashkit.target.kernels``; on the CPU in Triton's interpreter, which conftest turns
+"""The decoder kernels (``dflashkit.infer.kernels.decoder``; on the CPU in Triton's interpreter, which conftest turns
 on): a step of the target through them gives the plain forward's logits, kept features and cache rows in
 float32 (Llama with grouped heads, Qwen2 with biases; one token and a block; contexts spanning one and
 several attention splits), and the "graphs-kernels" engine decodes as the dynamic engine token for token.
@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from dflashkit.errors import DflashkitError  # noqa: E402
-from dflashkit.target.kernels import (  # noqa: E402
+from dflashkit.infer.kernels.decoder import (  # noqa: E402
     KERNELS,
     MAX_ROWS,
     Tiles,
@@ -245,7 +245,7 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     assert [t.row_tiles(rows) for rows in (1, 16, 17, 21, 33)] == [1, 1, 2, 2, 3]
     assert t.inner(192, 33, 16) == 256 and t.inner(2048, 1, 4) == 2048 and t.inner(8192, 1, 4) == 4096
     # a block's matmul kernels take their own warps; the token's, and every step's attention, the common ones
-    from dflashkit.target.kernels import _launch_args
+    from dflashkit.infer.kernels.decoder import _launch_args
 
     w = DecoderWeights.from_hf(tiny_model())
     for m, want in ((1, 4), (8, 2), (16, 2)):
@@ -261,7 +261,7 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
 def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
     """Each kernel launched while the one before it runs (``pdl_args``): on a GPU of compute capability 9 or
     more, unless the tiles turn it off; never on the CPU, in the interpreter or on an older GPU."""
-    from dflashkit.target import kernels
+    from dflashkit.infer.kernels import decoder as kernels
 
     cuda = torch.device("cuda", 0)
     assert pdl_args(torch.device("cpu")) == {"GDC": False}
@@ -281,7 +281,7 @@ def test_the_residual_kernels_can_be_launched_without_dependent_launch(monkeypat
     launch_pdl) while every other kernel keeps dependent launch (the launches recorded, on a GPU with it)."""
     from types import SimpleNamespace
 
-    from dflashkit.target import kernels
+    from dflashkit.infer.kernels import decoder as kernels
 
     launches: list[tuple[str, dict]] = []
 
@@ -354,22 +354,3 @@ def test_dependent_launches_give_the_serial_launches_numbers_replay_after_replay
                 torch.testing.assert_close(outs[name], want, atol=0.1, rtol=0.05)
                 want = outs[name].clone()
             assert torch.equal(outs[name], want)
-
-
-@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")
-def test_the_tile_benchmark_runs_its_step_shapes():
-    """benchmarks/kernel_tiles.py --smoke: every step shape the GPU run measures (a token, a block, a tree)
-    goes through the kernels, so that a GPU session does not spend its time on a broken script."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_tiles.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--variants", "default,ksplit2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "2 variants x 3 step shapes" in run.stdout

@@ -22,8 +22,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from dflashkit.infer.tree_kernels import KERNELS as TREE_KERNELS  # noqa: E402
-from dflashkit.target.kernels import KERNELS, interpreting  # noqa: E402
+from dflashkit.infer.kernels.decoder import KERNELS, interpreting  # noqa: E402
+from dflashkit.infer.kernels.tree import KERNELS as TREE_KERNELS  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
@@ -123,21 +123,21 @@ class Recorder:
 
 def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
     """The launches of a kernels engine's warm-up with a tree budget, in float32 and bf16 (the interpreter)."""
-    from dflashkit.infer import tree_kernels
     from dflashkit.infer.graph_engine import GraphEngine
-    from dflashkit.target import kernels
+    from dflashkit.infer.kernels import decoder as kernels
+    from dflashkit.infer.kernels import tree as tree_kernels
     from dflashkit.target.hf import TargetModel
     from dflashkit.target.slot_decoder import SlotCache
     from test_graph_engine import tiny_pair
 
     records: list[dict] = []
     real = kernels._compiled()
-    source = "dflashkit.target.kernel_source"
+    source = "dflashkit.infer.kernels.decoder_source"
     recorders = {k: Recorder(source, f"{k}_kernel", getattr(real, k), records) for k in KERNELS}
     monkeypatch.setattr(kernels, "_compiled", lambda: SimpleNamespace(**recorders))
     for name in tree_kernels.KERNELS:
         fn = getattr(tree_kernels, name)
-        monkeypatch.setattr(tree_kernels, name, Recorder("dflashkit.infer.tree_kernels", name, fn, records))
+        monkeypatch.setattr(tree_kernels, name, Recorder("dflashkit.infer.kernels.tree", name, fn, records))
     tiny, drafter, _ = tiny_pair(tmp_path)
     for dtype in (torch.float32, torch.bfloat16):
         target = tiny if dtype == torch.float32 else TargetModel.load(tmp_path / "target", dtype=dtype)
@@ -192,46 +192,3 @@ def test_every_engine_launch_compiles_for_hopper(tmp_path, monkeypatch):
     assert not out["failures"], "\n".join(out["failures"])
     # every kernel of a layer compiled with GDC off and on, for one token and a block, in both dtypes
     assert out["compiled"] >= 2 * 2 * 2 * len(KERNELS)
-
-
-@pytest.mark.skipif(not interpreting(), reason="the benchmark records launches in the interpreter")
-@pytest.mark.skipif(not PTXAS.is_file(), reason="this Triton has no NVIDIA backend (ptxas)")
-def test_kernel_registers_reads_every_kernels_registers(tmp_path):
-    """``benchmarks/kernel_registers.py --smoke``: each kernel of a token's and a block's step compiled for
-    sm_90, with its registers and spills from ptxas (a token's matmuls as matrix-vector products, a block's
-    through tl.dot by default)."""
-    root = Path(__file__).resolve().parent.parent
-    out = tmp_path / "registers.json"
-    run = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "kernel_registers.py"), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())
-    assert {r["kernel"] for r in rows} == {f"{k}_kernel" for k in KERNELS}
-    assert all(0 < r["registers"] <= 255 and r["spill_stores"] >= 0 for r in rows)
-    matmuls = {(r["step"], r["DOT"]) for r in rows if r["kernel"] == "qkv_kernel"}
-    assert matmuls == {("default [1,1]", False), ("default [1,8]", True)}
-    assert all(r["compile_s"] >= 0 and r["ptx_kib"] > 0 for r in rows)
-
-
-@pytest.mark.skipif(not interpreting(), reason="the benchmark records launches in the interpreter")
-@pytest.mark.skipif(not PTXAS.is_file(), reason="this Triton has no NVIDIA backend (ptxas)")
-def test_kernel_registers_compiles_a_drafters_context_write(tmp_path):
-    """``--context``: only the qkv kernel (a context write runs no layer), each program one head wide (the
-    drafter's head norms), in float32 as the lossless check launches it."""
-    root = Path(__file__).resolve().parent.parent
-    out = tmp_path / "context.json"
-    script = str(root / "benchmarks" / "kernel_registers.py")
-    run = subprocess.run(
-        [sys.executable, script, "--smoke", "--context", "--dtype", "float32", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())
-    assert {r["kernel"] for r in rows} == {"qkv_kernel"}
-    assert {r["BLOCK_N"] for r in rows if r["DOT"]} == {16}  # the smoke layer's head_dim

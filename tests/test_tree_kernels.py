@@ -1,4 +1,4 @@
-"""The tree round's kernels (``dflashkit.infer.tree_kernels``; on the CPU in Triton's interpreter, which conftest
+"""The tree round's kernels (``dflashkit.infer.kernels.tree``; on the CPU in Triton's interpreter, which conftest
 turns on): the mask and the walk give the torch functions' outputs exactly, on built trees (padded and not)
 and hand-made ones, with the target's choices along random paths."""
 
@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from dflashkit.infer import tree_kernels  # noqa: E402
+from dflashkit.infer.kernels import tree as tree_kernels  # noqa: E402
+from dflashkit.infer.kernels.decoder import interpreting  # noqa: E402
 from dflashkit.infer.tree import DraftTree, ancestors, build_tree, path_moves, walk_outputs  # noqa: E402
-from dflashkit.target.kernels import interpreting  # noqa: E402
 
 DEVICES = [
     pytest.param(
@@ -200,28 +200,3 @@ def test_the_finish_kernel_leaves_the_torch_tree_rounds_state(device):
                 assert torch.equal(mine, ref)
             lengths.add(int(state[1][0]))  # accepted
     assert len(lengths) >= 3, "paths of several lengths were finished"
-
-
-@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter is off (a GPU machine)")
-def test_the_round_glue_benchmark_checks_every_step(tmp_path):
-    """benchmarks/round_glue.py --smoke: the argmax, the build from logits and the round's tail each run once
-    and are checked against torch (the script stops where one differs), so that a GPU session does not spend
-    its time on a broken script."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "round_glue.py"
-    out = tmp_path / "glue.json"
-    run = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert [r["rows"] for r in result["argmax"]] == [1, 3]
-    assert {"kernels_ms", "torch_build_ms", "top_kernel_ms"} <= set(result["build"][0])
-    assert set(result["finish"][0]) == {"torch_ms", "kernel_ms"}

@@ -53,7 +53,7 @@ Engines:
   token 16 s cold instead of 60 (benchmarks/RESULTS.md, seventeenth session; graphs-compiled's token: 1.43
   ms).
 - ``"graphs-kernels"``: graphs-layers with the target's steps (a chain's and a tree's) and the draft step through
-  hand-written Triton kernels, six a layer (``dflashkit.target.kernels``, ``infer.draft_kernels``); GPU only (the CPU runs them in Triton's interpreter, for tests). Its
+  hand-written Triton kernels, six a layer (``dflashkit.infer.kernels.decoder``, ``kernels.draft``); GPU only (the CPU runs them in Triton's interpreter, for tests). Its
   second version's one-token step was at par with graphs-layers' on the H200, its block step slower
   (benchmarks/RESULTS.md, twenty-third session): not ``auto``'s choice.
 
@@ -543,7 +543,7 @@ def resolve_engine(
         return "dynamic"
     if not long_run or target.device.type != "cuda":
         return "graphs"
-    from dflashkit.target.kernels import triton_missing, unsupported_shape
+    from dflashkit.infer.kernels.decoder import triton_missing, unsupported_shape
     from dflashkit.target.slot_decoder import attention_shape
 
     if triton_missing() or unsupported_shape(attention_shape(target.config)[2], target.dtype):

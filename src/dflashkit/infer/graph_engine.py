@@ -81,7 +81,8 @@ import torch
 from torch import Tensor
 
 from dflashkit.errors import DflashkitError
-from dflashkit.infer.draft_kernels import (
+from dflashkit.infer.kernels.decoder import KERNELS, check_runnable, decode_by_kernels, unsupported
+from dflashkit.infer.kernels.draft import (
     DraftKernels,
     draft_kernels,
     kernel_draft_step,
@@ -108,7 +109,6 @@ from dflashkit.runtime.compiled_region import CompiledRegion
 from dflashkit.runtime.cuda_graph import Steps
 from dflashkit.runtime.precompiled import compile_step, guarded, step_path
 from dflashkit.target.hf import TargetModel
-from dflashkit.target.kernels import KERNELS, check_runnable, decode_by_kernels, unsupported
 from dflashkit.target.slot_decoder import (
     Attention,
     DecoderWeights,
@@ -178,7 +178,7 @@ def kernel_target_step(
     keep: tuple[int, ...],
     *_: Any,
 ) -> None:
-    """``target_step`` of a chain through the decoder kernels (``dflashkit.target.kernels``: six launches a
+    """``target_step`` of a chain through the decoder kernels (``dflashkit.infer.kernels.decoder``: six launches a
     layer), for the engine's one slot (``slot`` is its index 0; the kernels read each step's used positions
     from ``start``, so ``kv_len`` and ``attention`` need not say)."""
     decode_by_kernels(w, cache, ids, start, out_logits, out_rows, keep)
@@ -197,7 +197,7 @@ def kernel_tree_step(
     to the engine's budget) written at ``start``, each node turned by the root's position + its depth and
     reading the cache before ``start``, itself and its ancestors; logits and kept features as
     ``target_step``'s. The mask in one launch (``tree_kernels.ancestors``)."""
-    from dflashkit.infer import tree_kernels  # Triton: the kernels engine checked for it
+    from dflashkit.infer.kernels import tree as tree_kernels  # Triton: the kernels engine checked for it
 
     positions, seen = start + nodes[1], tree_kernels.ancestors(nodes[2])
     decode_by_kernels(w, cache, nodes[:1], start, out_logits, out_rows, keep, positions=positions, seen=seen)
@@ -205,7 +205,7 @@ def kernel_tree_step(
 
 def kernel_build_step(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
     """``tree_build_step`` as torch's top-k and one launch (``tree_kernels.build``), for "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.build(anchor, probs, candidates, out_nodes)
 
@@ -213,7 +213,7 @@ def kernel_build_step(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nod
 def kernel_logits_build_step(anchor: Tensor, logits: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
     """``kernel_build_step`` of ``softmax(logits)``, from the drafted slots' logits in two launches and no
     softmax (``tree_kernels.build_from_logits``): a greedy tree round's build on "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.build_from_logits(anchor, logits, candidates, out_nodes)
 
@@ -222,7 +222,7 @@ def kernel_walk_step(
     nodes: Tensor, choices: Tensor, start: Tensor, out_walk: Tensor, out_moves: Tensor
 ) -> None:
     """``tree_walk_step`` in one launch (``tree_kernels.walk``), for the "graphs-kernels" engine."""
-    from dflashkit.infer import tree_kernels
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.walk(nodes, choices, start, out_walk, out_moves)
 
@@ -237,7 +237,7 @@ def keep_step(keys: Tensor, values: Tensor, moves: Tensor) -> None:
 def kernel_keep_step(keys: Tensor, values: Tensor, moves: Tensor) -> None:
     """``keep_step`` in one launch that moves only the rows that move (``tree_kernels.keep``), for
     "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.keep(keys, values, moves)
 
@@ -245,7 +245,7 @@ def kernel_keep_step(keys: Tensor, values: Tensor, moves: Tensor) -> None:
 def kernel_argmax(logits: Tensor, out: Tensor) -> None:
     """``out.copy_(logits.argmax(-1))`` in two launches over many programs (``tree_kernels.argmax``: 0.004 ms
     against torch's 0.013 for [1 to 16, 49,152], H100), for "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.argmax(logits, out)
 
@@ -275,7 +275,7 @@ def kernel_finish_step(
     round_out: Tensor, row_start: Tensor, block_start: Tensor, block: Tensor,
 ) -> None:  # fmt: skip
     """``finish_step`` in one launch (``tree_kernels.finish``), for "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.finish(
         walked, moves, start, nodes, tree_rows, rows, round_out, row_start, block_start, block
@@ -380,8 +380,8 @@ class GraphEngine:
     matmuls written as reductions that Inductor fuses with the work around them
     (``slot_decoder.linear_as_reduction``), and the draft step whole (both compiling engines also compile a
     tree's build and walk); ``"kernels"`` (the "graphs-kernels" engine) as "layers", but the target's steps
-    (a chain's and a tree's) and the draft step (``infer.draft_kernels``; a drafter with sliding-window layers
-    keeps the compiled one) through the decoder kernels (``dflashkit.target.kernels``: six Triton kernels a
+    (a chain's and a tree's) and the draft step (``kernels.draft``; a drafter with sliding-window layers
+    keeps the compiled one) through the decoder kernels (``dflashkit.infer.kernels.decoder``: six Triton kernels a
     layer, compiled by Triton on their first call; the CPU runs them only in Triton's interpreter);
     ``compile_cache``: the portable compile cache file ``warm_up`` loads first and writes after (None: only
     this machine's own Inductor cache; "kernels": the decoder kernels' binaries in its ``.triton`` sibling,
@@ -534,7 +534,7 @@ class GraphEngine:
             # the kernels engine: a table beyond the build kernel's one program builds by torch's top-k (eager,
             # captured as any step)
             if self._kernels:
-                from dflashkit.infer import tree_kernels
+                from dflashkit.infer.kernels import tree as tree_kernels
 
                 fits = tree_kernels.builds(self._tree_candidates.shape[1])
                 self._build_fn = kernel_build_step if fits else tree_build_step
@@ -1140,7 +1140,7 @@ class GraphEngine:
         if not (self._kernels and self.compile_cache is not None):
             yield
             return
-        from dflashkit.infer import tree_kernels
+        from dflashkit.infer.kernels import tree as tree_kernels
 
         path = triton_cache.sibling(self.compile_cache)
         names = [f"{k}_kernel" for k in KERNELS] + list(tree_kernels.KERNELS)

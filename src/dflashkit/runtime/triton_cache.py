@@ -1,6 +1,6 @@
 """The decoder kernels' compiled binaries in the portable compile cache, beside torch.compile's.
 
-Triton compiles each hand-written kernel (``dflashkit.target.kernels``, ``dflashkit.infer.tree_kernels``) once
+Triton compiles each hand-written kernel (``dflashkit.infer.kernels.decoder``, ``dflashkit.infer.kernels.tree``) once
 per set of its compile-time sizes, on its first call, and keeps the binary in its own cache folder
 (``triton.knobs.cache.dir``, ``~/.triton/cache`` by default): a warm start on the same machine, a cold one
 (~30 variants for the "graphs-kernels" engine) on a fresh one. torch.compile's cache artifacts do not hold

@@ -4,7 +4,7 @@ A one-token step of the embedded target is 30 small layers. Compiled one layer a
 engine) each layer is ~9.6 kernels (the norms, the fused projection, rotary and the cache writes, FlashAttention,
 the output projection, SwiGLU, the down projection), and replayed as a CUDA graph a step costs what its 288
 kernels cost one after another, ~0.9 us between each (benchmarks/NOTES.md: 0.64 ms of kernel time, 0.84 ms a
-token). Here a layer is six Triton kernels (``kernel_source``), each doing all the work around one matmul or
+token). Here a layer is six Triton kernels (``kernels.decoder_source``), each doing all the work around one matmul or
 the attention:
 
 1. ``qkv``: the input norm, the fused query/key/value projection (Qwen3: each query and key head normalised,
@@ -190,12 +190,12 @@ def interpreting() -> bool:
 
 @functools.cache
 def _compiled() -> SimpleNamespace:
-    """The kernels of ``kernel_source`` by name (``triton.jit`` gives the interpreter's functions when
+    """The kernels of ``kernels.decoder_source`` by name (``triton.jit`` gives the interpreter's functions when
     ``interpreting``)."""
     why = triton_missing()
     if why:
         raise DflashkitError(why)
-    from dflashkit.target import kernel_source
+    from dflashkit.infer.kernels import decoder_source as kernel_source
 
     return SimpleNamespace(**{k: getattr(kernel_source, f"{k}_kernel") for k in KERNELS})
 
