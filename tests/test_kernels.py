@@ -1,7 +1,7 @@
 """The decoder kernels (``dflashkit.infer.kernels.decoder``; on the CPU in Triton's interpreter, which conftest turns
 on): a step of the target through them gives the plain forward's logits, kept features and cache rows in
 float32 (Llama with grouped heads, Qwen2 with biases; one token and a block; contexts spanning one and
-several attention splits), and the "graphs-kernels" engine decodes as the dynamic engine token for token.
+several attention splits), and the graphs engine's Triton layers decode as the reference engine token for token.
 Targets the kernels cannot run are refused with a message that says what to do."""
 
 import pytest
@@ -220,10 +220,8 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     assert unsupported(DecoderWeights.from_hf(tiny_model())) is None
     assert unsupported(DecoderWeights.from_hf(tiny_model("qwen3"))) is None
     target = TargetModel(model, name="odd-heads")
-    with pytest.raises(
-        DflashkitError, match=r"cannot run this target \(a head dim.*choose --engine graphs-layers"
-    ):
-        GraphEngine(target, None, capacity=32, graphs=False, compile="kernels")
+    with pytest.raises(DflashkitError, match=r"cannot run this target \(a head dim.*choose --layers torch"):
+        GraphEngine(target, None, capacity=32, graphs=False, layers="triton")
     with pytest.raises(ValueError, match="qkv_columns=3"):
         Tiles(qkv_columns=3)
     for narrow in ({"block_columns": 8}, {"tree_columns": 8}, {"attention_rows": 8}):
@@ -254,7 +252,7 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="block_warps=3"):
         Tiles(block_warps=3)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(DflashkitError, match="run on a GPU .*choose --engine graphs-layers"):
+    with pytest.raises(DflashkitError, match="run on a GPU .*choose --layers torch"):
         check_runnable(torch.device("cpu"))
 
 

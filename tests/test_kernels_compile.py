@@ -1,4 +1,4 @@
-"""Every kernel launch of the "graphs-kernels" engine compiles for a Hopper GPU (sm_90), with and without
+"""Every kernel launch of the graphs engine's Triton layers compiles for a Hopper GPU (sm_90), with and without
 programmatic dependent launch, on a machine without a GPU.
 
 Triton's interpreter (the CPU tests) runs a kernel's Python and never meets what Triton's compiler refuses (a
@@ -142,7 +142,7 @@ def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         target = tiny if dtype == torch.float32 else TargetModel.load(tmp_path / "target", dtype=dtype)
         engine = GraphEngine(
-            target, drafter.to(dtype), capacity=64, graphs=False, compile="kernels", tree_budget=6
+            target, drafter.to(dtype), capacity=64, graphs=False, layers="triton", tree_budget=6
         )
         engine.warm_up()
         # kernel_tiles' variants off by default: split-K in the qkv and up kernels of 2 shares (the default's

@@ -1,4 +1,4 @@
-"""The drafter's step through the decoder kernels, for the "graphs-kernels" engine.
+"""The drafter's step through the decoder kernels, for the graphs engine's Triton layers.
 
 A DFlash drafter's layer is a Qwen3 decoder layer whose block of B slots attends to the context rows before
 its anchor and to every slot of the block, both ways. That is the target's decoder layer over B new tokens

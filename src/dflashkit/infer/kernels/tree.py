@@ -1,4 +1,4 @@
-"""A tree round's small steps as one Triton kernel each, for the "graphs-kernels" engine.
+"""A tree round's small steps as one Triton kernel each, for the graphs engine's Triton layers.
 
 Around the target's tree step a tree round has four steps of its own: the build (``tree.build_tree``: after
 a top-k of each drafted slot, every candidate branch scored, the budget's best kept and numbered), the tree's
