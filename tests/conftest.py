@@ -13,7 +13,7 @@ os.environ.setdefault(
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _workers))
 
-# Without a GPU the decoder kernels (dflashkit.target.kernels) run in Triton's interpreter, which Triton reads
+# Without a GPU the decoder kernels (dflashkit.infer.kernels.decoder) run in Triton's interpreter, which Triton reads
 # at its first import: before any test imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

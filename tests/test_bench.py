@@ -206,9 +206,9 @@ def _set(n: int = 3) -> BenchSet:
     return BenchSet("toy", "toy prompts", convs)
 
 
-def _decoder(target, drafter, engine="dynamic") -> Decoder:
+def _decoder(target, drafter, engine="reference") -> Decoder:
     return Decoder(
-        target, drafter, tokenizer=None, eos_ids=[], engine=engine, max_new_tokens=12, compile=False
+        target, drafter, tokenizer=None, eos_ids=[], engine=engine, max_new_tokens=12, graphs=False
     )
 
 
@@ -216,15 +216,15 @@ def test_greedy_decoding_is_lossless_on_both_engines_and_sampling_is_seeded(tiny
     _folder, target, drafter = tiny
     bset = _set()
     outs = {}
-    for engine in ("dynamic", "static", "graphs"):
+    for engine in ("reference", "graphs"):
         dec = _decoder(target, drafter, engine)
         responses = decode_set(dec, bset, 0.0, compare=True)
         assert len(responses) == bset.responses == 6
         assert all(r.first_difference is None for r in responses)
         assert all(r.ar_new_tokens == r.new_tokens == 12 for r in responses)
         outs[engine] = [r.accept_lengths for r in responses]
-    assert outs["dynamic"] == outs["static"] == outs["graphs"]  # fp32: token for token alike
-    assert sum(sum(t) - len(t) for t in outs["dynamic"]) > 0, "the test must exercise accepted drafts"
+    assert outs["reference"] == outs["graphs"]  # fp32: token for token alike
+    assert sum(sum(t) - len(t) for t in outs["reference"]) > 0, "the test must exercise accepted drafts"
     dec = _decoder(target, drafter)
     first = decode_set(dec, bset, 1.0, baseline=False)
     again = decode_set(dec, bset, 1.0, baseline=False)
@@ -234,16 +234,16 @@ def test_greedy_decoding_is_lossless_on_both_engines_and_sampling_is_seeded(tiny
 
 def test_tree_rounds_decode_losslessly_on_both_engines(tiny):
     """A decoder with a node budget: greedy tree rounds equal the autoregressive output on both engines,
-    with the same acceptance lengths; the static engine is sized for the tree (its root and the budget)."""
+    with the same acceptance lengths; the graphs engine is sized for the tree (its root and the budget)."""
     _folder, target, drafter = tiny
     outs = {}
-    for engine in ("dynamic", "static"):
+    for engine in ("reference", "graphs"):
         dec = _decoder(target, drafter, engine)
         dec.tree_budget = 20
         responses = decode_set(dec, _set(), 0.0, compare=True)
         assert all(r.first_difference is None for r in responses)
         outs[engine] = [r.accept_lengths for r in responses]
-    assert outs["dynamic"] == outs["static"]
+    assert outs["reference"] == outs["graphs"]
     assert dec.capacity(_set()) == 7 + 12 + 21
 
 
@@ -256,7 +256,7 @@ def test_tree_budget_auto_verifies_trees_greedily_and_chains_when_sampling(
     import dflashkit.infer.engine as engine_module
     import dflashkit.infer.speculative as spec
 
-    def rule(requested, engine, block_size, temperature):
+    def rule(requested, engine, layers, block_size, temperature):
         return requested if requested is not None else (4 if temperature == 0 else 0)
 
     monkeypatch.setattr(engine_module, "resolve_tree_budget", rule)
@@ -284,9 +284,9 @@ def test_tree_budget_auto_verifies_trees_greedily_and_chains_when_sampling(
     assert "trees of 4 drafted nodes at T=0" in (out / "bench.md").read_text()
 
 
-def test_the_static_engine_grows_when_a_prompt_needs_more_room(tiny):
+def test_the_graphs_engine_grows_when_a_prompt_needs_more_room(tiny):
     _folder, target, drafter = tiny
-    dec = _decoder(target, drafter, "static")
+    dec = _decoder(target, drafter, "graphs")
     first = dec.ready(20)
     assert first.capacity == bench.CAPACITY_STEP  # rounded up
     assert dec.ready(bench.CAPACITY_STEP) is first and dec.ready(10) is first
@@ -314,7 +314,7 @@ def test_the_fp32_check_runs_on_float32_copies_and_names_a_difference(tiny, monk
     t16 = _tiny_target(folder, torch.bfloat16)
     d16 = DFlashDrafter(drafter.config).to(torch.bfloat16).eval()
     d16.load_state_dict(drafter.state_dict())
-    settings = {"engine": "dynamic"}
+    settings = {"engine": "reference"}
     dec16, dec32 = _decoder(t16, d16), _decoder(target, drafter)
     result = run_set(dec16, _set(), [0.0], settings=settings, lossless=dec32, lossless_limit=2)
     check = result["lossless_fp32"]
@@ -326,16 +326,6 @@ def test_the_fp32_check_runs_on_float32_copies_and_names_a_difference(tiny, monk
         "engine": dec32.engine,
     }
     assert result["temperatures"]["0"]["responses"] == 6
-    # an engine Inductor compiles is checked on its eager steps; every other engine checks itself (the
-    # kernels engine its own float32 kernels)
-    assert bench.lossless_engine("graphs-compiled") == "graphs"
-    assert bench.lossless_engine("graphs-layers") == "graphs"
-    assert [bench.lossless_engine(e) for e in ("dynamic", "static", "graphs", "graphs-kernels")] == [
-        "dynamic",
-        "static",
-        "graphs",
-        "graphs-kernels",
-    ]
 
     make_lossy(monkeypatch, at=5, vocab=12)
     result = run_set(dec32, _set(), [0.0], settings=settings, lossless=dec32)
@@ -479,12 +469,12 @@ def test_a_failed_fp32_check_ends_the_command_with_one_line_after_writing_its_fi
     out = tmp_path / "bench"
     args = ["bench", "--drafter", str(drafter_run), "--data", str(tiny_dataset), "--dtype", "float32"]
     args += ["--sets", "heldout", "--max-prompts", "1", "--max-new-tokens", "4", "--temperatures", "0"]
-    assert main([*args, "--check-lossless", "--engine", "dynamic", "--out", str(out)]) == 2
+    assert main([*args, "--check-lossless", "--engine", "reference", "--out", str(out)]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "fp32 lossless check failed on heldout" in err and "differ at new token 2" in err
-    assert "on the dynamic engine" in err and str(out / "sets" / "heldout.json") in err
+    assert "on the reference engine" in err and str(out / "sets" / "heldout.json") in err
     check = json.loads((out / "sets" / "heldout.json").read_text())["lossless_fp32"]
-    assert check["lossless"] is False and check["engine"] == "dynamic"
+    assert check["lossless"] is False and check["engine"] == "reference"
     assert (out / "bench.json").exists() and (out / "bench.md").exists()
 
 

@@ -124,9 +124,11 @@ def test_auto_proposal_and_trees_read_the_drafters_bench_record(tmp_path):
     assert record is not None and record["draft_sampling"] == "marginal"
     pays, why = ceilings.sampled_trees_pay(record)
     assert pays and "trees" in why
-    assert resolve_tree_budget(None, "graphs-kernels", 16, 1.0, pays) == AUTO_TREE_BUDGET
-    assert resolve_tree_budget(None, "graphs-kernels", 16, 1.0) == 0  # no measurement: the chain
-    assert resolve_tree_budget(None, "graphs", 16, 1.0, pays) == 0  # a tree's round cost not measured there
+    assert resolve_tree_budget(None, "graphs", "triton", 16, 1.0, pays) == AUTO_TREE_BUDGET
+    assert resolve_tree_budget(None, "graphs", "triton", 16, 1.0) == 0  # no measurement: the chain
+    assert (
+        resolve_tree_budget(None, "graphs", "torch", 16, 1.0, pays) == 0
+    )  # a tree's round cost not measured there
 
     (drafter_dir / "model.safetensors").write_bytes(b"other weights")  # another drafter: not its record
     assert ceilings.recorded(drafter_dir, 1.0, 1.0) is None

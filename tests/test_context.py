@@ -29,10 +29,10 @@ def test_generate_warns_of_a_prompt_longer_than_the_context(tmp_path: Path, monk
     monkeypatch.setattr(speculative, "speculative_generate", lambda *a, **k: done)
     capsys.readouterr()
     long_prompt = "words of a long letter " * 2500  # ~10,000 tokens: SmolLM2's context is 8192
-    assert main(["generate", "--drafter", str(drafter), "--engine", "dynamic", long_prompt]) == 0
+    assert main(["generate", "--drafter", str(drafter), "--engine", "reference", long_prompt]) == 0
     out = capsys.readouterr().out
     assert "is longer than the target's context of 8192 positions" in out
-    assert main(["generate", "--drafter", str(drafter), "--engine", "dynamic", "a short one"]) == 0
+    assert main(["generate", "--drafter", str(drafter), "--engine", "reference", "a short one"]) == 0
     assert "context" not in capsys.readouterr().out
 
 

@@ -66,8 +66,8 @@ def test_the_bf16_graphs_engine_packs_and_decodes_as_the_unpacked_one(target16):
         layer.packed = {}
     assert packed.packed and packed.w.lm_head_packed is not None
     assert all(set(layer.packed) == {"qkv", "o", "gate_up", "down"} for layer in packed.w.layers)
-    # compiled steps read plain tensors: a compiling engine never packs
-    assert not GraphEngine(target16, drafter, capacity=64, compile="layers").packed
+    # the Triton kernels read plain tensors: an engine of Triton layers never packs
+    assert not GraphEngine(target16, drafter, capacity=64, layers="triton").packed
 
     prompt = torch.tensor([prompts(13)[0]])
     (lp, cp), (lu, cu) = packed.prefill(prompt), plain.prefill(prompt)

@@ -1,6 +1,6 @@
-"""benchmarks/decode_steps.py's warm-start child builds the very steps its parent wrote to the portable file:
-every argument that enters a step's shape (the capacity: prompt, tokens, calls, profile, tree budgets) or its
-compile reaches the child (a child without the tree budgets compiled every graph again, 2026-12-05)."""
+"""benchmarks/decode_steps.py's warm-start child builds the very steps its parent wrote to the kernel cache file:
+every argument that enters a step's shape (the capacity: prompt, tokens, calls, profile, tree budgets) reaches
+the child (a child without the tree budgets compiled the kernels' variants again, 2026-12-05)."""
 
 import sys
 from pathlib import Path
@@ -22,21 +22,20 @@ def test_the_warm_start_child_builds_the_parents_steps(tmp_path):
             "300",
             "--prompt-len",
             "80",
-            "--max-autotune",
             "--start-profile",
             "5",
         ],
         ["--tokens", "64", "--calls", "50", "--start-tree-budget", "0"],
     ):
         parent = decode_steps.parser().parse_args(argv)
-        cmd = decode_steps.warm_start_command("graphs-layers", tmp_path, "bfloat16", tmp_path / "c", parent)
+        cmd = decode_steps.warm_start_command("graphs:triton", tmp_path, "bfloat16", tmp_path / "c", parent)
         assert cmd[:2] == [sys.executable, str(ROOT / "benchmarks" / "decode_steps.py")]
         child = decode_steps.parser().parse_args(cmd[2:])
         assert decode_steps.engine_capacity(child, drafter) == decode_steps.engine_capacity(parent, drafter)
         same = ("shape", "layers", "block", "target_layers", "prompt_len", "tokens", "calls", "tree_budgets")
-        for name in (*same, "profile", "max_autotune", "start_profile", "start_tree_budget"):
+        for name in (*same, "profile", "start_profile", "start_tree_budget"):
             assert getattr(child, name) == getattr(parent, name), name
-        assert child.warm_start_child == str(tmp_path / "c") and child.warm_start_engine == "graphs-layers"
+        assert child.warm_start_child == str(tmp_path / "c") and child.warm_start_engine == "graphs:triton"
 
 
 def test_the_start_profile_names_the_slowest_functions():
@@ -57,13 +56,14 @@ def test_the_start_profile_names_the_slowest_functions():
 
 def test_the_start_builds_the_tree_steps_the_serving_commands_use():
     """--start-tree-budget auto: the engine measured at its start holds the tree steps `eval` and `bench` serve
-    greedy rounds with on it (trees of 15 on graphs-kernels, none elsewhere); the capacity holds the tree."""
+    greedy rounds with on it (trees of 15 with Triton layers, none elsewhere); the capacity holds the tree."""
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=8))
     auto = decode_steps.parser().parse_args([])
-    assert decode_steps.start_tree_budget("graphs-kernels", drafter, auto) == 15
-    assert decode_steps.start_tree_budget("graphs-layers", drafter, auto) == 0
+    assert decode_steps.start_tree_budget("graphs:triton", drafter, auto) == 15
+    assert decode_steps.start_tree_budget("graphs", drafter, auto) == 0
+    assert decode_steps.start_tree_budget("reference", drafter, auto) == 0
     chain = decode_steps.parser().parse_args(["--start-tree-budget", "0"])
-    assert decode_steps.start_tree_budget("graphs-kernels", drafter, chain) == 0
+    assert decode_steps.start_tree_budget("graphs:triton", drafter, chain) == 0
     wide = decode_steps.parser().parse_args(["--start-tree-budget", "31"])
     assert (
         decode_steps.engine_capacity(wide, drafter) == decode_steps.engine_capacity(chain, drafter) + 32 - 8

@@ -1,4 +1,4 @@
-"""The drafter's step through the decoder kernels (``dflashkit.infer.draft_kernels``; on the CPU in Triton's
+"""The drafter's step through the decoder kernels (``dflashkit.infer.kernels.draft``; on the CPU in Triton's
 interpreter, which conftest turns on): after a prompt's context and over rounds whose context rows and blocks
 overlap as a decode's do, its drafted slots' logits equal the graphs engine's draft step's in float32; a
 drafter the kernels cannot run is refused by name."""
@@ -8,17 +8,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from dflashkit.infer.draft_kernels import (  # noqa: E402
+from dflashkit.infer.graph_engine import draft_step  # noqa: E402
+from dflashkit.infer.kernels.decoder import interpreting  # noqa: E402
+from dflashkit.infer.kernels.draft import (  # noqa: E402
     draft_kernels,
     kernel_draft_step,
     unsupported_drafter,
     write_context,
     write_prompt_context,
 )
-from dflashkit.infer.graph_engine import draft_step  # noqa: E402
 from dflashkit.model.config import config_for_target  # noqa: E402
 from dflashkit.model.drafter import DFlashDrafter, RMSNorm  # noqa: E402
-from dflashkit.target.kernels import interpreting  # noqa: E402
 from dflashkit.target.slot_decoder import DecoderWeights  # noqa: E402
 from test_kernels import tiny_model  # noqa: E402
 
@@ -94,7 +94,7 @@ def test_a_prompts_context_is_written_without_a_kernel_as_the_kernel_writes_it(d
     """A prompt's context rows come in any count: written through plain torch ops (no kernel, so no program
     compiled per row tile mid-generation), they are the keys and values the qkv kernel writes, up to the
     order of sums (float32) or one rounding (bf16)."""
-    from dflashkit.target import kernels
+    from dflashkit.infer.kernels import decoder as kernels
 
     model = tiny_model().to(device, dtype)
     w = DecoderWeights.from_hf(model)

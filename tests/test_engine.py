@@ -1,12 +1,14 @@
-"""Decode engines: the static engine (preallocated caches, fixed-shape steps) decodes exactly as the dynamic
-one, eager and compiled; rows beyond the valid length of either static cache are never read; a verified
-tree's accepted path leaves the caches of a chain, on both engines; their errors."""
+"""Decode engines: the reference engine's rounds (the scripted drafts every engine test compares against),
+rows beyond the valid length of the drafter's fixed-shape cache are never read, a verified tree's accepted
+path leaves the caches of a chain; the engine names (earlier releases' said or refused in one line) and
+``--layers auto``'s recorded choice. The graphs engine against the reference: tests/test_graph_engine.py."""
 
 import pytest
 import torch
 
 from dflashkit.errors import DflashkitError
-from dflashkit.infer.engine import DynamicEngine, StaticEngine, make_engine
+from dflashkit.infer.engine import ReferenceEngine, make_engine
+from dflashkit.infer.round import separate_round
 from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
 from dflashkit.infer.tree import DraftTree
 from dflashkit.model.config import config_for_target
@@ -62,6 +64,9 @@ class ScriptedDrafts:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    def round(self, anchor, s, gen, tree_budget=None):  # the separate calls, through this object's own
+        return separate_round(self, anchor, s, gen, tree_budget)
+
     def draft(self, context, anchor):
         logits = self.engine.draft(context, anchor)
         start = context.end
@@ -100,23 +105,7 @@ class ScriptedTree(ScriptedDrafts):
         return self.engine.keep(verified, path)
 
 
-def test_static_target_cache_never_reads_rows_beyond_the_valid_length(target):
-    ids = torch.tensor([prompts(20)[0]])
-    positions = torch.arange(20)[None]
-    ref_logits, ref_feats = target.forward_step(ids, target.new_cache(), LAYERS)
-    cache = target.new_static_cache(32)
-    with torch.no_grad():
-        target.walk(ids[:, :12], positions[:, :12], cache, LAYERS)
-        target.walk(ids[:, 12:20], positions[:, 12:20], cache, LAYERS)  # a block of 8 ...
-        for layer in cache.hf.layers:  # ... of which 5 were rejected: poison every row from 15 on
-            layer.keys[:, :, 15:] = POISON
-            layer.values[:, :, 15:] = POISON
-        logits, feats = target.walk(ids[:, 15:20], positions[:, 15:20], cache, LAYERS)  # crop = start at 15
-    torch.testing.assert_close(logits, ref_logits[0, 15:], atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(feats, ref_feats[:, 15:], atol=5e-3, rtol=1e-4)
-
-
-def test_static_draft_cache_reads_the_rows_before_the_anchor_and_the_blocks_own(target, drafter):
+def test_the_drafters_fixed_shape_cache_reads_the_rows_before_the_anchor_and_the_blocks_own(target, drafter):
     feats, _ = target.features(torch.tensor([prompts(16)[0]]), layer_ids=LAYERS, labels="none")
     embeds = target.embed(torch.tensor([[5] + [MASK_TOKEN_ID] * (B - 1)]))
     block_positions = torch.arange(11, 11 + B)[None]
@@ -139,8 +128,8 @@ N = 13
 
 
 @pytest.fixture(scope="module")
-def dynamic_rounds(target, drafter):
-    """Per prompt (5 and 13 tokens): the autoregressive generation, and the dynamic engine's rounds with the
+def reference_rounds(target, drafter):
+    """Per prompt (5 and 13 tokens): the autoregressive generation, and the reference engine's rounds with the
     real drafter and with scripted drafts (every acceptance length, every crop): the references the other
     engines must equal, made once per module."""
     out = {}
@@ -152,7 +141,7 @@ def dynamic_rounds(target, drafter):
             drafter,
             prompt,
             N,
-            engine=ScriptedDrafts(DynamicEngine(target, drafter), prompt + ar.tokens),
+            engine=ScriptedDrafts(ReferenceEngine(target, drafter), prompt + ar.tokens),
         )
         assert real.tokens == scripted.tokens == ar.tokens
         assert set(scripted.accept_lengths[:-1]) == set(range(1, B + 1))
@@ -161,195 +150,46 @@ def dynamic_rounds(target, drafter):
     return out
 
 
-def test_static_engine_decodes_as_the_dynamic_engine(target, drafter, dynamic_rounds):
-    """Greedy tokens and per-round acceptance lengths are the same, for the real drafter (every round
-    rejects) and for scripted drafts (every acceptance length, every crop); AR too. One static engine
-    serves every prompt and both loops."""
-    static = StaticEngine(target, drafter, capacity=64)
-    for key, (ar, dyn, scripted) in dynamic_rounds.items():
-        prompt = list(key)
-        assert autoregressive_generate(target, prompt, N, engine=static).tokens == ar.tokens
-        sta = speculative_generate(target, drafter, prompt, N, engine=static)
-        assert sta.tokens == dyn.tokens == ar.tokens
-        assert sta.accept_lengths == dyn.accept_lengths
-        g = speculative_generate(
-            target, drafter, prompt, N, engine=ScriptedDrafts(static, prompt + ar.tokens)
-        )
-        assert g.tokens == ar.tokens
-        assert g.accept_lengths == scripted.accept_lengths
-        assert set(g.accept_lengths[:-1]) == set(range(1, B + 1))
-
-
-def test_static_engine_errors(target, drafter):
-    static = StaticEngine(target, drafter, capacity=24)
-    with pytest.raises(
-        DflashkitError, match=r"holds 24 positions, but a prompt of 13 tokens \+ max_new_tokens 10"
-    ):
-        speculative_generate(target, drafter, prompts(13)[0], 10, engine=static)
-    with pytest.raises(ValueError, match="take 1 or 4 tokens"):
-        static.verify(torch.zeros(1, 3, dtype=torch.long))
-    with pytest.raises(DflashkitError, match="another target or drafter"):
-        speculative_generate(target, drafter, [1, 2], 4, engine=StaticEngine(target, capacity=24))
-    with pytest.raises(DflashkitError, match="unknown decode engine 'fast'"):
-        make_engine("fast", target)
-    with pytest.raises(DflashkitError, match="sdpa or eager backend"):
-        StaticEngine(target, drafter, capacity=24, backend="flex")
-
-
-def test_a_step_that_does_not_compile_ends_in_one_line(target, drafter, monkeypatch):
-    from torch._dynamo.exc import TorchDynamoException
-
-    from dflashkit.runtime.compile import is_frozen
-
-    static = StaticEngine(target, drafter, capacity=24, compile=True)
-
-    def fails(*args):
-        raise TorchDynamoException("graph break in a decoder layer\nmore detail")
-
-    monkeypatch.setattr(static._target_step, "_compiled", fails)  # as torch.compile would raise
-    with pytest.raises(
-        DflashkitError,
-        match=r"target step failed to compile .*graph break in a decoder layer\); turn compiling off "
-        r"\(--engine dynamic\)",
-    ):
-        static.warm_up()
-    assert not is_frozen() and not static._warm
-
-
-def test_static_engine_refuses_targets_it_cannot_walk(tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        use_sliding_window=True,
-        sliding_window=8,
-        max_window_layers=0,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(
-        DflashkitError, match=r"sliding-window layers; the static decode engine .* \(--engine dynamic\)"
-    ):
-        StaticEngine(TargetModel.load(tmp_path), capacity=16)
-
-
-def graphs(engine):
-    """Compiled graphs of the engine's steps (a frozen region raises rather than compile; this says so too)."""
-    return engine._target_step.graphs(), engine._draft_step.graphs()
-
-
-def assert_decodes_as_dynamic(target, drafter, static, prompt, n):
-    """On `static`: AR gives the dynamic AR tokens; scripted drafts (every acceptance length and crop) give
-    the dynamic engine's tokens and acceptance lengths; the real drafter gives its acceptance lengths."""
-    ar = autoregressive_generate(target, prompt, n, layer_ids=LAYERS)
-    assert autoregressive_generate(target, prompt, n, engine=static).tokens == ar.tokens
-    reference = prompt + ar.tokens
-    dyn = speculative_generate(
-        target, drafter, prompt, n, engine=ScriptedDrafts(DynamicEngine(target, drafter), reference)
-    )
-    sta = speculative_generate(target, drafter, prompt, n, engine=ScriptedDrafts(static, reference))
-    assert sta.tokens == dyn.tokens == ar.tokens and sta.accept_lengths == dyn.accept_lengths
-    real = speculative_generate(target, drafter, prompt, n)
-    assert (
-        speculative_generate(target, drafter, prompt, n, engine=static).accept_lengths == real.accept_lengths
-    )
-
-
-@pytest.mark.cpu_compile  # `make compile-test`: ~4 minutes; on a GPU the compiled steps are tested captured
-def test_compiled_static_engine_decodes_chains_and_trees_as_the_dynamic_engine(target, drafter):
-    """torch.compile of each step shape (the default mode on the CPU), warmed up then frozen, one engine for
-    both kinds of round (each compile costs ~a minute on the CPU): chain rounds give the dynamic engine's
-    tokens and acceptance lengths; the tree step compiles once for its node budget, and tree rounds (branches
-    off the first nodes, rows moved) decode as autoregressive decoding; nothing compiles after warm-up (it
-    would raise)."""
-    from dflashkit.runtime.compile import is_frozen
-
-    static = StaticEngine(target, drafter, capacity=48, compile=True, tree_budget=6)
-    warmed = static.warm_up()
-    assert list(warmed) == ["target [1, 1]", f"target [1, {B}]", f"draft [1, {B}]", "target tree [1, 7]"]
-    assert not is_frozen()
-    warm = (*graphs(static), static._tree_step.graphs())
-    prompt = prompts(9)[0]
-    assert_decodes_as_dynamic(target, drafter, static, prompt, 16)  # each step frozen while it runs
-    ar = autoregressive_generate(target, prompt, 16, layer_ids=LAYERS)
-    script = ScriptedTree(static, prompt + ar.tokens)
-    g = speculative_generate(target, drafter, prompt, 16, engine=script, tree_budget=6)
-    assert g.tokens == ar.tokens and max(g.accept_lengths) >= 2
-    assert any(p != list(range(len(p))) for p in script.paths)
-    assert (*graphs(static), static._tree_step.graphs()) == warm, "compiled after warm-up"
-    assert not is_frozen()
-
-
-@pytest.mark.gpu
-def test_static_engine_replays_cuda_graphs_on_gpu():
-    """On CUDA the compiled steps are CUDA graphs (mode reduce-overhead): the same greedy output and
-    acceptance lengths as the dynamic engine (fp32), no compile and no skipped CUDA graph after warm-up,
-    over prompts of several lengths and every acceptance length."""
-    from torch._dynamo.utils import counters
-
-    gpu, d = on_gpu()
-    static = StaticEngine(gpu, d, capacity=128, compile=True)
-    assert static.mode == "reduce-overhead"
-    static.warm_up()
-    warm, skips = graphs(static), counters["inductor"]["cudagraph_skips"]
-    for prompt in prompts(5, 13, 40):
-        assert_decodes_as_dynamic(gpu, d, static, prompt, 48)
-    assert graphs(static) == warm, "compiled after warm-up"
-    assert counters["inductor"]["cudagraph_skips"] == skips == 0, "a step ran without its CUDA graph"
-
-
 @pytest.mark.parametrize("budget", [3, 10])
-def test_tree_rounds_decode_as_autoregressive_on_both_engines(target, drafter, dynamic_rounds, budget):
-    """Greedy tree rounds give the autoregressive tokens on both engines, with the same acceptance lengths,
-    for scripted trees (accepted branches off the first nodes: rows moved) and for the real drafter."""
-    static = StaticEngine(target, drafter, capacity=64, tree_budget=budget)
-    for key, (ar, _, _) in dynamic_rounds.items():
+def test_tree_rounds_decode_as_autoregressive_on_the_reference_engine(
+    target, drafter, reference_rounds, budget
+):
+    """Greedy tree rounds give the autoregressive tokens, for scripted trees (accepted branches off the first
+    nodes: rows moved) and for the real drafter."""
+    for key, (ar, _, _) in reference_rounds.items():
         prompt = list(key)
-        scripted = {}
-        for name, engine in (("dynamic", DynamicEngine(target, drafter)), ("static", static)):
-            script = ScriptedTree(engine, prompt + ar.tokens)
-            g = speculative_generate(target, drafter, prompt, N, engine=script, tree_budget=budget)
-            assert g.tokens == ar.tokens, name
-            scripted[name] = (g, script.paths)
-        (dyn, paths), (sta, _) = scripted["dynamic"], scripted["static"]
+        script = ScriptedTree(ReferenceEngine(target, drafter), prompt + ar.tokens)
+        g = speculative_generate(target, drafter, prompt, N, engine=script, tree_budget=budget)
+        assert g.tokens == ar.tokens
         # a budget of 3 holds one right node (second after a wrong one), a budget of 10 two levels of them
-        assert sta.accept_lengths == dyn.accept_lengths and max(dyn.accept_lengths) == (
-            2 if budget == 3 else 3
-        )
-        assert any(p != list(range(len(p))) for p in paths), "no accepted branch needed its rows moved"
-        for engine in ("dynamic", static):
-            real = speculative_generate(target, drafter, prompt, N, engine=engine, tree_budget=budget)
-            assert real.tokens == ar.tokens
+        assert max(g.accept_lengths) == (2 if budget == 3 else 3)
+        assert any(p != list(range(len(p))) for p in script.paths), "no accepted branch needed its rows moved"
+        real = speculative_generate(target, drafter, prompt, N, engine="reference", tree_budget=budget)
+        assert real.tokens == ar.tokens
 
 
 def test_a_kept_tree_path_leaves_the_caches_of_a_chain(target, drafter):
     """Verify a tree, keep a branch that is not the first nodes: target cache rows, logits and the drafter's
-    next context equal those of verifying that branch as a chain, on both engines."""
+    next context equal those of verifying that branch as a chain."""
     prompt = torch.tensor([prompts(9)[0]])
     #  0 - 1 - 2
     #   \- 3 - 4 - 5     the kept branch: 0, 3, 4, 5
     tree = DraftTree.of([900, 31, 32, 41, 42, 43], [-1, 0, 1, 0, 3, 4])
     path, branch = [0, 3, 4, 5], torch.tensor([[900, 41, 42, 43]])
-    for make in (lambda: DynamicEngine(target, drafter), lambda: StaticEngine(target, drafter, capacity=32)):
-        engine, reference = make(), make()
-        with torch.no_grad():
-            engine.prefill(prompt)
-            verified = engine.verify_tree(tree)
-            context = engine.keep(verified, path)
-            reference.prefill(prompt)
-            chain = reference.verify(branch)  # B = 4 tokens: a target step of both engines
-        torch.testing.assert_close(verified.logits[path], chain.logits, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(context.features, chain.features, atol=1e-4, rtol=1e-4)
-        assert (context.start, context.end) == (9, 13)
-        n = 9 + len(path)
-        for mine, theirs in zip(_kv(engine), _kv(reference), strict=True):
-            torch.testing.assert_close(mine[:, :, :n], theirs[:, :, :n], atol=1e-5, rtol=1e-5)
-        assert (len(engine._tcache) if isinstance(engine, DynamicEngine) else engine._length) == n
+    engine, reference = ReferenceEngine(target, drafter), ReferenceEngine(target, drafter)
+    with torch.no_grad():
+        engine.prefill(prompt)
+        verified = engine.verify_tree(tree)
+        context = engine.keep(verified, path)
+        reference.prefill(prompt)
+        chain = reference.verify(branch)  # B = 4 tokens
+    torch.testing.assert_close(verified.logits[path], chain.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(context.features, chain.features, atol=1e-4, rtol=1e-4)
+    assert (context.start, context.end) == (9, 13) and engine.context is context
+    n = 9 + len(path)
+    for mine, theirs in zip(_kv(engine), _kv(reference), strict=True):
+        torch.testing.assert_close(mine[:, :, :n], theirs[:, :, :n], atol=1e-5, rtol=1e-5)
+    assert len(engine._tcache) == n
 
 
 def _kv(engine):
@@ -357,7 +197,7 @@ def _kv(engine):
 
 
 def test_keep_refuses_what_the_caches_cannot_hold(target, drafter):
-    engine = DynamicEngine(target, drafter)
+    engine = ReferenceEngine(target, drafter)
     engine.prefill(torch.tensor([prompts(6)[0]]))
     first = engine.verify(torch.tensor([[1, 2, 3, 4]]))
     with pytest.raises(ValueError, match="starts at node 0 and increases"):
@@ -369,28 +209,58 @@ def test_keep_refuses_what_the_caches_cannot_hold(target, drafter):
         engine.keep(first, [0])
 
 
-def test_the_static_engine_names_the_transformers_it_was_tested_on():
-    """pyproject.toml declares the tested range; a transformers whose StaticCache lacks what the static engine
-    reads is refused in one line naming it."""
-    import re
-    from pathlib import Path
+def test_engine_names_of_earlier_releases_are_said_or_refused_in_one_line(target):
+    """dynamic and graphs-kernels are taken for one release, with a note naming what they are now; the retired
+    engines are refused naming what to use; an unknown name lists the engines."""
+    from dflashkit.infer.engine import parse_engine
 
-    from dflashkit.target import hf
-
-    low, high = hf.TESTED_TRANSFORMERS
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert re.search(rf'"transformers>={re.escape(low)},<5\.{int(high.split(".")[1]) + 1}"', pyproject)
-
-    class Layer:  # no cumulative_length
-        pass
-
-    class Cache:
-        layers = [Layer()]
-
-        def early_initialization(self, *args):
-            pass
-
+    assert parse_engine("auto") == ("auto", "auto", None)
+    name, layers, note = parse_engine("dynamic", "auto")
+    assert (name, layers) == ("reference", "auto") and "--engine reference" in note and "this release" in note
+    name, layers, note = parse_engine("graphs-kernels", "auto")
+    assert (name, layers) == ("graphs", "triton") and "--engine graphs --layers triton" in note
+    for retired in ("static", "graphs-compiled", "graphs-layers"):
+        with pytest.raises(
+            DflashkitError, match=f"the {retired} decode engine was retired.*use --engine graphs"
+        ):
+            parse_engine(retired)
     with pytest.raises(
-        DflashkitError, match=r"transformers 5\.17-5\.24, which transformers .* \(--engine dynamic\)"
+        DflashkitError, match="unknown decode engine 'fast'; choose one of auto, reference, graphs"
     ):
-        hf._check_static_cache(Cache())
+        make_engine("fast", target)
+    with pytest.raises(DflashkitError, match="unknown --layers 'cuda'"):
+        parse_engine("graphs", "cuda")
+    assert isinstance(make_engine("dynamic", target), ReferenceEngine)
+
+
+def test_layers_auto_takes_a_recorded_measurement_else_the_rule(target, tmp_path, monkeypatch):
+    """--layers auto: by the rule (torch off a GPU, and for a short run; triton for a long run on a GPU where
+    the kernels run the target) until a measurement of both layers is recorded for this device and target
+    shape, then the faster one, saying so; a given --layers is taken as given; the reference engine has none."""
+    from unittest import mock
+
+    from dflashkit.infer.engine import layers_key, record_layers, resolve_layers
+
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
+    assert resolve_layers("auto", "graphs", target, long_run=True)[0] == "torch"  # the CPU
+    on_gpu = mock.Mock(wraps=target, device=torch.device("cuda"), config=target.config, dtype=torch.bfloat16)
+    with mock.patch("dflashkit.infer.kernels.decoder.triton_missing", return_value=None):
+        layers, why = resolve_layers("auto", "graphs", on_gpu, long_run=True)
+        assert layers == "triton" and "no measurement recorded" in why
+        assert resolve_layers("auto", "graphs", on_gpu)[0] == "torch"  # a short run
+    with mock.patch("dflashkit.infer.kernels.decoder.triton_missing", return_value="no Triton"):
+        assert resolve_layers("auto", "graphs", on_gpu, long_run=True) == (
+            "torch",
+            "layers: torch (--layers auto: the Triton kernels cannot run here: no Triton)",
+        )
+    assert resolve_layers("triton", "graphs", target) == ("triton", "layers: triton (--layers triton)")
+    assert resolve_layers("auto", "reference", target) == ("torch", "")
+    record = record_layers(target, {"torch": 2.5, "triton": 1.9}, date="2026-12-07", commit="abc1234")
+    assert record["layers"] == "triton"
+    layers, why = resolve_layers("auto", "graphs", target)
+    assert layers == "triton" and "torch 2.500 ms" in why and "2026-12-07 abc1234" in why
+    assert "cpu | llama layers 30 hidden 576" in layers_key(target)
+    record_layers(target, {"torch": 1.0, "triton": 1.9})
+    assert resolve_layers("auto", "graphs", target)[0] == "torch"  # the record is replaced
+    with pytest.raises(ValueError, match="the round of both layers"):
+        record_layers(target, {"torch": 1.0})

@@ -102,22 +102,31 @@ def test_eval_refuses_a_template_mismatch(untrained_drafter, tiny_dataset, tmp_p
     assert "chat template mismatch" in capsys.readouterr().err
 
 
-def test_eval_on_the_static_engine(untrained_drafter, tiny_dataset, tmp_path, capsys):
-    """--engine static: one static engine sized from the prompts decodes both loops, losslessly."""
-    args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--engine", "static")
+def test_eval_on_the_reference_engine_under_its_earlier_name(
+    untrained_drafter, tiny_dataset, tmp_path, capsys
+):
+    """--engine dynamic (an earlier release's name, said in one line): the reference engine decodes both loops,
+    losslessly."""
+    args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--engine", "reference")
     assert main(args) == 0
     report = json.loads((tmp_path / "eval.json").read_text())
-    assert report["engine"] == "static" and report["lossless"] is True
-    assert "decode engine" in capsys.readouterr().out
+    assert report["engine"] == "reference" and report["lossless"] is True
+    out = " ".join(capsys.readouterr().out.split())
+    assert "decode engine" in out and "--engine dynamic is now --engine reference" in out
 
 
-def test_generate_on_the_static_engine(untrained_drafter, capsys):
+def test_generate_on_the_reference_engine_and_a_retired_one(untrained_drafter, capsys):
+    """--engine reference and auto (the graphs engine, its layers said) decode the same text; a retired engine
+    ends in one line naming what to use."""
     args = ["generate", "--drafter", str(untrained_drafter), "--dtype", "float32", "--max-new-tokens", "6"]
-    assert main([*args, "--engine", "static", "Hello"]) == 0
-    static = capsys.readouterr().out
+    assert main([*args, "--engine", "reference", "Hello"]) == 0
+    reference = capsys.readouterr().out
     assert main([*args, "Hello"]) == 0
     auto = capsys.readouterr().out
-    assert auto.splitlines()[0] == static.splitlines()[0]  # the same text
+    assert auto.splitlines()[1] == reference.splitlines()[0]  # the same text, after auto's layers line
+    assert "layers: torch (--layers auto:" in auto.splitlines()[0]
+    assert main([*args, "--engine", "static", "Hello"]) == 2
+    assert "the static decode engine was retired" in capsys.readouterr().err
     assert "chains (--tree-budget auto)" in " ".join(auto.split())  # the rounds, said
 
 

@@ -1,11 +1,10 @@
 """The graphs engine (the fused target forward, one CUDA graph per step on a GPU) decodes exactly as the
-dynamic engine in fp32: eager with exact attention widths, with the fixed shapes a graph needs, and with
-its steps compiled (warmed up once, nothing compiled after, a second engine warm from the portable cache);
-chain and tree rounds (a kept tree path leaves the caches of a chain)."""
+reference engine in fp32: eager with exact attention widths, with the fixed shapes a graph needs, and with its
+layers through the Triton kernels (Triton's interpreter on the CPU; a second engine warm from the kernel
+cache); chain and tree rounds (a kept tree path leaves the caches of a chain); ``--engine auto``."""
 
 from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import test_engine
 from dflashkit.errors import DflashkitError
-from dflashkit.infer.engine import DynamicEngine, make_engine, ready_engine
+from dflashkit.infer.engine import ReferenceEngine, make_engine, ready_engine
 from dflashkit.infer.graph_engine import GraphEngine
 from dflashkit.infer.sampling import Sampling
 from dflashkit.infer.speculative import autoregressive_generate, speculative_generate
@@ -23,8 +22,8 @@ from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 from test_engine import LAYERS, ScriptedDrafts, ScriptedTree, on_gpu, prompts, small_drafter
 
-# the same module-scoped fixtures (B = 4), and the dynamic engine's chain rounds of N new tokens
-target, drafter, dynamic_rounds = test_engine.target, test_engine.drafter, test_engine.dynamic_rounds
+# the same module-scoped fixtures (B = 4), and the reference engine's chain rounds of N new tokens
+target, drafter, reference_rounds = test_engine.target, test_engine.drafter, test_engine.reference_rounds
 N = test_engine.N
 
 B = test_engine.B
@@ -39,11 +38,11 @@ CHAIN_STEPS = [
 
 
 @pytest.mark.parametrize("fixed_shapes", [False, True])
-def test_graphs_engine_decodes_as_the_dynamic_engine(target, drafter, dynamic_rounds, fixed_shapes):
+def test_graphs_engine_decodes_as_the_reference_engine(target, drafter, reference_rounds, fixed_shapes):
     """Greedy tokens and per-round acceptance lengths: AR, the real drafter, and scripted drafts (every
     acceptance length, every crop). One engine serves every prompt and both loops."""
     engine = GraphEngine(target, drafter, capacity=64, graphs=False, fixed_shapes=fixed_shapes)
-    for key, (ar, dyn, scripted) in dynamic_rounds.items():
+    for key, (ar, dyn, scripted) in reference_rounds.items():
         prompt = list(key)
         assert autoregressive_generate(target, prompt, N, engine=engine).tokens == ar.tokens
         ours = speculative_generate(target, drafter, prompt, N, engine=engine)
@@ -56,13 +55,13 @@ def test_graphs_engine_decodes_as_the_dynamic_engine(target, drafter, dynamic_ro
         assert set(g.accept_lengths[:-1]) == set(range(1, B + 1))
 
 
-def test_a_lazy_target_serves_the_graphs_engine_without_its_model(target, drafter, dynamic_rounds):
+def test_a_lazy_target_serves_the_graphs_engine_without_its_model(target, drafter, reference_rounds):
     """The serving commands load the target lazily: the graphs engine decodes from its weights file alone,
     token for token and round for round as with the model loaded, and the transformers model is never
     built (NOTES: most of a target's load is importing it)."""
     lazy = TargetModel.load("embedded", lazy=True)
     engine = GraphEngine(lazy, drafter, capacity=64, graphs=False, fixed_shapes=True, tree_budget=6)
-    for key, (ar, dyn, _) in dynamic_rounds.items():
+    for key, (ar, dyn, _) in reference_rounds.items():
         prompt = list(key)
         assert autoregressive_generate(lazy, prompt, N, engine=engine).tokens == ar.tokens
         ours = speculative_generate(lazy, drafter, prompt, N, engine=engine)
@@ -72,11 +71,11 @@ def test_a_lazy_target_serves_the_graphs_engine_without_its_model(target, drafte
     assert lazy.lazy
 
 
-def test_graphs_engine_draft_and_verify_logits_match_the_dynamic_engine(target, drafter):
+def test_graphs_engine_draft_and_verify_logits_match_the_reference_engine(target, drafter):
     """The drafter's logits (context written from the prompt, then from a verified block, with a rejected
-    tail) and the target's block logits agree with the dynamic engine's to fp32 rounding."""
+    tail) and the target's block logits agree with the reference engine's to fp32 rounding."""
     prompt = torch.tensor([prompts(11)[0]])
-    ref, ours = DynamicEngine(target, drafter), GraphEngine(target, drafter, capacity=48, graphs=False)
+    ref, ours = ReferenceEngine(target, drafter), GraphEngine(target, drafter, capacity=48, graphs=False)
     (ours_logits, ours_ctx), (ref_logits, ref_ctx) = ours.prefill(prompt), ref.prefill(prompt)
     torch.testing.assert_close(ours_logits, ref_logits, atol=1e-3, rtol=1e-4)
     for anchor in (17, 923):
@@ -120,41 +119,26 @@ def test_graphs_engine_errors(target, drafter):
     assert isinstance(engine, GraphEngine) and warm == {}  # the CPU: eager, nothing to capture
 
 
-def test_graphs_compiled_engine_keeps_one_compile_cache_per_shape(target, drafter, tmp_path, monkeypatch):
-    """graphs-compiled: the graphs engine with compiled steps and a portable compile cache under
-    $DFLASHKIT_CACHE/compile, one file per target, drafter shape and capacity."""
-    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
-    engine = make_engine("graphs-compiled", target, drafter, capacity=24)
-    assert isinstance(engine, GraphEngine) and engine.compiled and not engine.graphs  # the CPU: no capture
-    path = Path(engine.compile_cache)
-    assert path.parent == tmp_path / "compile" and path.suffix == ".cache"
-    assert make_engine("graphs-compiled", target, drafter, capacity=24).compile_cache == path
-    assert make_engine("graphs-compiled", target, drafter, capacity=32).compile_cache != path
-    assert make_engine("graphs-compiled", target, None, capacity=24, layer_ids=[1]).compile_cache != path
-    assert not make_engine("graphs", target, drafter, capacity=24).compiled
+def test_triton_layers_keep_one_kernel_cache_per_shape(target, drafter, tmp_path, monkeypatch):
+    """--layers triton: the decoder kernels' binaries in a file under $DFLASHKIT_CACHE/compile (the name earlier
+    releases gave it), one per target, drafter shape and capacity; torch layers keep none."""
     from dflashkit.infer import graph_engine
 
-    assert engine._target_fn is graph_engine.TARGET_STEP and engine._draft_fn is graph_engine.DRAFT_STEP
-    # graphs-layers: the target compiled one decoder layer at a time, the draft step whole, its own cache file
-    layers = make_engine("graphs-layers", target, drafter, capacity=24)
-    assert layers._target_fn is graph_engine.target_step and layers._layer_step is graph_engine.LAYER_STEP
-    assert layers._reduce_matmuls and not engine._reduce_matmuls and engine._layer_step is None
-    assert layers._draft_fn is graph_engine.DRAFT_STEP
-    assert layers.compile_cache not in (None, path)
-    # the reductions go to the one-token step only: a many-token step is faster with the matmuls
-    calls: list[tuple[int, bool]] = []
-
-    def recorded(*args: object) -> None:
-        calls.append((args[2].shape[1], args[12]))  # type: ignore[attr-defined]  # (t, reduce_matmuls)
-        graph_engine.target_step(*args)  # type: ignore[arg-type]
-
-    layers._target_fn = recorded
-    layers.prefill(torch.tensor([prompts(5)[0]]))
-    layers._target_step(1)
-    layers._target_step(B)
-    assert {c for c in calls if c[0] in (1, B)} == {(1, True), (B, False)}
-    with pytest.raises(DflashkitError, match="choose False, True, 'layers' or 'kernels'"):
-        GraphEngine(target, drafter, capacity=24, compile="target")  # type: ignore[arg-type]
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
+    engine = make_engine("graphs", target, drafter, capacity=24, layers="triton")
+    assert isinstance(engine, GraphEngine) and engine.layers == "triton" and not engine.graphs  # the CPU
+    path = Path(engine.kernel_cache)
+    assert path.parent == tmp_path / "compile" and path.name.endswith(".cache.triton")
+    assert make_engine("graphs", target, drafter, capacity=24, layers="triton").kernel_cache == path
+    assert make_engine("graphs", target, drafter, capacity=32, layers="triton").kernel_cache != path
+    assert (
+        make_engine("graphs", target, None, capacity=24, layer_ids=[1], layers="triton").kernel_cache != path
+    )
+    assert engine._target_fn is graph_engine.kernel_target_step
+    torch_layers = make_engine("graphs", target, drafter, capacity=24)
+    assert torch_layers.kernel_cache is None and torch_layers._target_fn is graph_engine.target_step
+    with pytest.raises(DflashkitError, match="choose torch or triton"):
+        GraphEngine(target, drafter, capacity=24, layers="cuda")  # type: ignore[arg-type]
 
 
 def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
@@ -173,22 +157,20 @@ def test_graphs_engine_builds_trees_into_its_tree_step(target, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True, "layers", "kernels"])
-def test_graphs_engine_replays_cuda_graphs_on_gpu(compiled):
+@pytest.mark.parametrize("layers", ["torch", "triton"])
+def test_graphs_engine_replays_cuda_graphs_on_gpu(layers):
     """On CUDA (fp32, so the attention is the masked reference over the whole capacity): each step shape
-    is captured once at warm-up (compiled first: the graphs-compiled and graphs-layers engines) and
-    replayed after; the same greedy output and acceptance lengths as the dynamic engine, with scripted drafts
-    (every acceptance length and crop). `dflashkit bench` checks a compiled engine's rounds on its eager
-    steps in fp32; this test holds the compiled steps to the same output."""
+    is captured once at warm-up and replayed after; the same greedy output and acceptance lengths as the
+    reference engine, with scripted drafts (every acceptance length and crop), with either layers."""
     gpu, d = on_gpu()
-    engine = GraphEngine(gpu, d, capacity=128, compile=compiled)
+    engine = GraphEngine(gpu, d, capacity=128, layers=layers)
     warmed = engine.warm_up()
     assert list(warmed) == CHAIN_STEPS and len(engine.steps) == 5
     for prompt in prompts(5, 13, 40):
         ar = autoregressive_generate(gpu, prompt, 48, layer_ids=LAYERS)
         assert autoregressive_generate(gpu, prompt, 48, engine=engine).tokens == ar.tokens
         ref = speculative_generate(
-            gpu, d, prompt, 48, engine=ScriptedDrafts(DynamicEngine(gpu, d), prompt + ar.tokens)
+            gpu, d, prompt, 48, engine=ScriptedDrafts(ReferenceEngine(gpu, d), prompt + ar.tokens)
         )
         ours = speculative_generate(gpu, d, prompt, 48, engine=ScriptedDrafts(engine, prompt + ar.tokens))
         assert ours.tokens == ref.tokens == ar.tokens and ours.accept_lengths == ref.accept_lengths
@@ -209,16 +191,15 @@ def tree_step_replays(engine: GraphEngine, eager: GraphEngine, prompt: list[int]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True, "layers", "kernels"])
-def test_graphs_engine_replays_the_tree_step_on_gpu(compiled):
-    """On CUDA in fp32: warm-up captures the tree step [1, N+1] (compiled first with ``compile``, as the
-    graphs-compiled engine does) and the keep step beside the chain's steps; the replayed tree step gives the
+@pytest.mark.parametrize("layers", ["torch", "triton"])
+def test_graphs_engine_replays_the_tree_step_on_gpu(layers):
+    """On CUDA in fp32: warm-up captures the tree step [1, N+1] and the keep step beside the chain's steps; the replayed tree step gives the
     eager step's logits and features, and tree rounds (scripted: rows moved; and the real drafter) decode as
     autoregressive decoding with the eager engine's acceptance lengths; nothing is captured after warm-up but
     a sampled tree round (at T > 0, on its first call), which commits the eager engine's tokens for a seed."""
     gpu, d = on_gpu()
     budget = 10
-    engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget, compile=compiled)
+    engine = GraphEngine(gpu, d, capacity=128, tree_budget=budget, layers=layers)
     eager = GraphEngine(gpu, d, capacity=128, graphs=False, fixed_shapes=True, tree_budget=budget)
     warmed = engine.warm_up()
     n = budget + 1
@@ -277,61 +258,52 @@ def test_bf16_tree_rounds_are_captured_on_gpu():
 
 
 def test_auto_engine_is_the_fastest_lossless_one(target):
-    """--engine auto: the graphs engine for a supported family, on a GPU and on the CPU, for chain and tree
-    rounds; the dynamic engine for any other target; --help spells the same choices as the engine module
-    (without importing torch)."""
-    from dflashkit.commands.infer import ENGINE_CHOICES
-    from dflashkit.infer.engine import ENGINE_CHOICES as choices
-    from dflashkit.infer.engine import resolve_engine
+    """--engine auto: the graphs engine for a supported family, on a GPU and on the CPU; the reference engine
+    for any other target (the layers: tests/test_engine.py); --help spells the same choices as the engine
+    module (without importing torch)."""
+    from dflashkit.commands.infer import EARLIER_ENGINES, ENGINE_CHOICES, LAYER_CHOICES
+    from dflashkit.infer import engine
 
-    assert choices == ENGINE_CHOICES
-    assert resolve_engine("auto", target) == resolve_engine("auto", target, tree_budget=8) == "graphs"
+    assert engine.ENGINE_CHOICES == ENGINE_CHOICES and engine.LAYER_CHOICES == LAYER_CHOICES
+    assert set(EARLIER_ENGINES) == set(engine.RENAMED) | set(engine.RETIRED)
+    assert engine.resolve_engine("auto", target) == "graphs"
     on_gpu = SimpleNamespace(device=torch.device("cuda"), config=target.config, dtype=torch.bfloat16)
-    assert resolve_engine("auto", on_gpu) == resolve_engine("auto", on_gpu, tree_budget=8) == "graphs"
-    # commands that measure over many prompts (bench, eval) take the decoder kernels on a GPU only
-    with mock.patch("dflashkit.target.kernels.triton_missing", return_value=None):
-        assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-kernels"  # chain rounds
-        assert resolve_engine("auto", on_gpu, tree_budget=8, long_run=True) == "graphs-kernels"  # tree rounds
-    # ... or the compiled layers where the kernels cannot run the target: another dtype, no Triton
-    in_fp64 = SimpleNamespace(device=on_gpu.device, config=target.config, dtype=torch.float64)
-    assert resolve_engine("auto", in_fp64, long_run=True) == "graphs-layers"
-    with mock.patch("dflashkit.target.kernels.triton_missing", return_value="no Triton"):
-        assert resolve_engine("auto", on_gpu, long_run=True) == "graphs-layers"
-    assert resolve_engine("auto", target, long_run=True) == "graphs"
+    assert engine.resolve_engine("auto", on_gpu) == "graphs"
     other = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(model_type="gpt2"))
-    assert resolve_engine("auto", other) == "dynamic"
-    assert resolve_engine("static", target) == "static"
+    assert engine.resolve_engine("auto", other) == "reference"
+    assert engine.resolve_engine("reference", target) == "reference"
 
 
 def test_tree_budget_auto_takes_trees_where_they_were_measured_faster():
-    """--tree-budget auto: trees of 15 for greedy rounds on the kernels engine with a block of at most 16 (where
-    they served faster than the chain side by side), the chain everywhere else; a number is taken as given."""
+    """--tree-budget auto: trees of 15 for greedy rounds on the graphs engine's Triton layers with a block of at
+    most 16 (where they served faster than the chain side by side), the chain everywhere else; a number is
+    taken as given."""
     from dflashkit.infer.engine import AUTO_TREE_BUDGET, resolve_tree_budget
 
     assert AUTO_TREE_BUDGET == 15
-    assert resolve_tree_budget(None, "graphs-kernels", 8, 0.0) == 15
-    assert resolve_tree_budget(None, "graphs-kernels", 4, 0.0) == 15
-    assert resolve_tree_budget(None, "graphs-kernels", 8, 1.0) == 0  # sampled: the chain
-    assert resolve_tree_budget(None, "graphs-kernels", 16, 0.0) == 15  # measured: trees pay at block 16 too
-    assert resolve_tree_budget(None, "graphs-kernels", 32, 0.0) == 0  # a block not measured
-    for engine in ("graphs", "graphs-layers", "static", "dynamic"):
-        assert resolve_tree_budget(None, engine, 8, 0.0) == 0
-    assert resolve_tree_budget(0, "graphs-kernels", 8, 0.0) == 0
-    assert resolve_tree_budget(31, "dynamic", 16, 1.0) == 31
+    assert resolve_tree_budget(None, "graphs", "triton", 8, 0.0) == 15
+    assert resolve_tree_budget(None, "graphs", "triton", 4, 0.0) == 15
+    assert resolve_tree_budget(None, "graphs", "triton", 8, 1.0) == 0  # sampled: the chain
+    assert resolve_tree_budget(None, "graphs", "triton", 16, 0.0) == 15  # measured: trees pay at block 16 too
+    assert resolve_tree_budget(None, "graphs", "triton", 32, 0.0) == 0  # a block not measured
+    for engine, layers in (("graphs", "torch"), ("reference", "torch")):
+        assert resolve_tree_budget(None, engine, layers, 8, 0.0) == 0
+    assert resolve_tree_budget(0, "graphs", "triton", 8, 0.0) == 0
+    assert resolve_tree_budget(31, "reference", "torch", 16, 1.0) == 31
 
 
 N_TREE = 12  # new tokens per tree generation
 
 
 @pytest.fixture(scope="module")
-def dynamic_tree_rounds(target, drafter):
-    """Per node budget: the autoregressive tokens, and the dynamic engine's tree rounds (scripted and with
+def reference_tree_rounds(target, drafter):
+    """Per node budget: the autoregressive tokens, and the reference engine's tree rounds (scripted and with
     the real drafter) of one prompt: the references of every graphs-engine variant."""
     prompt = prompts(9)[0]
     ar = autoregressive_generate(target, prompt, N_TREE, layer_ids=LAYERS).tokens
     out = {}
     for budget in (3, 10):
-        script = ScriptedTree(DynamicEngine(target, drafter), prompt + ar)
+        script = ScriptedTree(ReferenceEngine(target, drafter), prompt + ar)
         scripted = speculative_generate(target, drafter, prompt, N_TREE, engine=script, tree_budget=budget)
         real = speculative_generate(target, drafter, prompt, N_TREE, tree_budget=budget)
         assert scripted.tokens == real.tokens == ar
@@ -342,12 +314,12 @@ def dynamic_tree_rounds(target, drafter):
 @pytest.mark.parametrize("fixed_shapes", [False, True])
 @pytest.mark.parametrize("budget", [3, 10])
 def test_graphs_engine_tree_rounds_decode_as_autoregressive(
-    target, drafter, dynamic_tree_rounds, budget, fixed_shapes
+    target, drafter, reference_tree_rounds, budget, fixed_shapes
 ):
-    """Greedy tree rounds on the graphs engine give the autoregressive tokens with the dynamic engine's
+    """Greedy tree rounds on the graphs engine give the autoregressive tokens with the reference engine's
     acceptance lengths, for scripted trees (accepted branches off the tree's first nodes: rows moved) and
     for the real drafter; one engine serves both loops."""
-    prompt, ar, reference = dynamic_tree_rounds
+    prompt, ar, reference = reference_tree_rounds
     engine = GraphEngine(
         target, drafter, capacity=48, graphs=False, fixed_shapes=fixed_shapes, tree_budget=budget
     )
@@ -396,14 +368,14 @@ def record_step_keys(engine: GraphEngine, monkeypatch: pytest.MonkeyPatch) -> li
 
 @pytest.mark.parametrize("fixed_shapes", [False, True])
 @pytest.mark.parametrize("budget", [3, 10])
-def test_greedy_tree_rounds_as_one_step_keep_branches_as_the_dynamic_engine(
-    target, drafter, dynamic_tree_rounds, budget, fixed_shapes, monkeypatch
+def test_greedy_tree_rounds_as_one_step_keep_branches_as_the_reference_engine(
+    target, drafter, reference_tree_rounds, budget, fixed_shapes, monkeypatch
 ):
     """The graphs engine's greedy tree round as one step (draft, build, verify, walk, keep and the next
-    round's state on the device) decodes as autoregressive decoding with the dynamic engine's acceptance
+    round's state on the device) decodes as autoregressive decoding with the reference engine's acceptance
     lengths, for scripted drafts whose accepted branches are not the tree's first nodes (rows moved) and
     for the real drafter; it ran as the one step, never the separate calls."""
-    prompt, ar, reference = dynamic_tree_rounds
+    prompt, ar, reference = reference_tree_rounds
     engine = GraphEngine(
         target, drafter, capacity=48, graphs=False, fixed_shapes=fixed_shapes, tree_budget=budget
     )
@@ -631,16 +603,14 @@ def test_a_kept_tree_path_on_the_graphs_engine_leaves_the_caches_of_a_chain(
         )
 
 
-def test_graphs_engine_compiles_only_when_asked(target, drafter):
-    """The default: eager steps (compiled ones are opt-in); a compiled engine runs fixed shapes; an eager CPU
-    engine's warm-up is a no-op that compiled nothing."""
+def test_graphs_engine_captures_only_when_asked(target, drafter):
+    """The default off a GPU: eager steps with exact attention widths, whose warm-up is a no-op; Triton layers
+    run fixed shapes."""
     engine = GraphEngine(target, drafter, capacity=24)
-    assert not engine.compiled and not engine.graphs and not engine.fixed_shapes
+    assert not engine.graphs and not engine.fixed_shapes and engine.layers == "torch"
     warmed = engine.warm_up()
-    assert warmed == {} and not warmed.cache_warm and warmed.compiled == 0
-    assert GraphEngine(target, drafter, capacity=24, compile=True).fixed_shapes
-    with pytest.raises(DflashkitError, match="runs fixed shapes"):
-        GraphEngine(target, drafter, capacity=24, compile=True, fixed_shapes=False)
+    assert warmed == {} and warmed.kernels_loaded == 0 and not warmed.notes
+    assert GraphEngine(target, drafter, capacity=24, layers="triton").fixed_shapes
 
 
 def tiny_target(folder):
@@ -674,271 +644,24 @@ def tiny_pair(tmp_path, drafter_layers: int = 1):
     return tiny, DFlashDrafter(cfg).eval(), layers
 
 
-def decodes_as_dynamic(target, drafter, engine, layers):
-    """AR tokens, the real drafter's rounds, and scripted drafts (every acceptance length) as the dynamic
-    engine's, token for token."""
-    for n in (5, 13):
-        prompt = torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-        ar = autoregressive_generate(target, prompt, 20, layer_ids=layers)
-        assert autoregressive_generate(target, prompt, 20, engine=engine).tokens == ar.tokens
-        dyn = speculative_generate(target, drafter, prompt, 20)
-        ours = speculative_generate(target, drafter, prompt, 20, engine=engine)
-        assert ours.tokens == dyn.tokens == ar.tokens and ours.accept_lengths == dyn.accept_lengths
-        scripted = [
-            speculative_generate(target, drafter, prompt, 20, engine=ScriptedDrafts(e, prompt + ar.tokens))
-            for e in (DynamicEngine(target, drafter), engine)
-        ]
-        assert scripted[0].tokens == scripted[1].tokens == ar.tokens
-        assert scripted[0].accept_lengths == scripted[1].accept_lengths
-        assert set(scripted[1].accept_lengths[:-1]) == set(range(1, B + 1))
-
-
-@pytest.mark.slow
-def test_compiled_graphs_engine_decodes_as_the_dynamic_engine(tmp_path):
-    """compile=True on the CPU (the compiled steps run without graphs): warm-up compiles each step shape
-    once and writes the portable cache; greedy tokens and acceptance lengths equal the dynamic engine's;
-    nothing compiles after warm-up (a step that would is an error); a second engine, after dynamo's
-    caches are cleared and with an empty Inductor cache, warms from the portable file alone."""
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-    from dflashkit.infer import graph_engine
-    from dflashkit.runtime.compile import CompileAfterWarmupError, is_frozen
-
-    tiny, d, layers = tiny_pair(tmp_path)
-    cache = tmp_path / "graphs.cache"
-    kw = dict(capacity=64, graphs=False, compile=True, compile_cache=cache, precompile=False)
-    engine = GraphEngine(tiny, d, **kw)  # type: ignore[arg-type]
-    warmed = engine.warm_up()
-    assert list(warmed) == CHAIN_STEPS and not is_frozen()
-    assert warmed.compiled == 3 and not warmed.cache_warm and cache.is_file()  # the round compiles nothing
-    regions = (graph_engine.TARGET_STEP, graph_engine.DRAFT_STEP)
-    graphs = [r.graphs() for r in regions]
-    assert graphs == [2, 1]
-    decodes_as_dynamic(tiny, d, engine, layers)
-    assert [r.graphs() for r in regions] == graphs, "compiled after warm-up"
-    engine._kv_len = lambda t: engine.capacity - 1  # a step shape that was never warmed
-    with pytest.raises(CompileAfterWarmupError, match="target step would compile after warm-up"):
-        engine.verify(torch.zeros(1, 1, dtype=torch.long))
-    assert not is_frozen()
-
-    with temporary_cache_dir(str(tmp_path / "empty-inductor-cache")):
-        torch._dynamo.reset()
-        second = GraphEngine(tiny, d, **kw)  # type: ignore[arg-type]
-        rewarmed = second.warm_up()
-        assert rewarmed.cache_loaded and rewarmed.cache_warm and rewarmed.cached == 3
-        decodes_as_dynamic(tiny, d, second, layers)
-
-
-@pytest.mark.slow
-def test_precompiled_steps_load_whole_and_decode_as_the_dynamic_engine(tmp_path):
-    """compile=True with a compile cache: warm-up precompiles the target steps and the draft step into files
-    beside the cache; a second engine, after dynamo's caches are cleared and with an empty Inductor cache,
-    loads them whole (nothing traced or compiled) and decodes as the dynamic engine, token for token in fp32,
-    with another drafter of the same shapes (the weights are inputs, not constants); a step shape never
-    warmed is a CompileAfterWarmupError, as a compiled region's."""
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-    from dflashkit.runtime import precompiled
-    from dflashkit.runtime.compile import CompileAfterWarmupError
-
-    if not precompiled.available():
-        pytest.skip(f"torch {torch.__version__} cannot precompile steps")
-    tiny, d, layers = tiny_pair(tmp_path)
-    cache = tmp_path / "graphs.cache"
-    first = GraphEngine(tiny, d, capacity=64, graphs=False, compile=True, compile_cache=cache)
-    warmed = first.warm_up()
-    assert warmed.precompiled_built == 3 and not warmed.notes, warmed.notes
-    assert sorted(p.name for p in tmp_path.glob("*.step")) == [
-        f"graphs.draft-{B}.step",
-        "graphs.target-1.step",
-        f"graphs.target-{B}.step",
-    ]
-    with temporary_cache_dir(str(tmp_path / "empty-inductor-cache")):
-        torch._dynamo.reset()
-        torch.manual_seed(2)
-        other = DFlashDrafter(d.config).eval()
-        second = GraphEngine(tiny, other, capacity=64, graphs=False, compile=True, compile_cache=cache)
-        rewarmed = second.warm_up()
-        assert rewarmed.precompiled_loaded == 3 and rewarmed.compiled == 0 and rewarmed.cache_warm
-        decodes_as_dynamic(tiny, other, second, layers)
-        second._kv_len = lambda t: second.capacity - 1  # type: ignore[method-assign]  # never warmed
-        with pytest.raises(CompileAfterWarmupError, match="target step would compile after warm-up"):
-            second.verify(torch.zeros(1, 1, dtype=torch.long))
-
-
-@pytest.mark.slow
-def test_compiled_graphs_engine_compiles_its_tree_step(tmp_path):
-    """compile=True with a tree budget (the CPU: compiled steps without graphs): warm-up compiles the tree
-    step [1, N+1] beside the chain's steps; tree rounds, scripted (rows moved) and real, decode as the
-    dynamic engine's, with nothing compiled after warm-up."""
-    from dflashkit.infer import graph_engine
-    from dflashkit.runtime.compile import is_frozen
-
-    tiny, d, layers = tiny_pair(tmp_path)
-    budget = 5
-    before = graph_engine.TARGET_STEP.graphs()
-    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile=True, tree_budget=budget)
-    warmed = engine.warm_up()
-    n = budget + 1
-    assert f"target tree [1, {n}]" in warmed and f"tree build [{n} nodes]" in warmed and not is_frozen()
-    after = graph_engine.TARGET_STEP.graphs()
-    assert after >= before + 1  # the tree step's own graph (the chain's may come from an earlier engine)
-    for length in (5, 13):
-        prompt = torch.randint(5, 500, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-        ar = autoregressive_generate(tiny, prompt, 20, layer_ids=layers).tokens
-        for scripted in (False, True):
-            make = (lambda e, known=prompt + ar: ScriptedTree(e, known)) if scripted else (lambda e: e)
-            ref = speculative_generate(
-                tiny, d, prompt, 20, engine=make(DynamicEngine(tiny, d)), tree_budget=budget
-            )
-            ours = speculative_generate(tiny, d, prompt, 20, engine=make(engine), tree_budget=budget)
-            assert ours.tokens == ref.tokens == ar and ours.accept_lengths == ref.accept_lengths
-    assert graph_engine.TARGET_STEP.graphs() == after, "compiled after warm-up"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [True, "layers", "kernels", "precompiled"])
-def test_compiled_graphs_engine_replays_as_the_eager_graphs_engine_on_gpu(compiled, tmp_path):
-    """On CUDA in fp32: the compiled steps (whole, or one layer for all), captured as CUDA graphs, replay
-    and decode as the eager graphs engine (and the dynamic engine), with nothing captured or compiled after
-    warm-up; "precompiled": all steps, precompiled beside a compile cache by one engine and loaded whole by
-    a second, which is the one tested."""
-    gpu, d = on_gpu()
-    eager = GraphEngine(gpu, d, capacity=128, compile=False)
-    if compiled == "precompiled":
-        from dflashkit.runtime import precompiled
-
-        if not precompiled.available():
-            pytest.skip(f"torch {torch.__version__} cannot precompile steps")
-        cache = tmp_path / "graphs.cache"
-        assert (
-            GraphEngine(gpu, d, capacity=128, compile=True, compile_cache=cache).warm_up().precompiled_built
-        )
-        fused = GraphEngine(gpu, d, capacity=128, compile=True, compile_cache=cache)
-    else:
-        fused = GraphEngine(gpu, d, capacity=128, compile=compiled)  # type: ignore[arg-type]
-    assert fused.compiled and fused.graphs and not eager.compiled
-    eager.warm_up()
-    warmed = fused.warm_up()
-    assert list(warmed) == CHAIN_STEPS and len(fused.steps) == 5
-    assert warmed.precompiled_loaded == (3 if compiled == "precompiled" else 0), warmed.notes
-    for prompt in prompts(5, 13, 40):
-        ar = autoregressive_generate(gpu, prompt, 48, layer_ids=LAYERS)
-        for engine in (eager, fused):
-            assert autoregressive_generate(gpu, prompt, 48, engine=engine).tokens == ar.tokens
-        ref, ours = (
-            speculative_generate(gpu, d, prompt, 48, engine=ScriptedDrafts(e, prompt + ar.tokens))
-            for e in (eager, fused)
-        )
-        assert ours.tokens == ref.tokens == ar.tokens and ours.accept_lengths == ref.accept_lengths
-        real = [speculative_generate(gpu, d, prompt, 48, engine=e) for e in (eager, fused)]  # round steps
-        assert (
-            real[0].tokens == real[1].tokens == ar.tokens and real[0].accept_lengths == real[1].accept_lengths
-        )
-    context = eager.prefill(torch.tensor([prompts(11)[0]], device="cuda"))[1]
-    fused.prefill(torch.tensor([prompts(11)[0]], device="cuda"))
-    torch.testing.assert_close(fused.draft(context, 17), eager.draft(context, 17), atol=1e-3, rtol=1e-4)
-    assert len(fused.steps) == 5, "a step was captured after warm-up"
-
-
-def test_layer_by_layer_decode_gives_the_whole_step_numbers(tmp_path):
-    """slot_decoder.decode_by_layer (the "graphs-layers" engine's target steps, here with the layer run
-    eagerly): each layer ends with the next one's input norm (the final norm after the last), so its
-    hidden states are decode's normed; logits, kept features and the cache writes equal decode's in fp32,
-    with and without the reductions (``linear_as_reduction``: the matmul's numbers up to summation order,
-    bias included), for a chain and for a tree's mask and positions."""
-    import torch.nn.functional as F
-
-    from dflashkit.target.slot_decoder import (
-        DecoderWeights,
-        SlotCache,
-        decode,
-        decode_by_layer,
-        decoder_layer,
-        head,
-        linear_as_reduction,
-        logits,
-    )
-
-    torch.manual_seed(0)
-    x, weight, bias = torch.randn(2, 3, 16), torch.randn(8, 16), torch.randn(8)
-    assert torch.allclose(linear_as_reduction(x, weight, bias), F.linear(x, weight, bias), atol=1e-5)
-    tiny = tiny_target(tmp_path / "target")
-    w = DecoderWeights.from_hf(tiny.model)
-    ids = torch.randint(5, 500, (1, B), generator=torch.Generator().manual_seed(3))
-    zero = torch.zeros(1, dtype=torch.long)
-    parents = [-1] + [(i - 1) // 2 for i in range(1, B)]  # a binary tree of B nodes
-    depth = [0] * B
-    tree_mask = torch.zeros(1, B, 16, dtype=torch.bool)
-    for i, parent in enumerate(parents):  # each node sees itself and its ancestors
-        tree_mask[0, i, i] = True
-        if parent >= 0:
-            tree_mask[0, i] |= tree_mask[0, parent]
-            depth[i] = depth[parent] + 1
-    tree_positions = torch.tensor([depth])
-    for reduce in (False, True):
-        for positions, mask, kv in ((None, None, B), (tree_positions, tree_mask, 16)):
-            caches = [SlotCache(w, slots=1, capacity=32) for _ in range(2)]
-            common = dict(kv_len=kv, keep=(0, 2), positions=positions, mask=mask)
-            x, kept = decode(w, caches[0], ids, zero, zero, **common)  # type: ignore[arg-type]
-            h, kept_by_layer = decode_by_layer(
-                w,
-                caches[1],
-                ids,
-                zero,
-                zero,
-                decoder_layer,
-                reduce_matmuls=reduce,
-                **common,  # type: ignore[arg-type]
-            )
-            torch.testing.assert_close(head(w, h), logits(w, x), atol=1e-4, rtol=1e-4)
-            for a, b in zip(kept, kept_by_layer, strict=True):
-                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-            for layer in range(len(w.layers)):
-                torch.testing.assert_close(caches[0].k[layer], caches[1].k[layer], atol=1e-5, rtol=1e-5)
-                torch.testing.assert_close(caches[0].v[layer], caches[1].v[layer], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.cpu_compile
-def test_layers_engine_decodes_as_the_dynamic_engine(tmp_path):
-    """compile="layers" (the "graphs-layers" engine) on the CPU: one decoder layer compiled, which serves
-    every layer of a step shape (its graphs: one per target step shape, whatever the depth), the draft step
-    compiled whole; greedy tokens and acceptance lengths equal the dynamic engine's, token for token in fp32."""
-    from dflashkit.infer import graph_engine
-
-    tiny, d, layers = tiny_pair(tmp_path, drafter_layers=2)
-    before, drafts_before = graph_engine.LAYER_STEP.graphs(), graph_engine.DRAFT_STEP.graphs()
-    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="layers")
-    assert list(engine.warm_up()) == CHAIN_STEPS
-    depth = len(engine.w.layers)
-    assert 1 <= graph_engine.LAYER_STEP.graphs() - before <= 2 < depth * 2, "a graph per shape, not per layer"
-    assert graph_engine.DRAFT_STEP.graphs() - drafts_before == 1, "the draft step, one graph"
-    decodes_as_dynamic(tiny, d, engine, layers)
-
-
-def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path, monkeypatch):
-    """compile="kernels" (the "graphs-kernels" engine) on the CPU, its decoder kernels in Triton's interpreter:
-    the chain's target steps and the draft step through the kernels (nothing compiles); greedy tokens and
-    acceptance lengths, of the one-step rounds and of the separate calls, equal the dynamic engine's token for
-    token in fp32."""
+def test_triton_layers_decode_as_the_reference_engine(tmp_path, monkeypatch):
+    """layers="triton" on the CPU, the decoder kernels in Triton's interpreter: the chain's target steps and the
+    draft step through the kernels; greedy tokens and acceptance lengths, of the one-step rounds and of the
+    separate calls, equal the reference engine's token for token in fp32."""
     pytest.importorskip("triton")
     # a Triton folder of this test's own: kernels another process compiled there are not this warm-up's
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     from dflashkit.infer import graph_engine
 
     tiny, d, layers = tiny_pair(tmp_path)
-    layer_graphs = graph_engine.LAYER_STEP.graphs()
-    draft_graphs = graph_engine.DRAFT_STEP.graphs()
-    cache = tmp_path / "engine.compile-cache"
-    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", compile_cache=cache)
+    cache = tmp_path / "engine.compile-cache.triton"
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, layers="triton", kernel_cache=cache)
     assert engine._target_fn is graph_engine.kernel_target_step
     assert engine._draft_fn is graph_engine.kernel_draft_step and engine._dcache is None
     warmed = engine.warm_up()
     assert list(warmed) == CHAIN_STEPS
     # Triton's interpreter compiles nothing: the kernels' cache has nothing to hold, which is a note only
     assert any("kernels' cache not written: no compiled kernel" in n for n in warmed.notes), warmed.notes
-    assert graph_engine.LAYER_STEP.graphs() == layer_graphs, "a chain step compiled the layer"
-    assert graph_engine.DRAFT_STEP.graphs() == draft_graphs, "the draft step compiled"
     prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()
     ar = autoregressive_generate(tiny, prompt, 14, layer_ids=layers)
     # a one-token step in the interpreter takes ~4 s: 7 of them, then this drafter's rounds (each accepts
@@ -947,11 +670,11 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path, monkeypatch):
     assert short == ar.tokens[:7]
     for fused in (True, False):  # one-step rounds, then draft, verify and keep as separate calls
         engine.fused_rounds = fused
-        ours, dyn = (speculative_generate(tiny, d, prompt, 7, engine=e) for e in (engine, "dynamic"))
+        ours, dyn = (speculative_generate(tiny, d, prompt, 7, engine=e) for e in (engine, "reference"))
         assert ours.tokens == dyn.tokens == short and ours.accept_lengths == dyn.accept_lengths
     scripted = [
         speculative_generate(tiny, d, prompt, 14, engine=ScriptedDrafts(e, prompt + ar.tokens))
-        for e in (DynamicEngine(tiny, d), engine)
+        for e in (ReferenceEngine(tiny, d), engine)
     ]
     assert scripted[0].tokens == scripted[1].tokens == ar.tokens
     assert (
@@ -959,20 +682,19 @@ def test_kernels_engine_decodes_as_the_dynamic_engine(tmp_path, monkeypatch):
     )
 
 
-def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypatch):
-    """compile="kernels" with a tree budget on the CPU (the kernels in Triton's interpreter): the tree step
-    goes through the decoder kernels under the tree's own mask (the compiled layer never runs), the build, the
-    walk and the keep through a kernel each (a round's build from the drafted logits); greedy tree rounds, the
-    real drafter's and scripted ones whose accepted branches move rows, decode as autoregressive decoding with
-    the dynamic engine's acceptance lengths (nothing compiles)."""
+def test_triton_layers_tree_rounds_decode_as_autoregressive(tmp_path, monkeypatch):
+    """layers="triton" with a tree budget on the CPU (the kernels in Triton's interpreter): the tree step goes
+    through the decoder kernels under the tree's own mask, the build, the walk and the keep through a kernel
+    each (a round's build from the drafted logits); greedy tree rounds, the real drafter's and scripted ones
+    whose accepted branches move rows, decode as autoregressive decoding with the reference engine's
+    acceptance lengths."""
     pytest.importorskip("triton")
     from dflashkit.infer import graph_engine
 
     kernel_tree_step = graph_engine.kernel_tree_step
     tiny, d, layers = tiny_pair(tmp_path)
     budget = 6
-    layer_graphs = graph_engine.LAYER_STEP.graphs()
-    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, layers="triton", tree_budget=budget)
     assert engine._walk_fn is graph_engine.kernel_walk_step
     assert engine._build_fn is graph_engine.kernel_build_step
     calls, builds, keeps = [], [], []
@@ -1005,16 +727,16 @@ def test_kernels_engine_tree_rounds_decode_as_autoregressive(tmp_path, monkeypat
     scripted = speculative_generate(tiny, d, prompt, 14, engine=script, tree_budget=budget)
     assert scripted.tokens == ar and any(p != list(range(len(p))) for p in script.paths)
     assert keeps, "the keep step did not go through its kernel"
-    assert graph_engine.LAYER_STEP.graphs() == layer_graphs, "a tree step compiled the layer"
 
 
-def test_kernels_engine_builds_a_large_tree_with_torch(tmp_path, monkeypatch):
+def test_triton_layers_build_a_large_tree_with_torch(tmp_path, monkeypatch):
     """A tree whose candidate table is beyond the build kernel's one program (64 nodes below 15 slots: 29,934
-    branches; its kernel did not finish compiling) is built by torch's top-k on the kernels engine: the engine
+    branches; its kernel did not finish compiling) is built by torch's top-k on the Triton layers: the engine
     says so by its build step, the kernel refuses such a table in words, and the tree rounds still decode as
     autoregressive decoding (the limit lowered here, so that the tiny drafter's table passes it)."""
     pytest.importorskip("triton")
-    from dflashkit.infer import graph_engine, tree_kernels
+    from dflashkit.infer import graph_engine
+    from dflashkit.infer.kernels import tree as tree_kernels
     from dflashkit.infer.tree import tree_candidates
 
     big = tree_candidates(15, 49152, 64)
@@ -1028,10 +750,10 @@ def test_kernels_engine_builds_a_large_tree_with_torch(tmp_path, monkeypatch):
     tiny, d, layers = tiny_pair(tmp_path)
     budget = 6
     table = tree_candidates(d.config.block_size - 1, tiny.config.vocab_size, budget).shape[1]
-    small = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
+    small = GraphEngine(tiny, d, capacity=64, graphs=False, layers="triton", tree_budget=budget)
     assert small._build_fn is graph_engine.kernel_build_step
     monkeypatch.setattr(tree_kernels, "MAX_BUILD_CANDIDATES", tree_kernels._block(table) // 2)
-    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="kernels", tree_budget=budget)
+    engine = GraphEngine(tiny, d, capacity=64, graphs=False, layers="triton", tree_budget=budget)
     assert engine._build_fn is graph_engine.tree_build_step
     builds = []
     monkeypatch.setattr(
@@ -1043,64 +765,3 @@ def test_kernels_engine_builds_a_large_tree_with_torch(tmp_path, monkeypatch):
     ar = autoregressive_generate(tiny, prompt, 4, layer_ids=layers).tokens
     out = speculative_generate(tiny, d, prompt, 4, engine=engine, tree_budget=budget)
     assert out.tokens == ar and not builds
-
-
-@pytest.mark.cpu_compile
-def test_layers_engine_tree_rounds_decode_as_autoregressive(tmp_path):
-    """compile="layers" with a tree budget on the CPU: warm-up compiles the tree step's layer, the build and
-    the walk (one graph each) and runs the greedy tree round as one step; greedy tree rounds, the real
-    drafter's and scripted ones whose accepted branches move rows, decode as autoregressive decoding with the
-    dynamic engine's acceptance lengths; nothing compiles after warm-up (a compile would raise)."""
-    from dflashkit.infer import graph_engine
-
-    tiny, d, layers = tiny_pair(tmp_path, drafter_layers=2)
-    budget = 8
-    before = graph_engine.TREE_BUILD_STEP.graphs(), graph_engine.TREE_WALK_STEP.graphs()
-    engine = GraphEngine(tiny, d, capacity=64, graphs=False, compile="layers", tree_budget=budget)
-    warmed = engine.warm_up()
-    assert f"greedy tree round [{budget + 1} nodes]" in warmed
-    after = graph_engine.TREE_BUILD_STEP.graphs(), graph_engine.TREE_WALK_STEP.graphs()
-    assert after[0] - before[0] == after[1] - before[1] == 1, "the build and the walk, one graph each"
-    prompt = torch.randint(5, 500, (9,), generator=torch.Generator().manual_seed(9)).tolist()
-    ar = autoregressive_generate(tiny, prompt, 20, layer_ids=layers).tokens
-    dyn = speculative_generate(tiny, d, prompt, 20, tree_budget=budget)
-    real = speculative_generate(tiny, d, prompt, 20, engine=engine, tree_budget=budget)
-    assert real.tokens == dyn.tokens == ar and real.accept_lengths == dyn.accept_lengths
-    script = ScriptedTree(DynamicEngine(tiny, d), prompt + ar)
-    reference = speculative_generate(tiny, d, prompt, 20, engine=script, tree_budget=budget)
-    script_fused_drafts(engine, prompt + ar)
-    scripted = speculative_generate(tiny, d, prompt, 20, engine=engine, tree_budget=budget)
-    assert scripted.tokens == ar and scripted.accept_lengths == reference.accept_lengths
-    assert max(scripted.accept_lengths) >= 3 and any(p != list(range(len(p))) for p in script.paths)
-    assert (graph_engine.TREE_BUILD_STEP.graphs(), graph_engine.TREE_WALK_STEP.graphs()) == after
-
-
-@pytest.mark.slow
-def test_one_compile_serves_a_lazy_target_and_its_loaded_model(tmp_path):
-    """The compiled steps of graphs-layers built from a lazy target's weights file serve the same target
-    loaded through its model without a second compile (and so does the portable compile cache), and the
-    two decode alike. A tied head passed as the embedding object itself, not a view, compiled the draft step
-    again (H200, 2026-12-04: 9.2 s of the model case's warm start)."""
-    from torch._dynamo.utils import counters
-
-    model_target = tiny_target(tmp_path / "target")
-    lazy = TargetModel.load(tmp_path / "target", dtype=torch.float32, lazy=True)
-    cfg = config_for_target(
-        model_target.config, num_layers=1, block_size=B, mask_token_id=511, target_layer_ids=[0, 2]
-    )
-    torch.manual_seed(1)
-    drafter = DFlashDrafter(cfg).eval()
-    torch._dynamo.reset()
-    counters.clear()
-    prompt = prompts(9)[0]
-    prompt = [t % 500 for t in prompt]
-    outputs = []
-    for t in (lazy, model_target):
-        engine = GraphEngine(t, drafter, capacity=64, graphs=False, compile="layers")
-        engine.warm_up()
-        if t is lazy:
-            graphs = counters["stats"]["unique_graphs"]
-        outputs.append(speculative_generate(t, drafter, prompt, 12, engine=engine))
-    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled for the second load
-    assert outputs[0].tokens == outputs[1].tokens and outputs[0].accept_lengths == outputs[1].accept_lengths
-    assert lazy.lazy

@@ -1,7 +1,7 @@
-"""The decoder kernels (``dflashkit.target.kernels``; on the CPU in Triton's interpreter, which conftest turns
+"""The decoder kernels (``dflashkit.infer.kernels.decoder``; on the CPU in Triton's interpreter, which conftest turns
 on): a step of the target through them gives the plain forward's logits, kept features and cache rows in
 float32 (Llama with grouped heads, Qwen2 with biases; one token and a block; contexts spanning one and
-several attention splits), and the "graphs-kernels" engine decodes as the dynamic engine token for token.
+several attention splits), and the graphs engine's Triton layers decode as the reference engine token for token.
 Targets the kernels cannot run are refused with a message that says what to do."""
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from dflashkit.errors import DflashkitError  # noqa: E402
-from dflashkit.target.kernels import (  # noqa: E402
+from dflashkit.infer.kernels.decoder import (  # noqa: E402
     KERNELS,
     MAX_ROWS,
     Tiles,
@@ -220,10 +220,8 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     assert unsupported(DecoderWeights.from_hf(tiny_model())) is None
     assert unsupported(DecoderWeights.from_hf(tiny_model("qwen3"))) is None
     target = TargetModel(model, name="odd-heads")
-    with pytest.raises(
-        DflashkitError, match=r"cannot run this target \(a head dim.*choose --engine graphs-layers"
-    ):
-        GraphEngine(target, None, capacity=32, graphs=False, compile="kernels")
+    with pytest.raises(DflashkitError, match=r"cannot run this target \(a head dim.*choose --layers torch"):
+        GraphEngine(target, None, capacity=32, graphs=False, layers="triton")
     with pytest.raises(ValueError, match="qkv_columns=3"):
         Tiles(qkv_columns=3)
     for narrow in ({"block_columns": 8}, {"tree_columns": 8}, {"attention_rows": 8}):
@@ -245,7 +243,7 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     assert [t.row_tiles(rows) for rows in (1, 16, 17, 21, 33)] == [1, 1, 2, 2, 3]
     assert t.inner(192, 33, 16) == 256 and t.inner(2048, 1, 4) == 2048 and t.inner(8192, 1, 4) == 4096
     # a block's matmul kernels take their own warps; the token's, and every step's attention, the common ones
-    from dflashkit.target.kernels import _launch_args
+    from dflashkit.infer.kernels.decoder import _launch_args
 
     w = DecoderWeights.from_hf(tiny_model())
     for m, want in ((1, 4), (8, 2), (16, 2)):
@@ -254,14 +252,14 @@ def test_targets_the_kernels_cannot_run_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="block_warps=3"):
         Tiles(block_warps=3)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(DflashkitError, match="run on a GPU .*choose --engine graphs-layers"):
+    with pytest.raises(DflashkitError, match="run on a GPU .*choose --layers torch"):
         check_runnable(torch.device("cpu"))
 
 
 def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
     """Each kernel launched while the one before it runs (``pdl_args``): on a GPU of compute capability 9 or
     more, unless the tiles turn it off; never on the CPU, in the interpreter or on an older GPU."""
-    from dflashkit.target import kernels
+    from dflashkit.infer.kernels import decoder as kernels
 
     cuda = torch.device("cuda", 0)
     assert pdl_args(torch.device("cpu")) == {"GDC": False}
@@ -281,7 +279,7 @@ def test_the_residual_kernels_can_be_launched_without_dependent_launch(monkeypat
     launch_pdl) while every other kernel keeps dependent launch (the launches recorded, on a GPU with it)."""
     from types import SimpleNamespace
 
-    from dflashkit.target import kernels
+    from dflashkit.infer.kernels import decoder as kernels
 
     launches: list[tuple[str, dict]] = []
 

@@ -1,4 +1,4 @@
-"""Every kernel launch of the "graphs-kernels" engine compiles for a Hopper GPU (sm_90), with and without
+"""Every kernel launch of the graphs engine's Triton layers compiles for a Hopper GPU (sm_90), with and without
 programmatic dependent launch, on a machine without a GPU.
 
 Triton's interpreter (the CPU tests) runs a kernel's Python and never meets what Triton's compiler refuses (a
@@ -22,8 +22,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from dflashkit.infer.tree_kernels import KERNELS as TREE_KERNELS  # noqa: E402
-from dflashkit.target.kernels import KERNELS, interpreting  # noqa: E402
+from dflashkit.infer.kernels.decoder import KERNELS, interpreting  # noqa: E402
+from dflashkit.infer.kernels.tree import KERNELS as TREE_KERNELS  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
@@ -123,26 +123,26 @@ class Recorder:
 
 def record_engine_launches(tmp_path, monkeypatch) -> list[dict]:
     """The launches of a kernels engine's warm-up with a tree budget, in float32 and bf16 (the interpreter)."""
-    from dflashkit.infer import tree_kernels
     from dflashkit.infer.graph_engine import GraphEngine
-    from dflashkit.target import kernels
+    from dflashkit.infer.kernels import decoder as kernels
+    from dflashkit.infer.kernels import tree as tree_kernels
     from dflashkit.target.hf import TargetModel
     from dflashkit.target.slot_decoder import SlotCache
     from test_graph_engine import tiny_pair
 
     records: list[dict] = []
     real = kernels._compiled()
-    source = "dflashkit.target.kernel_source"
+    source = "dflashkit.infer.kernels.decoder_source"
     recorders = {k: Recorder(source, f"{k}_kernel", getattr(real, k), records) for k in KERNELS}
     monkeypatch.setattr(kernels, "_compiled", lambda: SimpleNamespace(**recorders))
     for name in tree_kernels.KERNELS:
         fn = getattr(tree_kernels, name)
-        monkeypatch.setattr(tree_kernels, name, Recorder("dflashkit.infer.tree_kernels", name, fn, records))
+        monkeypatch.setattr(tree_kernels, name, Recorder("dflashkit.infer.kernels.tree", name, fn, records))
     tiny, drafter, _ = tiny_pair(tmp_path)
     for dtype in (torch.float32, torch.bfloat16):
         target = tiny if dtype == torch.float32 else TargetModel.load(tmp_path / "target", dtype=dtype)
         engine = GraphEngine(
-            target, drafter.to(dtype), capacity=64, graphs=False, compile="kernels", tree_budget=6
+            target, drafter.to(dtype), capacity=64, graphs=False, layers="triton", tree_budget=6
         )
         engine.warm_up()
         # kernel_tiles' variants off by default: split-K in the qkv and up kernels of 2 shares (the default's

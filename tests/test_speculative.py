@@ -6,13 +6,8 @@ import math
 import pytest
 import torch
 
-from dflashkit.infer.speculative import (
-    Sampling,
-    Stopper,
-    autoregressive_generate,
-    probabilities,
-    speculative_generate,
-)
+from dflashkit.infer.sampling import probabilities
+from dflashkit.infer.speculative import Sampling, Stopper, autoregressive_generate, speculative_generate
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
@@ -213,7 +208,7 @@ def test_the_tree_test_catches_a_walk_that_is_not_exact(tiny, monkeypatch):
     """The same test fails a walk that takes the drafter's best child whenever the target's sample is not
     among the children: the harness can see a wrong tree rule."""
     from dflashkit.infer import tree
-    from dflashkit.infer.engine import DynamicEngine
+    from dflashkit.infer.engine import ReferenceEngine
 
     def biased(self, t, choices):
         path, committed = tree.accepted_path(t, choices)
@@ -222,7 +217,7 @@ def test_the_tree_test_catches_a_walk_that_is_not_exact(tiny, monkeypatch):
             return [0, best], [t.tokens[best], committed[0]]
         return path, committed
 
-    monkeypatch.setattr(DynamicEngine, "walk", biased)  # the engine the harness decodes on
+    monkeypatch.setattr(ReferenceEngine, "walk", biased)  # the engine the harness decodes on
     target, drafter = tiny
     assert _two_token_p_value(target, drafter, "exact", tree_budget=5) < 1e-6
 

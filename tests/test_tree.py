@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dflashkit.infer.speculative import _exact
+from dflashkit.infer.round import _exact
 from dflashkit.infer.tree import (
     DraftTree,
     accepted_path,

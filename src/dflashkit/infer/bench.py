@@ -9,10 +9,8 @@ ratio. At T = 0 the rule is greedy; above 0 it is speculative rejection sampling
 "auto", at each T > 0 the proposal the set's ceilings expect more tokens from: `dflashkit.infer.ceilings`,
 measured on the set's first prompts and recorded beside the figures, where generate and eval read them). The fp32 lossless check decodes greedily in
 float32 (the run itself when it is float32, otherwise float32 copies of the target and drafter) and
-compares speculative and autoregressive output token for token; for an engine Inductor compiles it decodes
-on the same engine's eager steps (`lossless_engine`): the check is of the rounds, and compiling float32
-copies of every step costs more than a minute on the GPU before the first measurement (the compiled steps'
-float32 output is held to the dynamic engine's by the GPU tests); graphs-kernels checks its own kernels.
+compares speculative and autoregressive output token for token, on the run's own engine and layers (Triton
+layers check their own kernels).
 
 Multi-turn sets (MT-Bench) decode every turn, the next turn after the speculative reply to the last, as
 the paper's evaluation does; each turn's reply is one "response". Held-out records are decoded from each
@@ -50,7 +48,7 @@ SETS_DIR, EARLIER_DIR = "sets", "earlier"
 SUMMARY_TEMPERATURE = "0"
 # Room for a reply that is decoded to text and tokenized again inside the next turn's prompt.
 REPLY_SLACK = 16
-# Static engine capacities are rounded up to a multiple of this.
+# Graphs engine capacities are rounded up to a multiple of this.
 CAPACITY_STEP = 128
 
 
@@ -196,12 +194,13 @@ class Decoder:
     drafter: Any
     tokenizer: Any
     eos_ids: list[int]
-    engine: str = "dynamic"
+    engine: str = "reference"
+    layers: str = "torch"  # the graphs engine's layers
     max_new_tokens: int = 256
     enable_thinking: bool = False
     top_p: float = 1.0
     seed: int = 0
-    compile: bool | None = None  # static engine: compile its steps (None: on a GPU)
+    graphs: bool | None = None  # the graphs engine: capture its steps (None: on a GPU)
     tree_budget: int | None = None  # drafted nodes per tree round (None: chain rounds)
     sampled_trees: bool = True  # trees at T > 0 too (False: trees at T = 0, chains above: --tree-budget auto)
     draft_sampling: str = "marginal"  # a chain round's proposal at T > 0, or "auto": the ceilings' choice
@@ -221,7 +220,7 @@ class Decoder:
         )
 
     def capacity(self, bset: BenchSet) -> int:
-        """Positions a static engine needs for every response of the set: the longest prompt + new tokens +
+        """Positions a graphs engine needs for every response of the set: the longest prompt + new tokens +
         block, where a later turn's prompt is bounded by the rendered turns plus the earlier replies."""
         from dflashkit.infer.engine import round_width
 
@@ -237,13 +236,13 @@ class Decoder:
         return longest + self.max_new_tokens + round_width(B, self.tree_budget)
 
     def ready(self, capacity: int) -> Any:
-        """The engine to decode with: "dynamic", or a static engine of at least ``capacity`` positions
-        (built, and on a GPU compiled and warmed up, when none is held or the held one is too small; its
+        """The engine to decode with: "reference", or a graphs engine of at least ``capacity`` positions
+        (built and warmed up, on a GPU captured, when none is held or the held one is too small; its
         capacity rounded up to a multiple of CAPACITY_STEP, so that similar sets share one engine)."""
         from dflashkit.infer.engine import ready_engine
 
-        if self.engine == "dynamic":
-            return "dynamic"
+        if self.engine == "reference":
+            return "reference"
         if self._engine is None or self._engine.capacity < capacity:
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
             self._engine, warm = ready_engine(
@@ -251,12 +250,15 @@ class Decoder:
                 self.target,
                 self.drafter,
                 capacity=capacity,
-                compile=self.compile,
+                graphs=self.graphs,
                 tree_budget=self.tree_budget,
+                layers=self.layers,
             )
             if warm and self.console is not None:
                 steps = ", ".join(f"{name} {s:.1f} s" for name, s in warm.items())
-                self.console.print(f"{self.engine} engine: {capacity} positions; warmed up ({steps})")
+                self.console.print(
+                    f"{self.engine} engine ({self.layers} layers): {capacity} positions; warmed up ({steps})"
+                )
         return self._engine
 
     def warm_up(self, ids: list[int], temperatures: Sequence[float] = (0.0,)) -> None:
@@ -681,17 +683,6 @@ def write_outputs(
 
 # --------------------------------------------------------------------------------------------------
 # One set, every temperature
-
-
-def lossless_engine(engine: str) -> str:
-    """The engine of the fp32 lossless check for a run on ``engine``: its eager steps when it compiles them
-    with Inductor (the same rounds and steps, captured as CUDA graphs but not compiled), else the same engine:
-    graphs-kernels checks its own kernels (Triton compiles their float32 steps in seconds; a prompt's drafter
-    context, whose many-row float32 programs took minutes, goes through torch ops: ``write_prompt_context``)."""
-    from dflashkit.infer.engine import GRAPH_ENGINES  # which graphs engines compile their steps
-
-    inductor = GRAPH_ENGINES.get(engine) in (True, "layers")  # graphs-compiled, graphs-layers
-    return "graphs" if inductor else engine
 
 
 def lossless_result(bset: BenchSet, responses: list[Response], dtype: str, engine: str) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from dflashkit.infer.sampling import DraftSampling, Sampling, choose, new_genera
 from dflashkit.infer.tree import DraftTree, build_tree
 
 TOP_K = 4  # tree children per slot reported
-# A tree round of AUTO_TREE_BUDGET (15) nodes costs 1.156 chain rounds on the graphs-kernels engine (+15.6%, one
+# A tree round of AUTO_TREE_BUDGET (15) nodes costs 1.156 chain rounds on the graphs engine with Triton layers (+15.6%, one
 # H100, greedy: the comment at engine.AUTO_TREE_BUDGET); a sampled tree pays where its expected tokens a round
 # exceed the chain's by more.
 TREE_ROUND_COST = 1.156
@@ -158,7 +158,7 @@ def measure(
     the expected tokens are then those of a block of ``slots`` + 1."""
     D = drafter.config.block_size - 1 if slots is None else min(slots, drafter.config.block_size - 1)
     sums = SlotSums(D)
-    dec = make_engine("dynamic", target, drafter)
+    dec = make_engine("reference", target, drafter)
     gen = new_generator(s, target.device)
     eos = set(eos_ids)
     for prompt in prompts:

@@ -1,10 +1,21 @@
 """Decode engines: where the target and drafter passes of the decode loops run, and what they cache.
 
-The loops (``dflashkit.infer.speculative``) are the same for every engine. An engine answers these calls,
-for batch 1, and what passes from one call to the next is a value the loop holds, never hidden state:
+The loops (``dflashkit.infer.speculative``) are the same for every engine, and read top to bottom: an engine
+answers, for batch 1,
 
 - ``prefill(prompt)`` -> (logits [V] of the last prompt position, ``Context``): the target reads the
-  prompt; the context holds the prompt's features the drafter has not read yet.
+  prompt; the context holds the prompt's features the drafter has not read yet (also left in
+  ``engine.context``, where the next round reads it);
+- ``round(anchor, sampling, gen, tree_budget)`` -> ``Round``: one speculative round after the committed
+  token ``anchor``: draft, verify (the chain, or a tree of ``tree_budget`` drafted nodes), accept and keep;
+  its committed tokens and accepted path. The reference engine runs it as the separate calls below
+  (``round.separate_round``); the graphs engine as one captured step where one applies (a greedy chain or
+  tree, a sampled chain under the rejection rule, a sampled tree), else as the same separate calls;
+- ``next_token(token, sampling, gen)`` -> the next token [1] on the device: autoregressive decoding's step
+  (the target reads ``token``; the next one chosen from its logits).
+
+The separate calls of a round (``dflashkit.infer.round``), which pass values, never hidden state:
+
 - ``draft(context, anchor)`` -> logits [B-1, V]: the drafter reads ``context`` (target features of
   committed positions), then fills the block [anchor, MASK x (B-1)], the anchor at position
   ``context.end``; the logits are those of the B-1 drafted slots.
@@ -16,104 +27,83 @@ for batch 1, and what passes from one call to the next is a value the loop holds
 - ``verify_tree(tree)`` -> ``Verified``: the target reads the nodes of a ``DraftTree``
   (``dflashkit.infer.tree``) in one pass, node i at position start + depth(i), seeing the cache and its
   ancestors; logits and features per node.
+- ``walk(tree, choices)`` -> (path, tokens): the accepted path along the target's choices.
 - ``keep(verified, path)`` -> ``Context``: of the last verified tokens, keep the nodes ``path`` (increasing
   node ids, node 0 first; a chain keeps 0 .. n-1): the target cache ends as if exactly those tokens had been
   written after ``verified.start`` (a tree's K/V rows move down to consecutive positions), and their
   features are the drafter's next context.
 
-Engines:
+Engines (``--engine``):
 
-- ``"dynamic"`` (``DynamicEngine``, the default and the reference): transformers' DynamicCache, which
-  grows by concatenation and crops by slicing, the drafter's growing DraftCache, eager PyTorch. Any HF
-  target. On a GPU every step pays the launch of every kernel (~25-35 ms per target pass for the
-  embedded 30-layer target, whether 1 or 16 tokens).
-- ``"static"`` (``StaticEngine``): caches allocated once for ``capacity`` positions, crop by moving the
-  write position only (rows beyond are hidden by the causal/anchor masks and overwritten later), and
-  fixed-shape steps: the target at [1, 1] (a token), [1, B] (a block) and [1, N] (a tree of N nodes, when
-  built with ``tree_budget``), the drafter at [1, B] (up to B new context rows, then the draft block).
-  With ``compile=True`` each step compiles once per shape through ``CompiledRegion`` (CUDA graphs on a
-  GPU: one launch per step) during ``warm_up()``, and runs with compiles frozen after it. The prefill
-  (any prompt length) runs eagerly.
-- ``"graphs"`` (``GraphEngine``, ``dflashkit.infer.graph_engine``): the same preallocated caches and
-  fixed-shape steps, the tree step [1, N+1] included when built with ``tree_budget``, on the fused target
-  forward of ``dflashkit.target.slot_decoder``, each step captured once as a CUDA graph on a GPU.
-- ``"graphs-compiled"``: the graphs engine with its target and draft steps compiled by Inductor before
-  they are captured (fewer, fused kernels: a round of 1.17-1.28 instead of 1.51 autoregressive tokens on
-  the H200, benchmarks/RESULTS.md), through a portable compile cache under ``$DFLASHKIT_CACHE/compile`` (a
-  start of ~64 s cold, ~24 s with the cache, against 0.4 s eager), its chain steps precompiled beside the
-  cache and loaded whole by a later process (``dflashkit.runtime.precompiled``; not measured on a GPU yet).
-- ``"graphs-layers"``: the target compiled one decoder layer at a time (``slot_decoder.decode_by_layer``):
-  every layer is the same function of tensors of the same shapes (it ends with the next layer's input norm),
-  so one compile of one layer serves all of them, where a whole step unrolls every layer into one graph
-  (~25-30 s a target step shape cold on the H200); the one-token step's matmuls are written as reductions
-  (``slot_decoder.linear_as_reduction``) that Inductor fuses with the activation and the residual adds. The
-  step around the layers runs as it is, and the CUDA graph holds it all; the draft step (a few layers) is
-  compiled whole. On the H200 in bf16, side by side with the same target steps compiled whole (the retired
-  "graphs-fused"): a token 1.05 ms (1.03), the eight-token step 1.38 ms (1.44), the engine to its first
-  token 16 s cold instead of 60 (benchmarks/RESULTS.md, 2026-12-04; graphs-compiled's token: 1.43
-  ms).
-- ``"graphs-kernels"``: graphs-layers with the target's steps (a chain's and a tree's) and the draft step through
-  hand-written Triton kernels, six a layer (``dflashkit.target.kernels``, ``infer.draft_kernels``); GPU only (the CPU runs them in Triton's interpreter, for tests). Its
-  second version's one-token step was at par with graphs-layers' on the H200, its block step slower
-  (benchmarks/RESULTS.md, 2026-12-04): not ``auto``'s choice.
+- ``"reference"`` (``ReferenceEngine``): transformers' DynamicCache, which grows by concatenation and crops
+  by slicing, the drafter's growing DraftCache, eager PyTorch. Any HF target; readable. On a GPU every step
+  pays the launch of every kernel (~25-35 ms per target pass for the embedded 30-layer target, whether 1 or
+  16 tokens).
+- ``"graphs"`` (``GraphEngine``, ``dflashkit.infer.graph_engine``): preallocated caches and fixed-shape
+  steps on the fused target forward of ``dflashkit.target.slot_decoder``, each step captured once as a CUDA
+  graph on a GPU; its layers by torch or by our Triton kernels (``--layers torch|triton``,
+  ``dflashkit.infer.kernels``). Llama, Mistral, Qwen2 and Qwen3 targets.
 
-In fp32 greedy outputs and acceptance lengths are token for token the same on all engines (tested).
-In bf16 the engines round differently (the static engine's attention spans its whole capacity under a
-mask), so their outputs may part after a near tie, as bf16 speculative and AR outputs already do. An
-engine object holds the state of one generation at a time; reuse it for the next prompt (``prefill``
-starts afresh), not from two threads.
+``auto`` (``resolve_engine``, ``resolve_layers``) takes the graphs engine wherever its fused forward runs the
+target, and its layers by a recorded measurement for this device and target shape when one exists
+(``record_layers``: ``benchmarks/decode_steps.py`` writes one), else by the rule: Triton on a GPU for a
+command that decodes many prompts (bench, eval) where the kernels run the target, else torch.
+
+Names of earlier releases, for one release: ``dynamic`` is ``reference``, ``graphs-kernels`` is ``graphs``
+with Triton layers (each said in one line); ``static``, ``graphs-compiled`` and ``graphs-layers`` were
+retired (slower than ``graphs`` on every measured axis) and are refused in one line naming what to use.
+
+In fp32 greedy outputs and acceptance lengths are token for token the same on both engines (tested). In bf16
+the engines round differently (fused projections, FlashAttention), so their outputs may part after a near
+tie, as bf16 speculative and AR outputs already do. An engine object holds the state of one generation at a
+time; reuse it for the next prompt (``prefill`` starts afresh), not from two threads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import time
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dflashkit.errors import DflashkitError
-from dflashkit.infer.graph_engine import GraphEngine
-from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
+from dflashkit.infer.graph_engine import LAYERS, GraphEngine, WarmUp
+from dflashkit.infer.round import Context, Round, Verified, check_kept_path, kept_rows, separate_round
+from dflashkit.infer.sampling import Sampling, choose
 from dflashkit.infer.tree import DraftTree, accepted_path, build_tree
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.embedded import cache_root
 from dflashkit.target.hf import TargetModel
-from dflashkit.target.slot_decoder import check_supported
+from dflashkit.target.slot_decoder import attention_shape, check_supported
 
-ENGINES: tuple[str, ...] = (
-    "dynamic",
-    "static",
-    "graphs",
-    "graphs-compiled",
-    "graphs-layers",
-    "graphs-kernels",
-)
-# the graphs engines by name: which of their steps Inductor compiles before they are captured ("kernels": as
-# "layers", the chain's target steps through the decoder kernels)
-GRAPH_ENGINES: dict[str, bool | Literal["layers", "kernels"]] = {
-    "graphs": False,
-    "graphs-compiled": True,
-    "graphs-layers": "layers",
-    "graphs-kernels": "kernels",
+ENGINES: tuple[str, ...] = ("reference", "graphs")
+ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINES)  # what --engine takes (and the old names below)
+LAYER_CHOICES: tuple[str, ...] = ("auto", *LAYERS)  # what --layers takes
+# names of earlier releases: still taken for one release, each said in one line
+RENAMED: dict[str, tuple[str, str | None]] = {
+    "dynamic": ("reference", None),
+    "graphs-kernels": ("graphs", "triton"),
 }
-ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINES)  # what --engine takes
-WARM_CALLS_GRAPHED = 3  # a CUDA-graph region warms, records, then replays: all three before freezing
+RETIRED = ("static", "graphs-compiled", "graphs-layers")
 
 
 class Engine(Protocol):
     name: str
     target: TargetModel
     drafter: DFlashDrafter | None
+    context: Context | None  # what the drafter has not read yet: left by prefill() and keep()
 
     def reserve(self, prompt_len: int, max_new_tokens: int, width: int | None = None) -> None: ...
     def prefill(self, prompt: Tensor) -> tuple[Tensor, Context]: ...
+    def round(
+        self, anchor: int, s: Sampling, gen: torch.Generator | None, tree_budget: int | None = None
+    ) -> Round: ...
+    def next_token(self, token: Tensor, s: Sampling, gen: torch.Generator | None) -> Tensor: ...
     def draft(self, context: Context, anchor: int) -> Tensor: ...
     def verify(self, ids: Tensor) -> Verified: ...
     def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree: ...
@@ -146,14 +136,14 @@ def _need_drafter(engine: Engine) -> DFlashDrafter:
 
 
 # --------------------------------------------------------------------------------------------------
-# dynamic
+# reference
 
 
-class DynamicEngine:
+class ReferenceEngine:
     """Growing caches, eager passes: the reference engine (any HF target, any drafter object with
     ``new_cache()`` and ``draft(...)``)."""
 
-    name = "dynamic"
+    name = "reference"
 
     def __init__(
         self,
@@ -169,6 +159,7 @@ class DynamicEngine:
         self._tcache = target.new_cache()
         self._dcache: Any = None
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
+        self.context: Context | None = None
 
     def reserve(self, prompt_len: int, max_new_tokens: int, width: int | None = None) -> None:
         """Growing caches: any length fits."""
@@ -178,7 +169,18 @@ class DynamicEngine:
         self._dcache = self.drafter.new_cache() if self.drafter is not None else None
         self._open = None
         logits, feats = self.target.forward_step(prompt, self._tcache, self.layer_ids, all_logits=False)
-        return logits[0, -1], Context(feats, 0)
+        self.context = Context(feats, 0)
+        return logits[0, -1], self.context
+
+    def round(
+        self, anchor: int, s: Sampling, gen: torch.Generator | None, tree_budget: int | None = None
+    ) -> Round:
+        """One round as the separate calls below (``round.separate_round``)."""
+        return separate_round(self, anchor, s, gen, tree_budget)
+
+    def next_token(self, token: Tensor, s: Sampling, gen: torch.Generator | None) -> Tensor:
+        """The target reads ``token`` (nothing to keep: every token is committed); the next one chosen."""
+        return choose(self.verify(token.view(1, 1)).logits[-1], s, gen)
 
     def draft(self, context: Context, anchor: int) -> Tensor:
         drafter = _need_drafter(self)
@@ -226,247 +228,32 @@ class DynamicEngine:
         check_kept_path(verified, self._open, path)
         self._open = None
         self._tcache.keep_rows(verified.start, path)
-        return Context(kept_rows(verified.features, path), verified.start)
+        self.context = Context(kept_rows(verified.features, path), verified.start)
+        return self.context
 
 
 # --------------------------------------------------------------------------------------------------
-# static
+# choosing and building an engine
 
 
-class StaticEngine:
-    """Preallocated caches and fixed-shape steps, compiled once per shape with ``compile=True``.
-
-    ``capacity`` bounds prompt + new tokens + the widest round (``reserve`` checks each generation against
-    it). ``tree_budget``: the node budget of the trees this engine will verify, so that ``warm_up`` compiles
-    their step too. Build one per (target, drafter, capacity) and reuse it: a new engine means new buffers,
-    and compiled steps and CUDA graphs are tied to buffer addresses.
-    """
-
-    name = "static"
-
-    def __init__(
-        self,
-        target: TargetModel,
-        drafter: DFlashDrafter | None = None,
-        *,
-        capacity: int,
-        layer_ids: Sequence[int] | None = None,
-        compile: bool = False,
-        backend: str = "sdpa",
-        tree_budget: int | None = None,
-    ):
-        from dflashkit.runtime.compiled_region import graph_mode
-
-        if backend not in ("sdpa", "eager"):
-            raise DflashkitError(f"the static engine drafts on the sdpa or eager backend, not {backend!r}")
-        self.target, self.drafter, self.backend = target, drafter, backend
-        self.capacity = capacity
-        self.layer_ids = _layer_ids(drafter, layer_ids)
-        self.block_size = _block_size(drafter)
-        self.tree_budget = tree_budget or None
-        dev = target.device
-        self._tcache = target.new_static_cache(capacity)
-        self._dcache = drafter.new_static_cache(capacity) if drafter is not None else None
-        self._block = torch.full((1, self.block_size), self._mask_id(), dtype=torch.long, device=dev)
-        self._length = 0  # positions held by the target cache: the next write goes here
-        self._open: Verified | None = None  # the last verify, until keep() settles the caches
-        self.compiled = compile
-        self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
-        self.mode = graph_mode(dev) if compile else None
-        self._target_step: Callable[..., tuple[Tensor, Tensor]] = self._target_block
-        self._tree_step: Callable[..., tuple[Tensor, Tensor]] = self._target_tree
-        self._draft_step: Callable[..., Tensor] = self._draft_block
-        if compile:
-            self._target_step = self._region(self._target_block, "the static engine's target step")
-            self._tree_step = self._region(self._target_tree, "the static engine's tree step")
-            self._draft_step = self._region(self._draft_block, "the static engine's draft step")
-
-    def _region(self, step: Callable[..., Any], name: str) -> Callable[..., Any]:
-        from dflashkit.runtime.compiled_region import CompiledRegion
-
-        return CompiledRegion(
-            step, name, mode=self.mode, warm_with="StaticEngine.warm_up()", off_switch="--engine dynamic"
+def parse_engine(name: str, layers: str = "auto") -> tuple[str, str, str | None]:
+    """``--engine`` and ``--layers`` as given -> (engine: "auto" or one of ENGINES, layers, a one-line note
+    for a name of an earlier release, else None). A retired engine is refused in one line naming what to use."""
+    if name in RETIRED:
+        raise DflashkitError(
+            f"the {name} decode engine was retired (slower than the graphs engine on every measured axis): "
+            "use --engine graphs (--layers torch or triton), or --engine auto"
         )
-
-    def _positions(self, start: int, t: int) -> Tensor:
-        """Positions [1, t] from ``start``: every step input is made this one way (a compiled step is
-        specialised on its inputs' strides too)."""
-        return torch.arange(start, start + t, device=self.target.device)[None]
-
-    def _mask_id(self) -> int:
-        return self.drafter.config.mask_token_id if self.drafter is not None else 0
-
-    # --- the steps (fixed shapes; compiled when compile=True) -----------------------------------
-
-    def _target_block(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """The target over ids [1, t] at positions [1, t]: logits [t, V] and features [1, t, n*H]."""
-        return self.target.walk(ids, positions, self._tcache, self.layer_ids)
-
-    def _target_tree(self, ids: Tensor, positions: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """The target over the nodes of a tree (ids [1, N], rotary positions [1, N]: root + depth) under
-        the additive mask [1, 1, N, capacity]: logits [N, V] and features [1, N, n*H]."""
-        return self.target.walk(ids, positions, self._tcache, self.layer_ids, mask=mask)
-
-    def _draft_block(
-        self, rows: Tensor, row_positions: Tensor, block: Tensor, block_positions: Tensor
-    ) -> Tensor:
-        """Write context rows (features [1, B, n*H] at their positions; those at or beyond the anchor are
-        padding, hidden by the mask and overwritten later), then draft the block. Returns the logits
-        [B-1, V] of the drafted slots."""
-        drafter = _need_drafter(self)
-        assert self._dcache is not None
-        drafter.write_context(rows, row_positions, self._dcache)
-        hidden = drafter.draft_block(self.target.embed(block), block_positions, self._dcache, self.backend)
-        return self.target.lm_head(hidden[:, 1:])[0]
-
-    # --- the engine calls -----------------------------------------------------------------------
-
-    def reserve(self, prompt_len: int, max_new_tokens: int, width: int | None = None) -> None:
-        """Refuse a generation the preallocated caches cannot hold, before anything runs. ``width``: the
-        positions one round writes (``round_width``; default the block)."""
-        width = max(width or 0, self.block_size)
-        need = prompt_len + max_new_tokens + width
-        if need > self.capacity:
-            raise DflashkitError(
-                f"the static engine holds {self.capacity} positions, but a prompt of {prompt_len} tokens + "
-                f"max_new_tokens {max_new_tokens} + a round of {width} needs {need}: build it with "
-                f"capacity >= {need} (eval sizes it from the prompts; generate from --max-new-tokens and "
-                "the prompt), shorten the prompt or max_new_tokens, or use --engine dynamic"
-            )
-
-    def prefill(self, prompt: Tensor) -> tuple[Tensor, Context]:
-        """The prompt, eagerly; the drafter reads the prompt's features here too (any length), so the
-        context handed back is empty."""
-        P = prompt.shape[1]
-        positions = torch.arange(P, device=prompt.device)[None]
-        logits, feats = self.target.walk(prompt, positions, self._tcache, self.layer_ids, last_only=True)
-        self._length = P
-        self._open = None
-        if self.drafter is not None:
-            assert self._dcache is not None
-            self.drafter.write_context(feats, positions, self._dcache)
-        return logits[0], Context(feats[:, :0], P)
-
-    def draft(self, context: Context, anchor: int) -> Tensor:
-        _need_drafter(self)
-        B = self.block_size
-        rows = context.features
-        if rows.shape[1] > B:
-            raise ValueError(
-                f"the static engine's draft step reads at most {B} context rows, got {rows.shape[1]}"
-            )
-        rows = F.pad(rows, (0, 0, 0, B - rows.shape[1]))  # padding rows sit at the anchor and beyond: masked
-        self._block[0, 0] = anchor
-        with self._frozen():
-            return self._draft_step(
-                rows, self._positions(context.start, B), self._block, self._positions(context.end, B)
-            )
-
-    def verify(self, ids: Tensor) -> Verified:
-        t = ids.shape[1]
-        if t not in (1, self.block_size):
-            raise ValueError(f"the static engine's target steps take 1 or {self.block_size} tokens, got {t}")
-        self._check_room(t)
-        with self._frozen():
-            logits, feats = self._target_step(ids, self._positions(self._length, t))
-        self._open = Verified(logits, feats, self._length)
-        self._length += t
-        return self._open
-
-    def build_tree(self, anchor: int, probs: Tensor, budget: int) -> DraftTree:
-        return build_tree(anchor, probs, budget)
-
-    def walk(self, tree: DraftTree, choices: Tensor) -> tuple[list[int], list[int]]:
-        return accepted_path(tree, choices)
-
-    def verify_tree(self, tree: DraftTree) -> Verified:
-        dev = self.target.device
-        n, start = len(tree), self._length
-        self._check_room(n)
-        visible = torch.arange(self.capacity, device=dev)[None, :] < start  # the cache ...
-        visible = visible.expand(n, -1).clone()
-        visible[:, start : start + n] = tree.ancestor_mask(dev)  # ... and each node's ancestors
-        with self._frozen():
-            logits, feats = self._tree_step(
-                tree.ids(dev), tree.positions(start, dev), self.target.tree_mask(visible)
-            )
-        self._open = Verified(logits, feats, start)
-        self._length += n
-        return self._open
-
-    def _check_room(self, t: int) -> None:
-        if self._length + t > self.capacity:
-            raise DflashkitError(
-                f"the static engine's cache of {self.capacity} positions is full; reserve() first"
-            )
-
-    def keep(self, verified: Verified, path: Sequence[int]) -> Context:
-        n = check_kept_path(verified, self._open, path)
-        self._open = None
-        self._tcache.keep_rows(verified.start, path)
-        self._length = verified.start + n  # the next step writes from here; rows beyond are masked until then
-        return Context(kept_rows(verified.features, path), verified.start)
-
-    # --- warm-up --------------------------------------------------------------------------------
-
-    def warm_up(self) -> dict[str, float]:
-        """Compile every step shape now, serially under COMPILE_LOCK (a CUDA-graph step is also recorded
-        and replayed once). Afterwards each compiled step runs inside `frozen_compiles()`: a shape that
-        was not warmed is an error, never a compile. Returns seconds per step shape. Without compile:
-        a no-op."""
-        from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen
-
-        if not self.compiled:
-            return {}
-        dev = self.target.device
-        calls = WARM_CALLS_GRAPHED if self.mode == "reduce-overhead" else 1
-        B = self.block_size
-        steps: dict[str, Callable[[], Any]] = {"target [1, 1]": lambda: self._warm_target(1)}
-        if B > 1:
-            steps[f"target [1, {B}]"] = lambda: self._warm_target(B)
-        if self.drafter is not None:
-            steps[f"draft [1, {B}]"] = self._warm_draft
-        if self.tree_budget:
-            steps[f"target tree [1, {self.tree_budget + 1}]"] = self._warm_tree
-        seconds: dict[str, float] = {}
-        # under no_grad, as the decode loops run: grad mode is part of every graph's guards
-        with COMPILE_LOCK, torch.no_grad():
-            check_not_frozen("the static engine's warm-up")
-            for name, step in steps.items():
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    step()  # a step that fails to compile raises one line (the region's)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                seconds[name] = time.perf_counter() - t0
-        self._warm = True
-        return seconds
-
-    def _frozen(self) -> contextlib.AbstractContextManager[Any]:
-        """Compiles frozen around a warmed engine's compiled step."""
-        from dflashkit.runtime.compile import frozen_compiles
-
-        return frozen_compiles() if self._warm else contextlib.nullcontext()
-
-    def _warm_target(self, t: int) -> None:
-        ids = torch.zeros(1, t, dtype=torch.long, device=self.target.device)
-        self._target_step(ids, self._positions(0, t))
-
-    def _warm_tree(self) -> None:
-        assert self.tree_budget
-        n, dev = self.tree_budget + 1, self.target.device
-        ids = torch.zeros(1, n, dtype=torch.long, device=dev)
-        visible = torch.arange(self.capacity, device=dev)[None, :] <= torch.arange(n, device=dev)[:, None]
-        self._tree_step(ids, self._positions(0, n), self.target.tree_mask(visible))
-
-    def _warm_draft(self) -> None:
-        width = len(self.layer_ids) * self.target.hidden_size
-        rows = torch.zeros(1, self.block_size, width, dtype=self.target.dtype, device=self.target.device)
-        B = self.block_size
-        self._draft_step(rows, self._positions(0, B), self._block, self._positions(B, B))
-
-
-# --------------------------------------------------------------------------------------------------
+    if name in RENAMED:
+        new, new_layers = RENAMED[name]
+        said = f"--engine {new}" + (f" --layers {new_layers}" if new_layers else "")
+        note = f"--engine {name} is now {said}; the old name is taken for this release only"
+        return new, new_layers or layers, note
+    if name not in ENGINE_CHOICES:
+        raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
+    if layers not in LAYER_CHOICES:
+        raise DflashkitError(f"unknown --layers {layers!r}; choose one of {', '.join(LAYER_CHOICES)}")
+    return name, layers, None
 
 
 def make_engine(
@@ -476,84 +263,147 @@ def make_engine(
     *,
     capacity: int | None = None,
     layer_ids: Sequence[int] | None = None,
-    compile: bool = False,
+    graphs: bool = False,
     backend: str = "sdpa",
     tree_budget: int | None = None,
+    layers: str = "torch",
 ) -> Engine:
-    """An engine by name (one of ``ENGINES``; all but "dynamic" need
-    ``capacity``), or ``name`` itself when it already is an engine (checked to serve this target and
-    drafter). ``compile``: static, compile its steps; graphs, capture them (the graphs engines compile the
-    steps their name says whatever ``compile`` says, and capture them with it)."""
+    """An engine by name (one of ``ENGINES``; "graphs" needs ``capacity``), or ``name`` itself when it already
+    is an engine (checked to serve this target and drafter). ``graphs``: the graphs engine captures its steps
+    (a GPU); ``layers``: its layers by "torch" or "triton" (with a kernel cache file of their binaries)."""
     if not isinstance(name, str):
         if name.target is not target or (drafter is not None and name.drafter is not drafter):
             raise DflashkitError(f"this {name.name} engine was built for another target or drafter")
         return name
-    if name == "dynamic":
-        return DynamicEngine(target, drafter, layer_ids=layer_ids, backend=backend)
-    if name == "static":
-        if capacity is None:
-            raise ValueError("a static engine needs its capacity (prompt + max_new_tokens + round)")
-        return StaticEngine(
-            target,
-            drafter,
-            capacity=capacity,
-            layer_ids=layer_ids,
-            compile=compile,
-            backend=backend,
-            tree_budget=tree_budget,
-        )
-    if name in GRAPH_ENGINES:
+    name, layers, _ = parse_engine(name, layers)
+    if name == "reference":
+        return ReferenceEngine(target, drafter, layer_ids=layer_ids, backend=backend)
+    if name == "graphs":
         if capacity is None:
             raise ValueError("a graphs engine needs its capacity (prompt + max_new_tokens + block)")
-        steps_compiled = GRAPH_ENGINES[name]
+        triton = layers == "triton"
         return GraphEngine(
             target,
             drafter,
             capacity=capacity,
             layer_ids=layer_ids,
-            graphs=compile,
-            compile=steps_compiled,
-            compile_cache=compile_cache_path(target, drafter, capacity, layer_ids, steps_compiled)
-            if steps_compiled
-            else None,
+            graphs=graphs,
+            layers="triton" if triton else "torch",
+            kernel_cache=kernel_cache_path(target, drafter, capacity, layer_ids) if triton else None,
             tree_budget=tree_budget,
         )
-    raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINES)}")
+    raise DflashkitError(f"--engine {name} is chosen by resolve_engine() first")
 
 
-def resolve_engine(
-    name: str, target: TargetModel, tree_budget: int | None = None, *, long_run: bool = False
-) -> str:
-    """ "auto" is the fastest lossless engine for this target: the graphs engine for the decoder families
-    its fused forward reproduces exactly, chain and tree rounds alike (``tree_budget``: its tree step is
-    built for that budget), on a GPU (its steps captured) and on the CPU (eager: a round of the embedded
-    target cost 2.72 autoregressive tokens against the dynamic engine's 3.11, benchmarks/RESULTS.md); else
-    "dynamic" (the reference, any target). On a GPU, a ``long_run`` (a command that measures speed over
-    many prompts: bench, eval) takes an engine whose start is paid once, outside the measured decoding:
-    "graphs-kernels" (every step through hand-written Triton kernels, nothing compiled by Inductor: its
-    one-token step 0.70x, its round 0.74x and a 31-node tree round 0.78x graphs-layers' side by side, its
-    start 10.9 s against 21.2; benchmarks/RESULTS.md, 2026-12-05), or "graphs-layers" where the kernels
-    cannot run the target (``kernels.unsupported_shape``) or Triton is missing. A short one (generate) takes
-    "graphs", which starts in under a second."""
+def resolve_engine(name: str, target: TargetModel) -> str:
+    """ "auto" is the fastest lossless engine for this target: the graphs engine for the decoder families its
+    fused forward reproduces exactly, chain and tree rounds alike, on a GPU (its steps captured) and on the CPU
+    (eager: a round of the embedded target cost 2.72 autoregressive tokens against the reference engine's
+    3.11, benchmarks/RESULTS.md); else "reference" (any target)."""
     if name != "auto":
         return name
     try:
         check_supported(target.config)
     except DflashkitError:
-        return "dynamic"
-    if not long_run or target.device.type != "cuda":
-        return "graphs"
-    from dflashkit.target.kernels import triton_missing, unsupported_shape
-    from dflashkit.target.slot_decoder import attention_shape
+        return "reference"
+    return "graphs"
 
-    if triton_missing() or unsupported_shape(attention_shape(target.config)[2], target.dtype):
-        return "graphs-layers"
-    return "graphs-kernels"
+
+def resolve_layers(
+    layers: str, engine: str, target: TargetModel, *, long_run: bool = False
+) -> tuple[str, str]:
+    """The graphs engine's layers and one line that says why. "auto": the layers recorded faster for this
+    device and target shape (``record_layers``) when a record exists, else the rule: on a GPU, a ``long_run``
+    (a command that measures speed over many prompts: bench, eval) takes "triton", whose start (Triton's
+    compile of its kernels, ~11 s, or their binaries from the kernel cache) is paid once outside the measured
+    decoding (every step through our kernels: the one-token step 0.70x, the round 0.74x and a 31-node tree
+    round 0.78x those of the target compiled layer by layer by Inductor, side by side on one H100; RESULTS),
+    where the kernels run the target and Triton is there; else "torch", which starts in under a second. The
+    reference engine has no layers to choose ("torch")."""
+    if engine != "graphs":
+        return "torch", ""
+    if layers != "auto":
+        return layers, f"layers: {layers} (--layers {layers})"
+    record = recorded_layers(target)
+    if record is not None:
+        ms = ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(record.get("round_ms", {}).items()))
+        when = " ".join(str(record[k]) for k in ("date", "commit") if record.get(k))
+        return record["layers"], (
+            f"layers: {record['layers']} (--layers auto: a round measured {ms} on this device and target"
+            f"{', ' + when if when else ''}; {layers_record_path()})"
+        )
+    from dflashkit.infer.kernels.decoder import triton_missing, unsupported_shape
+
+    if target.device.type != "cuda":
+        return "torch", "layers: torch (--layers auto: the Triton kernels run on a GPU only)"
+    if not long_run:
+        return (
+            "torch",
+            "layers: torch (--layers auto: a short run, which Triton's compile of its kernels would slow)",
+        )
+    why = triton_missing() or unsupported_shape(attention_shape(target.config)[2], target.dtype)
+    if why:
+        return "torch", f"layers: torch (--layers auto: the Triton kernels cannot run here: {why})"
+    return (
+        "triton",
+        "layers: triton (--layers auto: the rule on a GPU for many prompts; no measurement recorded)",
+    )
+
+
+def layers_record_path() -> Path:
+    """Where ``record_layers`` keeps the measured choice of layers per device and target shape."""
+    return cache_root() / "layers.json"
+
+
+def layers_key(target: TargetModel) -> str:
+    """A device and target shape, as ``record_layers`` files them: the GPU's name (or "cpu"), the decoder's
+    family and dimensions, and the dtype."""
+    dev = target.device
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    c = target.config
+    heads, kv_heads, head_dim = attention_shape(c)
+    shape = (
+        f"{getattr(c, 'model_type', '?')} layers {c.num_hidden_layers} hidden {c.hidden_size} "
+        f"heads {heads}/{kv_heads}x{head_dim} mlp {getattr(c, 'intermediate_size', '?')} vocab {c.vocab_size}"
+    )
+    return f"{device} | {shape} | {str(target.dtype).removeprefix('torch.')}"
+
+
+def recorded_layers(target: TargetModel) -> dict[str, Any] | None:
+    """The record of ``record_layers`` for this target's device and shape (None: none, or no readable file)."""
+    try:
+        records = json.loads(layers_record_path().read_text())
+    except (OSError, ValueError):
+        return None
+    record = records.get(layers_key(target)) if isinstance(records, dict) else None
+    return record if isinstance(record, dict) and record.get("layers") in LAYERS else None
+
+
+def record_layers(target: TargetModel, round_ms: dict[str, float], **measured: Any) -> dict[str, Any]:
+    """Record which layers ran a round faster on this device and target (``round_ms``: both layers' round
+    time, measured side by side), for ``--layers auto``; ``measured``: when and where (date, commit). Written
+    atomically into ``layers_record_path()``; returns the record."""
+    if set(round_ms) != set(LAYERS):
+        raise ValueError(
+            f"record_layers takes the round of both layers ({', '.join(LAYERS)}), got {list(round_ms)}"
+        )
+    path = layers_record_path()
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        records = {}
+    record = {"layers": min(round_ms, key=round_ms.__getitem__), "round_ms": round_ms, **measured}
+    records[layers_key(target)] = record
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return record
 
 
 # The node budget `--tree-budget auto` takes where trees pay: a tree of 15 and its root fill the kernels'
 # 16-row tiles (a 31-node tree doubles every matmul's tile: its round +41.9% over the chain's against +15.6%).
-# Measured side by side on one H100 (benchmarks/RESULTS.md, 2026-12-05; a block-8 drafter, greedy):
+# Measured side by side on one H100 (benchmarks/RESULTS.md, 2026-12-05; a block-8 drafter, greedy, Triton layers):
 # speedup 2.23/2.48/2.36/2.42x against the chain's 1.97/2.14/2.13/2.26x on MT-Bench/GSM8K/HumanEval/held-out.
 AUTO_TREE_BUDGET = 15
 # the block sizes measured: 8, and 16 (a block-16 drafter, trees of 15 against its chain, 40 prompts a set, one
@@ -562,41 +412,42 @@ AUTO_TREE_MAX_BLOCK = 16
 
 
 def resolve_tree_budget(
-    requested: int | None, engine: str, block_size: int, temperature: float, sampled_trees: bool = False
+    requested: int | None,
+    engine: str,
+    layers: str,
+    block_size: int,
+    temperature: float,
+    sampled_trees: bool = False,
 ) -> int:
     """The drafted nodes a round verifies (0: the chain). ``requested`` None is `--tree-budget auto`: trees of
-    AUTO_TREE_BUDGET nodes where they were measured faster than the chain (greedy decoding on the
-    graphs-kernels engine with a block of at most AUTO_TREE_MAX_BLOCK; at T > 0 only where a recorded
+    AUTO_TREE_BUDGET nodes where they were measured faster than the chain (greedy decoding on the graphs
+    engine with Triton layers and a block of at most AUTO_TREE_MAX_BLOCK; at T > 0 only where a recorded
     measurement says so, ``sampled_trees``: `ceilings.sampled_trees_pay`), else the chain: at T = 1 a sampled
-    tree accepted no more than the chain (1.68 against 1.73 on MT-Bench, benchmarks/RESULTS.md,
-    2026-12-05), and on the other engines a tree's round costs more than its tau gains. A number is taken as given."""
+    tree accepted no more than the chain (1.68 against 1.73 on MT-Bench, benchmarks/RESULTS.md, 2026-12-05),
+    and elsewhere a tree's round costs more than its tau gains. A number is taken as given."""
     if requested is not None:
         return requested
     measured = temperature == 0 or sampled_trees
-    trees_pay = engine == "graphs-kernels" and measured and block_size <= AUTO_TREE_MAX_BLOCK
-    return AUTO_TREE_BUDGET if trees_pay else 0
+    trees_pay = engine == "graphs" and layers == "triton" and measured
+    return AUTO_TREE_BUDGET if trees_pay and block_size <= AUTO_TREE_MAX_BLOCK else 0
 
 
-def compile_cache_path(
-    target: TargetModel,
-    drafter: Any,
-    capacity: int,
-    layer_ids: Sequence[int] | None = None,
-    steps: bool | Literal["layers", "kernels"] = True,
+def kernel_cache_path(
+    target: TargetModel, drafter: Any, capacity: int, layer_ids: Sequence[int] | None = None
 ) -> Path:
-    """The portable compile cache of a compiling graphs engine: one file per target, dtype, drafter shape,
-    capacity (the compiled steps' shapes) and compiled steps (``steps``: all or "layers"), under
-    ``$DFLASHKIT_CACHE/compile``; the file itself checks the environment (``dflashkit.runtime.compile_cache``)."""
+    """The file of the Triton kernels' compiled binaries of a graphs engine with Triton layers: one per
+    target, dtype, drafter shape and capacity, under ``$DFLASHKIT_CACHE/compile`` (the name earlier releases
+    gave it, so their files serve); the file itself checks the environment (``dflashkit.runtime.triton_cache``)."""
     shape = {
         "target": target.name,
         "dtype": str(target.dtype),
         "capacity": capacity,
         "drafter": drafter.config.model_dump() if drafter is not None else None,
         "layer_ids": list(layer_ids) if layer_ids is not None else None,
-        **({} if steps is True else {"steps": steps}),  # all steps: the key of earlier files
+        "steps": "kernels",
     }
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return cache_root() / "compile" / f"graphs-{digest}.cache"
+    return cache_root() / "compile" / f"graphs-{digest}.cache.triton"
 
 
 def ready_engine(
@@ -605,24 +456,21 @@ def ready_engine(
     drafter: DFlashDrafter | None,
     *,
     capacity: int,
-    compile: bool | None = None,
+    graphs: bool | None = None,
     tree_budget: int | None = None,
-) -> tuple[str | Engine, dict[str, float]]:
-    """What the commands and benchmarks decode with: "dynamic" (an engine per call), or one static or
-    graphs engine of this capacity, compiled and warmed up (compiles then frozen; graphs: captured) when
-    ``compile`` is True, or None and the target is on a GPU; ``tree_budget``: its tree step is warmed up
+    layers: str = "torch",
+) -> tuple[str | Engine, WarmUp]:
+    """What the commands and benchmarks decode with: "reference" (an engine per call), or one graphs engine
+    of this capacity and ``layers``, warmed up (its steps captured when ``graphs`` is True, or None and the
+    target is on a GPU; Triton layers: their kernels compiled); ``tree_budget``: its tree step is warmed up
     too. Returns it and the warm-up seconds per step shape."""
-    name = resolve_engine(name, target, tree_budget)
-    if name not in ENGINES:
-        raise DflashkitError(f"unknown decode engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
-    if name == "dynamic":
-        return name, {}
-    if compile is None:
-        compile = target.device.type == "cuda"
-    if name in GRAPH_ENGINES:
-        graph_engine = make_engine(
-            name, target, drafter, capacity=capacity, compile=compile, tree_budget=tree_budget
-        )
-        return graph_engine, graph_engine.warm_up()
-    engine = StaticEngine(target, drafter, capacity=capacity, compile=compile, tree_budget=tree_budget)
+    name = resolve_engine(name, target)
+    if name == "reference":
+        return name, WarmUp()
+    if graphs is None:
+        graphs = target.device.type == "cuda"
+    engine = make_engine(
+        name, target, drafter, capacity=capacity, graphs=graphs, tree_budget=tree_budget, layers=layers
+    )
+    assert isinstance(engine, GraphEngine)
     return engine, engine.warm_up()

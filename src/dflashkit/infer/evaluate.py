@@ -62,7 +62,7 @@ class EvalReport:
     speedup: float | None
     lossless: bool | None
     results: list[PromptResult] = field(default_factory=list)
-    engine: str = "dynamic"  # the decode engine both loops ran on
+    engine: str = "reference"  # the decode engine both loops ran on
     tree_budget: int | None = None  # drafted nodes per tree round (None: chain rounds)
     dtype: str = ""  # of the target and drafter the figures were measured with
     # the greedy check when it ran on float32 copies (a bf16 run): its dtype, prompts, tau and speedup
@@ -134,7 +134,7 @@ def evaluate(
     backend: str = "sdpa",
     progress: Any = None,
     names: tuple[str, str] = ("drafter", "target"),
-    engine: str | Engine = "dynamic",
+    engine: str | Engine = "reference",
     tree_budget: int | None = None,
 ) -> EvalReport:
     """Decode every prompt speculatively (and autoregressively for the baseline/lossless check), both on

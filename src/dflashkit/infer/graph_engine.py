@@ -1,15 +1,15 @@
 """The ``"graphs"`` decode engine: the target as plain fused tensor operations, each step one CUDA graph.
 
-The ``"static"`` engine runs transformers' decoder layers through torch.compile: every process compiles for
-about a minute before its first token, and a one-token step still launches the many small kernels of the
-library's layer code. This engine runs the target with ``dflashkit.target.slot_decoder`` (the forward that
-``prepare`` generates with): the query, key and value projections fused into one matmul, gate and up into
-another, rotary as one complex multiplication of queries and keys together, the residual adds inside the
-output matmuls, and FlashAttention reading the cache up to the tokens it holds. Nothing is compiled: on a
-GPU each step shape is captured once as a CUDA graph (about a second for all of them) and replayed, so a
-step costs one launch from the host.
+The target runs through ``dflashkit.target.slot_decoder`` (the forward that ``prepare`` generates with): the
+query, key and value projections fused into one matmul, gate and up into another, rotary as one complex
+multiplication of queries and keys together, the residual adds inside the output matmuls, and FlashAttention
+reading the cache up to the tokens it holds. Nothing is compiled by Inductor: on a GPU each step shape is
+captured once as a CUDA graph (``dflashkit.runtime.cuda_graph``; about a second for all of them) and replayed,
+so a step costs one launch from the host. Its layers run by torch (``layers="torch"``) or through our Triton
+kernels (``layers="triton"``, ``dflashkit.infer.kernels``: six launches a layer, the draft step and a tree
+round's small steps a kernel each).
 
-Steps (fixed shapes, as the static engine's):
+Steps (fixed shapes):
 
 - target [1, 1] and [1, B]: write the tokens' keys and values at the engine's length, return their logits
   (float32) and, for a block, the features of the drafter's target layers;
@@ -19,8 +19,8 @@ Steps (fixed shapes, as the static engine's):
   (B-1)] over the drafter's cache in place;
 - greedy round [1, B]: the draft step, the target step over [anchor, drafts], the acceptance (drafts
   kept while they equal the target's argmax) and the next round's state (its context rows, block start and
-  anchor), as one step: a greedy chain round is one replay and one copy to the host (`greedy_round`;
-  ``speculative_generate`` uses it at T=0, unless ``fused_rounds`` is False; a tree's: below);
+  anchor), as one step: a greedy chain round is one replay and one copy to the host (`round`, unless
+  ``fused_rounds`` is False; a tree's: below);
 - next token [1, 1] (one per temperature and top-p, captured on its first call): autoregressive decoding's
   step, the target step and the next token chosen on the device (`next_token`);
 - sampled round [1, B] (one per temperature, top-p and proposal, captured on its first call): the same at
@@ -40,31 +40,21 @@ Steps (fixed shapes, as the static engine's):
   of one tensor), so the caches are a chain's. A path that is the tree's first nodes (0 .. k-1) moves nothing
   and runs no step;
 - greedy tree round [N+1 nodes]: the draft step, the tree's build from the drafted slots' probabilities
-  (with "kernels": from their logits, the top-k and the softmax in the build's three kernels), the tree step,
-  the walk along the target's argmax, the keep step and the next round's state (with "kernels": the argmax
-  and that state by ``tree_kernels``' own kernels, a dozen small torch kernels fewer), as one step: a greedy
-  tree round is one replay and one copy to the host, as a chain's (`greedy_round(tree=True)`, when the budget
+  (with Triton layers: from their logits, the top-k and the softmax in the build's three kernels), the tree
+  step, the walk along the target's argmax, the keep step and the next round's state (with Triton layers: the
+  argmax and that state by ``kernels.tree``'s own kernels, a dozen small torch kernels fewer), as one step: a
+  greedy tree round is one replay and one copy to the host, as a chain's (`round(tree=True)`, when the budget
   holds a block: N+1 >= B).
 
-With ``compile=True`` (the ``"graphs-compiled"`` engine; ``"graphs-layers"`` is ``compile="layers"`` below,
-and ``--engine auto`` takes ``"graphs-kernels"``, ``compile="kernels"``, on a GPU for bench and eval) each target step (the tree step included) and the draft step is first compiled by torch.compile
-(Inductor, fullgraph, static shapes, no CUDA-graph mode: ``Steps`` captures the graph itself), so each layer's
-norms, rotary, SwiGLU product, casts and cache writes fuse into a few Triton kernels around the matmuls and the
-attention; the compiled step is then captured as one CUDA graph as before. Compiles follow the rules of
-``dflashkit.runtime.compile`` (one lock, one clear line on a failure, frozen after ``warm_up()``), and their
-artifacts go to the portable compile cache (``compile_cache=``), so a second process starts in seconds. With
-a compile cache the chain's target steps and draft step are precompiled beside it (``precompile``,
-``dflashkit.runtime.precompiled``): a later process loads each whole, without tracing it again (the embedded
-target's warm engine start 12.8 -> 4.8 s on the CPU, benchmarks/warm_start.py; a torch that cannot precompile
-compiles as before). On the CPU ``compile=True`` runs the compiled steps without graphs (the tests). (An engine
-that compiled the draft step alone, "graphs-draft-compiled", was retired on 2026-12-04:
-graphs-layers compiles its target layer and draft step in ~14 s cold.)
+With Triton layers and a ``kernel_cache`` file, the kernels' compiled binaries are unpacked from it before
+the warm-up and packed into it after (``dflashkit.runtime.triton_cache``), so a second process starts without
+compiling them again.
 
 The prefill (any prompt length) runs eagerly. Step inputs and outputs live in buffers allocated once: the
 logits an engine call returns are valid until the next call of the same kind (the decode loops read them
 at once).
 
-In fp32 greedy outputs and acceptance lengths equal the dynamic engine's token for token (tested on the
+In fp32 greedy outputs and acceptance lengths equal the reference engine's token for token (tested on the
 CPU, where the same steps run eagerly). On a GPU in bf16 the kernels differ from transformers' (fused
 projections, FlashAttention), so outputs may part from the other engines' after a near tie.
 """
@@ -75,22 +65,31 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from dflashkit.data.generator import Steps
 from dflashkit.errors import DflashkitError
-from dflashkit.infer.draft_kernels import (
+from dflashkit.infer.kernels.decoder import KERNELS, check_runnable, decode_by_kernels, unsupported
+from dflashkit.infer.kernels.draft import (
     DraftKernels,
     draft_kernels,
     kernel_draft_step,
     unsupported_drafter,
     write_prompt_context,
 )
-from dflashkit.infer.round import Context, Verified, check_kept_path, kept_rows
-from dflashkit.infer.sampling import Sampling, accept_sampled, probabilities, propose, race, rejection_noise
+from dflashkit.infer.round import Context, Round, Verified, check_kept_path, kept_rows, separate_round
+from dflashkit.infer.sampling import (
+    Sampling,
+    accept_sampled,
+    choose,
+    probabilities,
+    propose,
+    race,
+    rejection_noise,
+)
 from dflashkit.infer.tree import (
     DraftTree,
     accepted_path,
@@ -103,32 +102,28 @@ from dflashkit.infer.tree import (
 )
 from dflashkit.model.drafter import DFlashDrafter, StaticDraftCache
 from dflashkit.runtime import triton_cache
-from dflashkit.runtime.compile import COMPILE_LOCK, check_not_frozen, frozen_compiles
-from dflashkit.runtime.compile_cache import CacheUse, CompileCacheError, portable_cache
-from dflashkit.runtime.compiled_region import CompiledRegion
-from dflashkit.runtime.precompiled import compile_step, guarded, step_path
+from dflashkit.runtime.compile_cache import CompileCacheError
+from dflashkit.runtime.cuda_graph import Steps
 from dflashkit.target.hf import TargetModel
-from dflashkit.target.kernels import KERNELS, check_runnable, decode_by_kernels, unsupported
 from dflashkit.target.slot_decoder import (
     Attention,
     DecoderWeights,
-    LayerStep,
     SlotCache,
     decode,
-    decode_by_layer,
-    decoder_layer,
     head_into,
     linear,
     logits,
     rms_norm,
 )
 
+LAYERS: tuple[str, ...] = ("torch", "triton")  # what the target's layers run by (``--layers``)
+
 
 def _attention(device: torch.device, dtype: torch.dtype) -> Attention:
     return "flash" if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else "sdpa"
 
 
-# --- the step functions: plain tensor code over the engine's buffers, eager or compiled ---------------
+# --- the step functions: plain tensor code over the engine's buffers ------------------------------------
 
 
 def target_step(
@@ -144,22 +139,13 @@ def target_step(
     keep: tuple[int, ...],
     positions: Tensor | None = None,
     mask: Tensor | None = None,
-    reduce_matmuls: bool = False,
-    layer_step: LayerStep | None = None,
 ) -> None:
     """ids [1, t] written at position ``start`` of the cache; their float32 logits into ``out_logits`` [t, V]
     and the outputs of the layers ``keep`` (concatenated) into ``out_rows`` [1, t, n*H]. A tree's nodes give
-    their own rotary ``positions`` and attention ``mask``; ``layer_step``: the layers one at a time through
-    it (the "graphs-layers" engine's compiled layer; ``slot_decoder.decode_by_layer``), ``reduce_matmuls``:
-    their matmuls as reductions Inductor fuses with their neighbours (``slot_decoder.decoder_layer``)."""
+    their own rotary ``positions`` and attention ``mask``."""
     common = dict(kv_len=kv_len, attention=attention, keep=keep, positions=positions, mask=mask)
-    if layer_step is not None:
-        layers = dict(reduce_matmuls=reduce_matmuls, **common)
-        h, kept = decode_by_layer(w, cache, ids, slot, start, layer_step, **layers)  # type: ignore[arg-type]
-        head_into(w, h[0], out_logits)
-    else:
-        x, kept = decode(w, cache, ids, slot, start, **common)  # type: ignore[arg-type]
-        head_into(w, rms_norm(x[0], w.norm, w.eps), out_logits)
+    x, kept = decode(w, cache, ids, slot, start, **common)  # type: ignore[arg-type]
+    head_into(w, rms_norm(x[0], w.norm, w.eps), out_logits)
     if keep:
         assert out_rows is not None
         out_rows.copy_(torch.cat(kept, dim=-1))
@@ -178,7 +164,7 @@ def kernel_target_step(
     keep: tuple[int, ...],
     *_: Any,
 ) -> None:
-    """``target_step`` of a chain through the decoder kernels (``dflashkit.target.kernels``: six launches a
+    """``target_step`` of a chain through the decoder kernels (``dflashkit.infer.kernels.decoder``: six launches a
     layer), for the engine's one slot (``slot`` is its index 0; the kernels read each step's used positions
     from ``start``, so ``kv_len`` and ``attention`` need not say)."""
     decode_by_kernels(w, cache, ids, start, out_logits, out_rows, keep)
@@ -197,23 +183,23 @@ def kernel_tree_step(
     to the engine's budget) written at ``start``, each node turned by the root's position + its depth and
     reading the cache before ``start``, itself and its ancestors; logits and kept features as
     ``target_step``'s. The mask in one launch (``tree_kernels.ancestors``)."""
-    from dflashkit.infer import tree_kernels  # Triton: the kernels engine checked for it
+    from dflashkit.infer.kernels import tree as tree_kernels  # Triton: the engine checked for it
 
     positions, seen = start + nodes[1], tree_kernels.ancestors(nodes[2])
     decode_by_kernels(w, cache, nodes[:1], start, out_logits, out_rows, keep, positions=positions, seen=seen)
 
 
 def kernel_build_step(anchor: Tensor, probs: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
-    """``tree_build_step`` as torch's top-k and one launch (``tree_kernels.build``), for "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    """``tree_build_step`` as torch's top-k and one launch (``tree_kernels.build``), with Triton layers."""
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.build(anchor, probs, candidates, out_nodes)
 
 
 def kernel_logits_build_step(anchor: Tensor, logits: Tensor, candidates: Tensor, out_nodes: Tensor) -> None:
     """``kernel_build_step`` of ``softmax(logits)``, from the drafted slots' logits in two launches and no
-    softmax (``tree_kernels.build_from_logits``): a greedy tree round's build on "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    softmax (``tree_kernels.build_from_logits``): a greedy tree round's build with Triton layers."""
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.build_from_logits(anchor, logits, candidates, out_nodes)
 
@@ -221,8 +207,8 @@ def kernel_logits_build_step(anchor: Tensor, logits: Tensor, candidates: Tensor,
 def kernel_walk_step(
     nodes: Tensor, choices: Tensor, start: Tensor, out_walk: Tensor, out_moves: Tensor
 ) -> None:
-    """``tree_walk_step`` in one launch (``tree_kernels.walk``), for the "graphs-kernels" engine."""
-    from dflashkit.infer import tree_kernels
+    """``tree_walk_step`` in one launch (``tree_kernels.walk``), with Triton layers."""
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.walk(nodes, choices, start, out_walk, out_moves)
 
@@ -235,17 +221,17 @@ def keep_step(keys: Tensor, values: Tensor, moves: Tensor) -> None:
 
 
 def kernel_keep_step(keys: Tensor, values: Tensor, moves: Tensor) -> None:
-    """``keep_step`` in one launch that moves only the rows that move (``tree_kernels.keep``), for
-    "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    """``keep_step`` in one launch that moves only the rows that move (``tree_kernels.keep``), with
+    Triton layers."""
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.keep(keys, values, moves)
 
 
 def kernel_argmax(logits: Tensor, out: Tensor) -> None:
     """``out.copy_(logits.argmax(-1))`` in two launches over many programs (``tree_kernels.argmax``: 0.004 ms
-    against torch's 0.013 for [1 to 16, 49,152], H100), for "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    against torch's 0.013 for [1 to 16, 49,152], H100), with Triton layers."""
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.argmax(logits, out)
 
@@ -274,8 +260,8 @@ def kernel_finish_step(
     walked: Tensor, moves: Tensor, start: Tensor, nodes: Tensor, tree_rows: Tensor, rows: Tensor,
     round_out: Tensor, row_start: Tensor, block_start: Tensor, block: Tensor,
 ) -> None:  # fmt: skip
-    """``finish_step`` in one launch (``tree_kernels.finish``), for "graphs-kernels"."""
-    from dflashkit.infer import tree_kernels
+    """``finish_step`` in one launch (``tree_kernels.finish``), with Triton layers."""
+    from dflashkit.infer.kernels import tree as tree_kernels
 
     tree_kernels.finish(
         walked, moves, start, nodes, tree_rows, rows, round_out, row_start, block_start, block
@@ -320,76 +306,35 @@ def tree_walk_step(
     out_moves.copy_(path_moves(walked[: choices.shape[0]].bool(), start))
 
 
-# One compiled region per step function, shared by every engine of the process (a graph per shape, guarded on
-# the buffers' shapes: an engine with the same shapes reuses it). Creating them compiles nothing.
-_OFF = "--engine dynamic or static, or GraphEngine(compile=False): the eager graphs steps"
-TARGET_STEP = CompiledRegion(
-    target_step, "the graphs engine's target step", warm_with="GraphEngine.warm_up()", off_switch=_OFF
-)
-DRAFT_STEP = CompiledRegion(
-    draft_step, "the graphs engine's draft step", warm_with="GraphEngine.warm_up()", off_switch=_OFF
-)
-# the "graphs-layers" engine's target steps: one decoder layer compiled (one graph serves every layer of a step
-# shape), the rest of the step as it is; the CUDA graph of the step holds it all
-LAYER_STEP = CompiledRegion(
-    decoder_layer, "the graphs engine's decoder layer", warm_with="GraphEngine.warm_up()", off_switch=_OFF
-)
-# a tree round's build and walk (47 and ~30 operations eager): compiled by the engines that compile their
-# target steps, so that Inductor fuses their element-wise work between the top-k and matmul calls
-TREE_BUILD_STEP = CompiledRegion(
-    tree_build_step, "the graphs engine's tree build", warm_with="GraphEngine.warm_up()", off_switch=_OFF
-)
-TREE_WALK_STEP = CompiledRegion(
-    tree_walk_step, "the graphs engine's tree walk", warm_with="GraphEngine.warm_up()", off_switch=_OFF
-)
-
-
 class WarmUp(dict[str, float]):
-    """Seconds per step shape (what ``warm_up`` returns), and how the compile caches served it: ``compiled``
-    graphs Inductor had to build, ``cached`` graphs it found in a cache (the portable file or this machine's
-    own), ``cache_loaded`` whether the portable file was loaded. ``cache_warm``: nothing had to be built."""
+    """Seconds per step shape (what ``warm_up`` returns), with Triton layers how many of the kernels'
+    binaries the ``kernel_cache`` file served (``kernels_loaded``), and ``notes``: why that file was not used
+    or written, a line each."""
 
-    compiled: int = 0
-    cached: int = 0
-    cache_loaded: bool = False
-    precompiled_loaded: int = 0  # steps loaded whole from their precompiled files (`runtime.precompiled`)
-    precompiled_built: int = 0  # steps precompiled now and written
-    kernels_loaded: int = 0  # the decoder kernels' binaries unpacked from the portable file's sibling
-    notes: list[str]  # why a step was not precompiled, or a cache not used, a line each
+    kernels_loaded: int = 0
+    notes: list[str]
 
     def __init__(self) -> None:
         super().__init__()
         self.notes = []
-
-    @property
-    def cache_warm(self) -> bool:
-        return (self.cached > 0 or self.precompiled_loaded > 0) and self.compiled == 0
 
 
 class GraphEngine:
     """Preallocated caches, the fused target forward, and (on a GPU) one CUDA graph per step shape.
 
     ``capacity`` bounds prompt + new tokens + block. ``graphs`` (default: on a GPU) captures each step;
-    without graphs the same steps run eagerly with exact attention widths (the CPU path).
-    ``fixed_shapes`` (default: with graphs or compile) makes attention read the whole capacity, as a graph
-    and a compiled step must, so the graphed path can be tested on the CPU. ``compile`` (default
-    False; True: the "graphs-compiled" engine) compiles the target and draft steps before they are captured,
-    ``"layers"`` (the "graphs-layers"
-    engine) the target one decoder layer at a time (``slot_decoder.decode_by_layer``: one compile of one
-    layer serves all of them, where a whole step unrolls every layer into its graph), the one-token step's
-    matmuls written as reductions that Inductor fuses with the work around them
-    (``slot_decoder.linear_as_reduction``), and the draft step whole (both compiling engines also compile a
-    tree's build and walk); ``"kernels"`` (the "graphs-kernels" engine) as "layers", but the target's steps
-    (a chain's and a tree's) and the draft step (``infer.draft_kernels``; a drafter with sliding-window layers
-    keeps the compiled one) through the decoder kernels (``dflashkit.target.kernels``: six Triton kernels a
-    layer, compiled by Triton on their first call; the CPU runs them only in Triton's interpreter);
-    ``compile_cache``: the portable compile cache file ``warm_up`` loads first and writes after (None: only
-    this machine's own Inductor cache; "kernels": the decoder kernels' binaries in its ``.triton`` sibling,
-    ``runtime.triton_cache``). ``tree_budget`` N: the engine also verifies trees of up to N drafted nodes, in
-    one step of N+1 tokens (a smaller tree is padded; the build, walk and keep steps captured on a GPU, the
-    build and walk compiled by the compiling engines, a kernel each with "kernels"; the tree step attends
-    through one SDPA under its whole mask, or through the kernels' attention under the tree's own). Build
-    one per (target, drafter, capacity, tree budget) and reuse it across prompts.
+    without graphs the same steps run eagerly with exact attention widths (the CPU path). ``fixed_shapes``
+    (default: with graphs or Triton layers) makes attention read the whole capacity, as a graph must, so the
+    graphed path can be tested on the CPU. ``layers``: the target's layers by torch (``"torch"``) or through
+    our Triton kernels (``"triton"``, ``dflashkit.infer.kernels``: the chain's and the tree's target steps six
+    kernels a layer, the draft step through them too (a drafter with sliding-window layers keeps torch's),
+    a tree's build, walk, keep and tail a kernel each; compiled by Triton on their first call, the CPU runs them
+    only in Triton's interpreter); ``kernel_cache``: the file of their compiled binaries ``warm_up`` loads
+    first and writes after (``runtime.triton_cache``). ``tree_budget`` N: the engine also verifies trees of up
+    to N drafted nodes, in one step of N+1 tokens (a smaller tree is padded; the build, walk and keep steps
+    captured on a GPU; the tree step attends through one SDPA under its whole mask, or through the kernels'
+    attention under the tree's own). Build one per (target, drafter, capacity, tree budget) and reuse it
+    across prompts.
     """
 
     name = "graphs"
@@ -403,79 +348,57 @@ class GraphEngine:
         layer_ids: Sequence[int] | None = None,
         graphs: bool | None = None,
         fixed_shapes: bool | None = None,
-        compile: bool | Literal["layers", "kernels"] | None = None,
-        compile_cache: str | os.PathLike[str] | None = None,
+        layers: Literal["torch", "triton"] = "torch",
+        kernel_cache: str | os.PathLike[str] | None = None,
         tree_budget: int | None = None,
-        precompile: bool = True,
     ):
         dev = target.device
         graphs = dev.type == "cuda" if graphs is None else graphs
         if graphs and dev.type != "cuda":
             raise DflashkitError("the graphs engine captures CUDA graphs: it needs the target on a GPU")
-        compile = False if compile is None else compile  # compiled steps: the "graphs-compiled" engine
-        if compile not in (False, True, "layers", "kernels"):
-            raise DflashkitError(
-                f"GraphEngine(compile={compile!r}): choose False, True, 'layers' or 'kernels'"
-            )
-        fixed_shapes = graphs or compile if fixed_shapes is None else fixed_shapes
-        if compile and not fixed_shapes:
-            raise DflashkitError(
-                "a compiled graphs engine runs fixed shapes (one compile per step shape): drop fixed_shapes=False"
-            )
+        if layers not in LAYERS:
+            raise DflashkitError(f"GraphEngine(layers={layers!r}): choose {' or '.join(LAYERS)}")
+        self._kernels = layers == "triton"
+        self.layers = layers
+        fixed_shapes = graphs or self._kernels if fixed_shapes is None else fixed_shapes
         self.target, self.drafter, self.capacity = target, drafter, capacity
         self.layer_ids = (
             list(drafter.config.target_layer_ids) if drafter is not None else list(layer_ids or [])
         )
         self.block_size = drafter.config.block_size if drafter is not None else 1
         self.w = target.decoder_weights(capacity)
-        if compile == "kernels":
+        if self._kernels:
             why = unsupported(self.w)
             if why:
                 raise DflashkitError(
-                    f"the decoder kernels cannot run this target ({why}): choose --engine graphs-layers"
+                    f"the decoder kernels cannot run this target ({why}): choose --layers torch"
                 )
             check_runnable(dev)
         # eager steps on a CPU in bf16: every weight packed once for oneDNN (no-op elsewhere)
-        self.packed = not compile and not graphs and self.w.pack_for_cpu()
+        self.packed = not self._kernels and not graphs and self.w.pack_for_cpu()
         self.cache = SlotCache(self.w, slots=1, capacity=capacity)
         self.attention = _attention(dev, self.w.dtype)
         self.steps = Steps(graphs)
         self.graphs = graphs
         self.fixed_shapes = fixed_shapes
-        self.compiled = bool(compile)
-        self.compile_cache = compile_cache
-        # compiled chain steps precompiled beside the compile cache, loaded whole by a later process
-        self.precompile = precompile and compile_cache is not None
-        self._precompiled: dict[tuple[Any, ...], Callable[..., None]] = {}
-        self._warm = False  # warm_up() ran: compiled steps run with compiles frozen
-        # the tree step: compiled whole (True), or one decoder layer at a time through its compiled region
-        # ("layers"), or eager ("kernels" goes through the decoder kernels instead: `_tree_step`)
-        self._tree_fn: Callable[..., None] = TARGET_STEP if compile is True else target_step
-        # the chain's target steps ([1, 1] and [1, B]): the same, or the decoder kernels ("kernels")
-        self._target_fn: Callable[..., None] = kernel_target_step if compile == "kernels" else self._tree_fn
-        self._kernels = compile == "kernels"
-        self._reduce_matmuls = compile == "layers"
-        self._layer_step: LayerStep | None = LAYER_STEP if compile == "layers" else None
-        # the draft step compiled whole by every compiling engine: a drafter has a few layers, and one layer at
-        # a time (its prologue and head eager around them) took 0.263 ms against 0.207 (H200, bf16, RESULTS:
-        # 2026-12-04)
-        self._draft_fn: Callable[..., None] = DRAFT_STEP if compile else draft_step
-        # "kernels": the draft step through the decoder kernels too, where they can run the drafter
+        self.kernel_cache = kernel_cache
+        # the chain's target steps ([1, 1] and [1, B]) and the tree's: by torch, or the decoder kernels
+        self._target_fn: Callable[..., None] = kernel_target_step if self._kernels else target_step
+        self._draft_fn: Callable[..., None] = draft_step
+        # Triton layers: the draft step through the decoder kernels too, where they can run the drafter
         self._dk: DraftKernels | None = None
         if self._kernels and drafter is not None and unsupported_drafter(drafter) is None:
             self._dk = draft_kernels(drafter, self.w, capacity)
             self._draft_fn = kernel_draft_step
-        # a tree's build and walk compiled with the target steps (graphs-compiled, graphs-layers), or a
-        # kernel each (the build after torch's top-k; in a greedy tree round, two kernels from the drafted
-        # slots' logits: ``kernel_logits_build_step``) with the decoder kernels ("kernels")
-        build_fn, walk_fn = (
-            (kernel_build_step, kernel_walk_step) if self._kernels else (TREE_BUILD_STEP, TREE_WALK_STEP)
-        )
-        self._build_fn: Callable[..., None] = build_fn if compile else tree_build_step
-        self._walk_fn: Callable[..., None] = walk_fn if compile else tree_walk_step
+        # a tree's build and walk: torch's, or a kernel each (the build after torch's top-k; in a greedy tree
+        # round, two kernels from the drafted slots' logits: ``kernel_logits_build_step``)
+        self._build_fn: Callable[..., None] = kernel_build_step if self._kernels else tree_build_step
+        self._walk_fn: Callable[..., None] = kernel_walk_step if self._kernels else tree_walk_step
         self._length = 0  # positions held by the target cache: the next write goes here
         self._open: Verified | None = None  # the last verify, until keep() settles the caches
         self._tree_open = False  # the last verify was a tree's
+        self.context: Context | None = None  # what the drafter has not read yet, for separate calls' rounds
+        self._first_round = False  # prefill ran, no one-step round since: the next one starts at its anchor
         B, V, long = self.block_size, self.w.vocab_size, dict(dtype=torch.long, device=dev)
         self._slot = torch.zeros(1, **long)  # type: ignore[arg-type]
         self._start = torch.zeros(1, **long)  # type: ignore[arg-type]  # where a target step writes
@@ -534,7 +457,7 @@ class GraphEngine:
             # the kernels engine: a table beyond the build kernel's one program builds by torch's top-k (eager,
             # captured as any step)
             if self._kernels:
-                from dflashkit.infer import tree_kernels
+                from dflashkit.infer.kernels import tree as tree_kernels
 
                 fits = tree_kernels.builds(self._tree_candidates.shape[1])
                 self._build_fn = kernel_build_step if fits else tree_build_step
@@ -550,11 +473,8 @@ class GraphEngine:
         return self.capacity if self.fixed_shapes else self._length + t
 
     def _target_step(self, t: int) -> None:
-        self._precompiled.get(("target", t), self._target_fn)(*self._target_args(t))
-
-    def _target_args(self, t: int) -> tuple[Any, ...]:
         keep = tuple(self.layer_ids) if t == self.block_size and self.drafter is not None else ()
-        return (
+        self._target_fn(
             self.w,
             self.cache,
             self._ids[t],
@@ -565,23 +485,16 @@ class GraphEngine:
             self._kv_len(t),
             self.attention,
             keep,
-            None,
-            None,
-            # reductions only for the one-token step: at [1, 8] they cost 1.97 ms against the matmuls' 1.51
-            # (H200, bf16), at [1, 1] 1.05 against 1.43 (benchmarks/RESULTS.md, 2026-12-03)
-            self._reduce_matmuls and t == 1,
-            self._layer_step,
         )
 
     def _tree_step(self) -> None:
-        """The target step over the tree's nodes (compiled as the other target steps with ``compile``, or
-        through the decoder kernels)."""
+        """The target step over the tree's nodes (by torch, or through the decoder kernels)."""
         keep = tuple(self.layer_ids) if self.drafter is not None else ()
         if self._kernels:
             w, cache, nodes, start = self.w, self.cache, self._tree_inputs, self._start
             kernel_tree_step(w, cache, nodes, start, self._tree_logits, self._tree_rows, keep)
             return
-        self._tree_fn(
+        target_step(
             self.w,
             self.cache,
             self._tree_inputs[:1],
@@ -593,9 +506,7 @@ class GraphEngine:
             "sdpa",  # a tree step attends through one SDPA under its mask (slot_decoder._tree_plan)
             keep,
             self._start + self._tree_inputs[1:2],  # positions: the root's + depth
-            self._tree_mask(),  # mask (positional: a compiled region takes no keywords)
-            False,  # the matmuls: a many-token step is faster with them (see _target_step)
-            self._layer_step,
+            self._tree_mask(),
         )
 
     def _build_step(self) -> None:
@@ -625,7 +536,7 @@ class GraphEngine:
         keep(self.cache.keys[:, 0], self.cache.values[:, 0], self._moves)
 
     def _draft_step(self) -> None:
-        self._precompiled.get(("draft",), self._draft_fn)(*self._draft_args())
+        self._draft_fn(*self._draft_args())
 
     def _draft_args(self) -> tuple[Any, ...]:
         if self._dk is not None:
@@ -662,7 +573,7 @@ class GraphEngine:
         self._next_round(n, drafts, choices.index_select(0, n))
 
     def _argmax(self, logits: Tensor, out: Tensor) -> None:
-        """``out`` = each row's argmax of ``logits`` [R, V] (the decoder kernels' own with "kernels")."""
+        """``out`` = each row's argmax of ``logits`` [R, V] (a kernel of ``kernels.tree`` with Triton layers)."""
         if self._kernels:
             kernel_argmax(logits, out)
         else:
@@ -744,11 +655,8 @@ class GraphEngine:
         )  # fmt: skip
 
     def _run(self, key: tuple[Any, ...], step: Callable[[], None]) -> None:
-        """One step: replayed (graphs: a warmed step is a replay, which cannot compile) or called; compiled
-        steps called after warm-up run with compiles frozen, so that one that would compile is an error."""
-        frozen = self._warm and self.compiled and not self.graphs
-        with frozen_compiles() if frozen else contextlib.nullcontext():
-            self.steps.run(key, step)
+        """One step: replayed (graphs: captured on its first run) or called."""
+        self.steps.run(key, step)
 
     def _check_room(self, t: int) -> None:
         """Refuse a step that would write past the caches (``reserve`` refuses such a generation first)."""
@@ -802,7 +710,9 @@ class GraphEngine:
             self._rows.zero_()  # the first draft step's rows sit at the anchor and beyond: masked
         self._open = None
         empty = torch.zeros(1, 0, len(self.layer_ids) * self.target.hidden_size, device=prompt.device)
-        return logits(self.w, x[0, -1:])[0], Context(empty, P)
+        self.context = Context(empty, P)
+        self._first_round = True
+        return logits(self.w, x[0, -1:])[0], self.context
 
     @torch.no_grad()
     def draft(self, context: Context, anchor: int) -> Tensor:
@@ -846,7 +756,10 @@ class GraphEngine:
         """Autoregressive decoding's step: the target step over ``token`` (one id, on the device) and the next
         token chosen there (argmax; at T > 0 raced from noise ``gen`` draws first, as `sampling.choose` draws
         it), as one step (`_next_token_step`: one replay; the caller's read of the token is the copy to the
-        host). Returns the token [1], valid until the next call."""
+        host). Returns the token [1], valid until the next call. With ``fused_rounds`` False: a verify and the
+        host's choice."""
+        if not self.fused_rounds:
+            return choose(self.verify(token.view(1, 1)).logits[-1], s, gen)
         if not s.greedy:
             self._token_noise.exponential_(generator=gen)
         self._step_sampling = s
@@ -862,6 +775,25 @@ class GraphEngine:
             self._argmax(logits, self._token_out)
         else:
             self._token_out.copy_(race(probabilities(logits[-1], s), self._token_noise).view(1))
+
+    @torch.no_grad()
+    def round(
+        self, anchor: int, s: Sampling, gen: torch.Generator | None, tree_budget: int | None = None
+    ) -> Round:
+        """One round: as one step where one applies (`fuses_rounds` and `fuses`: `greedy_round`,
+        `sampled_round`; one replay, one copy to the host), else as the separate calls
+        (``round.separate_round``). A one-step round starts at ``anchor`` after ``prefill``; later ones
+        continue from the state the last one left on the device. Its path is the committed tokens' nodes."""
+        if not (self.fuses_rounds(tree_budget) and fuses(s, tree_budget)):
+            return separate_round(self, anchor, s, gen, tree_budget)
+        start = anchor if self._first_round else None
+        self._first_round = False
+        self.context = None  # the device holds the next round's context rows
+        tree = bool(tree_budget)
+        committed = (
+            self.greedy_round(start, tree) if s.greedy else self.sampled_round(start, s, gen, tree=tree)
+        )
+        return Round(committed, list(range(len(committed))))
 
     def fuses_rounds(self, tree_budget: int | None = None) -> bool:
         """Whether a round runs as one step (`greedy_round`, `sampled_round`): the chain's (no ``tree_budget``),
@@ -1027,7 +959,8 @@ class GraphEngine:
         self._open = None
         self._walked = None
         self._length = verified.start + n  # the next step writes from here; positions beyond are never read
-        return Context(kept_rows(verified.features, path), verified.start)
+        self.context = Context(kept_rows(verified.features, path), verified.start)
+        return self.context
 
     def _move_rows(self, start: int, path: Sequence[int]) -> None:
         """The keep step: the path's K/V rows to start .. start+len(path)-1. The step moves N+1 rows: row
@@ -1042,14 +975,12 @@ class GraphEngine:
 
     @torch.no_grad()
     def warm_up(self) -> WarmUp:
-        """Compile (``compile``) and capture (``graphs``) every step shape now, serially under COMPILE_LOCK,
-        around the portable compile cache when there is one; compiles are frozen afterwards. Returns
-        seconds per step shape (a ``WarmUp``: it also says whether the caches served every compile);
-        eager without graphs, a no-op. The build, tree and keep steps too when built with a tree budget (the
-        tree step compiled as the other target steps; build and keep captured only). The writes land at
-        positions 0 .. max(B, N+1) - 1: rows beyond a sequence's length, which no step reads."""
+        """Capture (``graphs``) every step shape now, and with Triton layers compile their kernels (around the
+        ``kernel_cache`` file when there is one). Returns seconds per step shape (a ``WarmUp``); eager torch
+        layers without graphs: a no-op. The build, tree and keep steps too when built with a tree budget. The
+        writes land at positions 0 .. max(B, N+1) - 1: rows beyond a sequence's length, which no step reads."""
         seconds = WarmUp()
-        if not (self.graphs or self.compiled):
+        if not (self.graphs or self._kernels):
             return seconds
         B = self.block_size
         steps: dict[str, tuple[tuple[Any, ...], Callable[[], None]]] = {
@@ -1057,15 +988,13 @@ class GraphEngine:
         }
         if self.drafter is not None:
             steps[f"draft [1, {B}]"] = (("draft",), self._draft_step)
-        with COMPILE_LOCK, self._cache() as use, self._kernel_cache(seconds):
-            check_not_frozen("the graphs engine's warm-up")
+        with self._kernel_cache(seconds):
             self._start.zero_()
             if self.drafter is not None:
                 self._row_start.zero_()
                 self._block_start.fill_(B)
             for name, (key, step) in steps.items():
-                # a failed compile raises one line (the region's); the seconds include the step's precompile
-                seconds[name] = self._precompile(key, seconds) + self._warm_step(key, step)
+                seconds[name] = self._warm_step(key, step)
             if self.drafter is not None:  # the round: the two steps above and the glue, captured as one
                 self._block_start.zero_()
                 seconds[f"greedy round [1, {B}]"] = self._warm_step(("round",), self._round_step)
@@ -1073,32 +1002,9 @@ class GraphEngine:
             # captured on its first call, as a sampled round's
             self._step_sampling = Sampling()
             seconds["next token [1, 1]"] = self._warm_step(("next token",), self._next_token_step)
-            if self.tree_budget and (self.graphs or self.compiled):  # eager steps: nothing to warm
+            if self.tree_budget:
                 seconds.update(self._warm_tree())
-        seconds.compiled, seconds.cached, seconds.cache_loaded = use.compiled, use.cached, use.loaded
-        self._warm = True
         return seconds
-
-    def _precompile(self, key: tuple[Any, ...], seconds: WarmUp) -> float:
-        """A compiled chain step (key ("target", t) or ("draft",)) from its precompiled file beside the compile
-        cache, else precompiled now and written (`dflashkit.runtime.precompiled`); a step that cannot be is
-        compiled as before, with a note."""
-        region = self._target_fn if key[0] == "target" else self._draft_fn
-        if not (self.precompile and isinstance(region, CompiledRegion)):
-            return 0.0
-        args = self._target_args(key[1]) if key[0] == "target" else self._draft_args()
-        assert self.compile_cache is not None
-        label = f"{key[0]}-{key[1] if key[0] == 'target' else self.block_size}"
-        done = compile_step(step_path(self.compile_cache, label), region.fn, args)
-        if done.fn is None:
-            seconds.notes.append(done.note)
-            return done.seconds
-        self._precompiled[key] = guarded(done.fn, region.name, region.warm_with)
-        seconds.precompiled_loaded += done.loaded
-        seconds.precompiled_built += done.built
-        if done.note:  # loaded nothing (the file did not serve) but precompiled it again
-            seconds.notes.append(done.note)
-        return done.seconds
 
     def _warm_tree(self) -> dict[str, float]:
         """Capture the tree step (over a chain of N+1 tokens at positions 0 .. N), the walk step and the keep
@@ -1125,7 +1031,8 @@ class GraphEngine:
         return seconds
 
     def _warm_step(self, key: tuple[Any, ...], step: Callable[[], None]) -> float:
-        """Run a step for the first time (compile and/or capture it); its seconds, to the device's end."""
+        """Run a step for the first time (capture it; Triton compiles a kernel's first launch); its seconds, to
+        the device's end."""
         t0 = time.perf_counter()
         self.steps.run(key, step)
         if self.target.device.type == "cuda":
@@ -1134,15 +1041,15 @@ class GraphEngine:
 
     @contextlib.contextmanager
     def _kernel_cache(self, seconds: WarmUp) -> Iterator[None]:
-        """The decoder kernels' compiled binaries ("kernels", with a compile cache): unpacked from the
-        portable file's Triton sibling before the warm-up, packed into it after (``runtime.triton_cache``);
+        """The decoder kernels' compiled binaries (Triton layers, with a ``kernel_cache`` file): unpacked from
+        it before the warm-up, packed into it after (``runtime.triton_cache``);
         what failed is a note, never an error. Written only when the warm-up compiled a kernel it lacks."""
-        if not (self._kernels and self.compile_cache is not None):
+        if not (self._kernels and self.kernel_cache is not None):
             yield
             return
-        from dflashkit.infer import tree_kernels
+        from dflashkit.infer.kernels import tree as tree_kernels
 
-        path = triton_cache.sibling(self.compile_cache)
+        path = Path(self.kernel_cache)
         names = [f"{k}_kernel" for k in KERNELS] + list(tree_kernels.KERNELS)
         before = triton_cache.listing()
         if path.is_file():
@@ -1162,11 +1069,8 @@ class GraphEngine:
         except (CompileCacheError, OSError) as e:
             seconds.notes.append(f"the kernels' cache not written: {e}")
 
-    @contextlib.contextmanager
-    def _cache(self) -> Iterator[CacheUse]:
-        """The portable compile cache around a compiling warm-up (loaded first, written after)."""
-        if not self.compiled:
-            yield CacheUse()
-            return
-        with portable_cache(self.compile_cache) as use:
-            yield use
+
+def fuses(s: Sampling, tree_budget: int | None) -> bool:
+    """Whether a round of these settings runs as one step on an engine that fuses rounds: a greedy chain or
+    tree, a sampled chain under the rejection rule, or a sampled tree (a tree always takes the exact rule)."""
+    return s.greedy or bool(tree_budget) or s.rule == "rejection"

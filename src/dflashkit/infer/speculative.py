@@ -14,22 +14,12 @@ With a node budget (``tree_budget``), step 2 verifies a token tree instead of th
 best-scoring branches of the drafter's per-slot top-k, all in one target pass, and step 3 accepts the
 longest branch the target agrees with (``dflashkit.infer.tree``).
 
-The passes run on a decode engine (``dflashkit.infer.engine``): "dynamic" (growing caches, eager; the
-default) or "static" (preallocated caches, fixed-shape steps, compiled once per shape). Both loops below
-take the same engine, so speculative and autoregressive decoding are always compared like for like.
-
-Acceptance rules (`rule`):
-  - "exact": the reference rule. The target draws its own token at every position (argmax when greedy,
-    a sample otherwise); a draft token is accepted while it equals that token. Lossless by construction.
-  - "rejection": speculative rejection sampling with the drafter's probabilities q: accept d_i with
-    probability min(1, p(d_i)/q(d_i)); at the first rejection draw from norm(max(0, p - q)). Also
-    lossless (the output is distributed exactly as the target's), and accepts more than "exact" when
-    temperature > 0. At temperature 0 both rules are the greedy rule.
-The drafts of a chain round at T > 0 (`Sampling.draft_sampling`, `sampling.propose`): "marginal", each slot
-raced from the drafter's distribution, or "argmax", each slot's most likely token (a one-hot q); both rules
-keep the target's distribution with either.
-A tree round always uses "exact" (a tree's tokens are the drafter's top-k, not samples from q; for fixed
-candidates that rule is the best a lossless rule can do: ``dflashkit.infer.tree``).
+The rounds run on a decode engine (``dflashkit.infer.engine``): "reference" (growing caches, eager; any
+target) or "graphs" (preallocated caches, fixed-shape steps captured as CUDA graphs; its rounds one step each
+where they can be). Both loops below take the same engine, so speculative and autoregressive decoding are
+always compared like for like, and neither asks which engine it has: a round is ``engine.round(...)``
+(``dflashkit.infer.round`` holds its separate calls and the acceptance rules), a token
+``engine.next_token(...)``.
 """
 
 from __future__ import annotations
@@ -39,19 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 
-from dflashkit.infer.engine import Engine, Verified, make_engine, round_width
-from dflashkit.infer.graph_engine import GraphEngine
-from dflashkit.infer.sampling import (
-    Sampling,
-    accept_sampled,
-    choose,
-    new_generator,
-    probabilities,
-    propose,
-    rejection_noise,
-)
+from dflashkit.infer.engine import Engine, make_engine, round_width
+from dflashkit.infer.sampling import Sampling, choose, new_generator
 from dflashkit.model.drafter import DFlashDrafter
 from dflashkit.target.hf import TargetModel
 
@@ -116,13 +96,13 @@ def speculative_generate(
     sampling: Sampling | None = None,
     stopper: Stopper | None = None,
     backend: str = "sdpa",
-    engine: str | Engine = "dynamic",
+    engine: str | Engine = "reference",
     tree_budget: int | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` after the prompt with DFlash speculative decoding (batch 1).
 
-    ``engine``: "dynamic", "static" (a one-off static engine, eager, sized for this call) or an engine
-    object built once and reused over many calls (e.g. a compiled, warmed-up ``StaticEngine``).
+    ``engine``: "reference", "graphs" (a one-off graphs engine, eager, sized for this call) or an engine
+    object built once and reused over many calls (e.g. a warmed-up ``GraphEngine``: ``engine.ready_engine``).
     ``tree_budget``: verify a tree of that many drafted nodes each round (0 or None: the chain)."""
     s = sampling or Sampling()
     dev = target.device
@@ -139,107 +119,27 @@ def speculative_generate(
 
     # Prefill: the target reads the prompt; its features become the drafter's first context rows.
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    logits, context = dec.prefill(prompt)
+    logits, _ = dec.prefill(prompt)
     new: list[int] = [int(choose(logits, s, gen))]
     _sync(dev)
     out = Generation(tokens=new)
     out.prefill_seconds = time.perf_counter() - t0
 
     stopped = stopper.check(new, 0)[1] if stopper else None
-    # the graphs engine runs a greedy round, chain or tree, a sampled chain round under the rejection rule and
-    # a sampled tree round as one step (the four stages below, on the device)
-    fused = isinstance(dec, GraphEngine) and dec.fuses_rounds(tree_budget) and fuses(s, tree_budget)
     while stopped is None and len(new) < max_new_tokens:
-        if fused:
-            assert isinstance(dec, GraphEngine)
-            anchor = new[-1] if not out.accept_lengths else None
-            if s.greedy:
-                committed = dec.greedy_round(anchor, bool(tree_budget))
-            else:
-                committed = dec.sampled_round(anchor, s, gen, tree=bool(tree_budget))
-            path: list[int] = list(range(len(committed)))
-        else:
-            # 1. draft: the drafter reads the new context rows and fills [anchor, MASK x (B-1)]
-            draft_logits = dec.draft(context, new[-1])  # [B-1, V]
-            # 2. verify and 3. accept: the accepted path (node ids) and the committed tokens
-            if tree_budget:
-                verified, path, committed = _tree_round(dec, new[-1], draft_logits, tree_budget, s, gen)
-            else:
-                verified, path, committed = _chain_round(dec, new[-1], draft_logits, s, gen)
+        # draft, verify (the chain or a tree), accept, keep: the committed tokens and the accepted path
+        r = dec.round(new[-1], s, gen, tree_budget)
         room = max_new_tokens - len(new)
         before = len(new)
-        new.extend(committed[:room])
-        out.accept_lengths.append(len(path))  # tau of this round (the last round may commit fewer)
+        new.extend(r.tokens[:room])
+        out.accept_lengths.append(len(r.path))  # tau of this round (the last round may commit fewer)
         if stopper is not None:
             trimmed, stopped = stopper.check(new, before)
             del new[len(trimmed) :]
-        if not fused:
-            # 4. keep: the caches hold the accepted path; its features are the drafter's next context
-            context = dec.keep(verified, path)
     _sync(dev)
     out.seconds = time.perf_counter() - t0
     out.stopped = stopped or "length"
     return out
-
-
-def fuses(s: Sampling, tree_budget: int | None) -> bool:
-    """Whether a round of these settings runs as one step on an engine that fuses rounds: a greedy chain or
-    tree, a sampled chain under the rejection rule, or a sampled tree (a tree always takes the exact rule)."""
-    return s.greedy or bool(tree_budget) or s.rule == "rejection"
-
-
-def _chain_round(
-    dec: Engine, anchor: int, draft_logits: Tensor, s: Sampling, gen: torch.Generator | None
-) -> tuple[Verified, list[int], list[int]]:
-    """The chain: the drafter's choice per slot, verified as one block [anchor, d1 .. d_{B-1}]. At T > 0 the
-    drafts are ``s.draft_sampling``'s proposal (`sampling.propose`); under the rejection rule the drafts, the
-    acceptance and the token after it come from noise drawn up front (`sampling.accept_sampled`), as the
-    graphs engine's one-step round draws them."""
-    if not s.greedy and s.rule == "rejection":
-        B, V = draft_logits.shape[0] + 1, draft_logits.shape[-1]
-        races, uniforms = rejection_noise(B, V, gen, draft_logits.device)
-        drafts, q = propose(draft_logits, s, races[:-1])
-        verified = dec.verify(torch.cat([drafts.new_full((1,), anchor), drafts])[None])
-        n, token = accept_sampled(drafts, q, probabilities(verified.logits, s), uniforms, races[-1])
-        out = torch.cat([n, drafts, token]).tolist()  # one copy from the device
-        acc = out[0]
-        return verified, list(range(acc + 1)), out[1 : 1 + acc] + [out[-1]]
-    if s.greedy:
-        drafts = draft_logits.argmax(-1)  # [B-1]
-    else:  # the noise `choose` would draw
-        noise = torch.empty(draft_logits.shape, device=draft_logits.device).exponential_(generator=gen)
-        drafts = propose(draft_logits, s, noise)[0]
-    block = torch.cat([drafts.new_full((1,), anchor), drafts])[None]
-    verified = dec.verify(block)  # logits[i]: the target's distribution for the token after block[i]
-    acc, committed = _exact(drafts, choose(verified.logits, s, gen))
-    return verified, list(range(acc + 1)), committed
-
-
-def _tree_round(
-    dec: Engine, anchor: int, draft_logits: Tensor, budget: int, s: Sampling, gen: torch.Generator | None
-) -> tuple[Verified, list[int], list[int]]:
-    """The tree: the budget's best branches of the drafter's per-slot top-k, verified in one pass; the
-    target chooses at every node, and the walk follows its choices. At T > 0 this is sample-and-match
-    (DDTree's ``follow_verified_tree``): each node's draw is from p_T under the ancestor mask, independent of
-    the others, and only the draws at the nodes the walk visits decide anything, so every committed token is
-    one target draw given the tokens before it (tests/test_sampling_exact.py holds it to the target's
-    distribution). Built and walked on the device: one copy to the host per round, as the chain."""
-    probs = torch.softmax(draft_logits.float(), dim=-1) if s.greedy else probabilities(draft_logits, s)
-    tree = dec.build_tree(anchor, probs, budget)
-    verified = dec.verify_tree(tree)
-    path, committed = dec.walk(tree, choose(verified.logits, s, gen))
-    return verified, path, committed
-
-
-def _exact(drafts: Tensor, choices: Tensor) -> tuple[int, list[int]]:
-    """The exact rule over one block: drafts [B-1] are accepted while they equal the target's own tokens
-    choices [B]; then the target's token follows. Returns (accepted drafts, committed tokens); one copy
-    from the device."""
-    n = drafts.shape[0]
-    both = torch.cat([drafts, choices]).tolist()
-    d, c = both[:n], both[n:]
-    acc = next((i for i in range(n) if d[i] != c[i]), n)
-    return acc, d[:acc] + [c[acc]]
 
 
 @torch.no_grad()
@@ -250,7 +150,7 @@ def autoregressive_generate(
     sampling: Sampling | None = None,
     stopper: Stopper | None = None,
     layer_ids: Sequence[int] = (0,),
-    engine: str | Engine = "dynamic",
+    engine: str | Engine = "reference",
 ) -> Generation:
     """The baseline on the same engine: same target, same cache, same kernels, one token per pass.
     ``engine`` as for ``speculative_generate`` (an engine object brings its own layer ids)."""
@@ -269,15 +169,8 @@ def autoregressive_generate(
     out = Generation(tokens=new)
     out.prefill_seconds = time.perf_counter() - t0
     stopped = stopper.check(new, 0)[1] if stopper else None
-    # the graphs engine runs the target step and the choice of the next token as one step
-    one_step = isinstance(dec, GraphEngine) and dec.fused_rounds
     while stopped is None and len(new) < max_new_tokens:
-        if one_step:
-            assert isinstance(dec, GraphEngine)
-            token = dec.next_token(token, s, gen)
-        else:
-            logits = dec.verify(token.view(1, 1)).logits  # nothing to keep: every token is committed
-            token = choose(logits[-1], s, gen)
+        token = dec.next_token(token, s, gen)  # on the device: the next step's input
         new.append(int(token))
         out.accept_lengths.append(1)
         if stopper is not None:

@@ -16,10 +16,10 @@ One module serves both uses:
   ``dflashkit.attention`` (built once per step, e.g. with ``build_block_masks``);
 - inference, ``draft``: one block at a time over a ``DraftCache`` of context K/V that grows with the
   verified tokens and is cropped after each step. The block's own K/V are never cached.
-- inference with fixed shapes (the static engine): ``write_context`` puts context rows into a
+- inference with fixed shapes (the graphs decode engine): ``write_context`` puts context rows into a
   preallocated ``StaticDraftCache`` (row r = position r), and ``draft_block`` writes the block's K/V into
-  the rows of its own positions and runs it over the rows before its anchor and its own; both compile once
-  per shape (``dflashkit.infer.engine``).
+  the rows of its own positions and runs it over the rows before its anchor and its own; both run as fixed-shape
+  steps, captured once per shape (``dflashkit.infer.graph_engine``).
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ class DraftCache:
 
 class StaticDraftCache:
     """Context K/V per drafter layer in buffers allocated once, [1, kv_heads, capacity, head_dim]: the
-    static engine's DraftCache. Context rows are the committed positions 0, 1, 2, ... in order, so
+    graphs engine's DraftCache. Context rows are the committed positions 0, 1, 2, ... in order, so
     row r holds position r, and a write needs no length: rows go where their positions say.
 
     A block anchored at position a writes its own keys and values into rows a..a+B-1 and reads rows
@@ -417,7 +417,7 @@ class DFlashDrafter(nn.Module):
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
 
-    # --- fixed shapes (the static engine) -------------------------------------------------------
+    # --- fixed shapes (the graphs engine) -------------------------------------------------------
 
     def new_static_cache(self, capacity: int) -> StaticDraftCache:
         return StaticDraftCache(self.config, capacity, self.fc.weight.dtype, self.fc.weight.device)
@@ -438,7 +438,7 @@ class DFlashDrafter(nn.Module):
         ``draft`` does over a DraftCache; its own keys and values go into the cache rows of its positions
         (``StaticDraftCache``). Returns hidden [1, B, H] after the final norm."""
         if backend == "flex":
-            raise ValueError("the static engine drafts on the sdpa or eager backend, not flex")
+            raise ValueError("the graphs engine drafts on the sdpa or eager backend, not flex")
         cos, sin = self.rotary(block_positions, self.fc.weight.dtype)
         masks = self._static_masks(block_positions, cache, backend)
         h = block_embeds.to(self.fc.weight.dtype)

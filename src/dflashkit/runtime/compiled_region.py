@@ -1,5 +1,4 @@
-"""A compiled region: a whole function (a drafter layer, a loss chunk, a decode engine's fixed-shape step)
-compiled under the compile rules of `dflashkit.runtime.compile`.
+"""A compiled region: a whole function (a drafter layer, a loss chunk) compiled under the compile rules of `dflashkit.runtime.compile`.
 
 Compiled whole (fullgraph, static shapes), the pointwise work around a region's matmuls (norms, RoPE,
 SwiGLU, softmax) fuses into a few kernels. Before warm-up a call that may compile holds COMPILE_LOCK (the
@@ -16,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
 from dflashkit.errors import DflashkitError
 from dflashkit.runtime import torch_errors
@@ -28,58 +26,33 @@ from dflashkit.runtime.compile import (
     is_frozen,
 )
 
-# torch.compile modes a region takes: the default inductor mode, or CUDA graphs.
-COMPILE_MODES: tuple[str | None, ...] = (None, "reduce-overhead")
-
 # Graphs per region: one per (device, shape, grad mode) of every drafter in the process. Generous: the freeze
 # after warm-up is what stops late compiles; this only bounds a runaway before it.
 REGION_RECOMPILE_LIMIT = 256
 
 
-def graph_mode(device: torch.device | str) -> str | None:
-    """The compile mode of a fixed-shape step on ``device``: CUDA graphs on a GPU (one launch per step
-    instead of one per kernel), the default mode elsewhere (CUDA graphs exist only on CUDA)."""
-    return "reduce-overhead" if torch.device(device).type == "cuda" else None
-
-
 class CompiledRegion:
-    """``fn`` compiled whole under the compile rules (see the module docstring).
-
-    ``mode`` is torch.compile's: None (the default inductor mode) or ``"reduce-overhead"``, which on a
-    GPU records each shape's kernels once as a CUDA graph and replays it (one launch per call; use
-    ``graph_mode(device)``). A CUDA graph's outputs live in memory the next replay overwrites, so such
-    a region starts a new CUDA-graph step before each call and returns copies of its outputs; tensors
-    it mutates in place must have fixed addresses (``torch._dynamo.mark_static_address``), and its
-    warm-up calls each shape three times (warm, record, replay) before compiles are frozen. ``warm_with``
-    and ``off_switch`` say, in its errors, what warms a shape and what turns the region off."""
+    """``fn`` compiled whole under the compile rules (see the module docstring), in Inductor's default mode.
+    ``warm_with`` and ``off_switch`` say, in its errors, what warms a shape and what turns the region off."""
 
     def __init__(
         self,
         fn: Callable[..., Any],
         name: str,
         *,
-        mode: str | None = None,
         warm_with: str = "one training step of this shape",
         off_switch: str = "train.compile=off: only the attention compiled",
     ):
-        if mode not in COMPILE_MODES:
-            raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
         self.fn = fn
         self.name = name
-        self.mode = mode
         self.warm_with = warm_with
         self.off_switch = off_switch
         self._compiled: Callable[..., Any] | None = None
 
-    @property
-    def graphed(self) -> bool:
-        """True when calls replay CUDA graphs (mode reduce-overhead)."""
-        return self.mode == "reduce-overhead"
-
     def _build(self) -> Callable[..., Any]:
         with COMPILE_LOCK:
             if self._compiled is None:
-                self._compiled, _ = compile_fullgraph(self.fn, REGION_RECOMPILE_LIMIT, self.mode)
+                self._compiled, _ = compile_fullgraph(self.fn, REGION_RECOMPILE_LIMIT)
             return self._compiled
 
     def graphs(self) -> int:
@@ -102,7 +75,7 @@ class CompiledRegion:
     def _guarded(self, compiled: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """Call the compiled region; turn torch's compile failures into one line that says what to do."""
         try:
-            return self._invoke(compiled, args)
+            return compiled(*args)
         except torch_errors.recompile_limit_errors():
             raise DflashkitError(
                 f"{self.name} reached its recompile limit ({REGION_RECOMPILE_LIMIT} graphs) at inputs "
@@ -124,10 +97,3 @@ class CompiledRegion:
                 f"{self.name} failed to compile ({type(e).__name__}: {first}); turn compiling off "
                 f"({self.off_switch}) and report the torch build (`dflashkit doctor`)"
             ) from e
-
-    def _invoke(self, compiled: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if not self.graphed:
-            return compiled(*args)
-        torch.compiler.cudagraph_mark_step_begin()  # outputs of earlier replays may now be overwritten
-        out = compiled(*args)
-        return pytree.tree_map_only(Tensor, torch.clone, out)  # the caller's own copies

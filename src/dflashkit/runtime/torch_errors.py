@@ -10,9 +10,6 @@ process's state, and only then torch's wording:
   only inside `frozen_compiles()`;
 - the threaded compile race: a call into a compiled function while another thread holds torch's
   process-global FX-tracing flag (a compile, torch.export, fx.symbolic_trace elsewhere).
-
-A precompiled step (`dflashkit.runtime.precompiled`) refusing inputs its guards do not hold raises a plain
-`RuntimeError` too, told by torch's wording alone (it never compiles, so no state of ours is involved).
 """
 
 from __future__ import annotations
@@ -62,14 +59,3 @@ def first_guard_failure(message: str) -> str:
         if line.startswith("- "):
             return line[2:].split(": ", 1)[-1][:160]
     return ""
-
-
-def is_guard_refusal(e: BaseException) -> bool:
-    """A precompiled (aot-compiled) function refused inputs its guards do not hold."""
-    return type(e) is RuntimeError and "GuardManager check failed" in str(e)
-
-
-def guard_refusal_reason(message: str) -> str:
-    """The failing guard in a precompiled function's refusal ('... reason: <guard>'), if any."""
-    _, found, reason = message.partition("reason:")
-    return (reason.strip().splitlines() or [""])[0][:160] if found else ""

@@ -1,11 +1,10 @@
 """The decoder kernels' compiled binaries in the portable compile cache, beside torch.compile's.
 
-Triton compiles each hand-written kernel (``dflashkit.target.kernels``, ``dflashkit.infer.tree_kernels``) once
+Triton compiles each hand-written kernel (``dflashkit.infer.kernels.decoder``, ``dflashkit.infer.kernels.tree``) once
 per set of its compile-time sizes, on its first call, and keeps the binary in its own cache folder
 (``triton.knobs.cache.dir``, ``~/.triton/cache`` by default): a warm start on the same machine, a cold one
-(~30 variants for the "graphs-kernels" engine) on a fresh one. torch.compile's cache artifacts do not hold
-them, so the graphs engine's portable compile cache ``FILE`` gets a sibling, ``FILE.triton``: the cache
-entries of the named kernels and of their launchers (Triton builds each kernel signature's launcher with the C
+(~30 variants for the graphs engine's Triton layers) on a fresh one. So the graphs engine with Triton layers keeps them in a file of its own
+(``dflashkit.infer.engine.kernel_cache_path``, ``FILE.triton``): the cache entries of the named kernels and of their launchers (Triton builds each kernel signature's launcher with the C
 compiler, ~0.3-0.5 s apiece, into the same folder: a warm start that found the binaries but not them would still
 build ~30; those the warm-up loaded, ``launchers_loaded``, whether it built them or found them there), packed,
 keyed by the environment as the compile cache is (the same torch build, CUDA, Triton and GPU type, or it is
@@ -124,7 +123,7 @@ def held(path: str | os.PathLike[str]) -> set[str]:
     """The cache entries a file ``save`` wrote holds, by name (empty for one that cannot be read)."""
     try:
         _, data = read_keyed(
-            path, FORMAT, "a dflashkit Triton cache", "a warm-up of graphs-kernels writes one"
+            path, FORMAT, "a dflashkit Triton cache", "a warm-up with --layers triton writes one"
         )
         with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
             return {Path(m.name).parts[0] for m in tar.getmembers()}
@@ -136,7 +135,7 @@ def load(path: str | os.PathLike[str]) -> int:
     """Unpack ``path`` into Triton's cache folder after checking its environment (CompileCacheError in one
     line otherwise); an entry already there is kept. Returns how many entries it added."""
     header, data = read_keyed(
-        path, FORMAT, "a dflashkit Triton cache", "a warm-up of graphs-kernels writes one"
+        path, FORMAT, "a dflashkit Triton cache", "a warm-up with --layers triton writes one"
     )
     check_environment(Path(path), header, None)
     folder = cache_dir()

@@ -8,9 +8,6 @@
 - ``embed`` / ``lm_head``: the frozen embedding and output head the drafter shares.
 - ``forward_step`` with a ``TargetCache``: the decode loop's prefill and verify passes, returning
   logits and features of the new positions; ``TargetCache.crop(n)`` keeps the first n positions.
-- ``walk`` with a ``StaticTargetCache``: the same pass for the static engine, written as a plain walk
-  over the decoder layers that returns the wanted layers' outputs (no hooks), into a preallocated
-  cache, so that a fixed-shape step compiles whole (``dflashkit.infer.engine``).
 - ``identity()``: name, architecture, shape and a hash of config and weights, for manifests and checks,
   and the hub id serving engines load the target by (``hub_id_of``), when known.
 
@@ -216,71 +213,16 @@ def _move_rows(layers: Sequence[tuple[Tensor, Tensor]], start: int, rows: Sequen
         values[:, :, start : start + len(rows)] = values.index_select(2, src)
 
 
-# Decoders whose forward is exactly: embed, causal mask, rotary tables, the layers, final norm. ``walk``
-# repeats that forward; other architectures (scaled embeddings, sliding layers, ...) keep the dynamic engine.
-STATIC_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Attention kernels of transformers that add an explicit [b, 1, q, k] mask (tree verification passes one).
 TREE_ATTENTION = ("sdpa", "eager")
-
-
-# The transformers releases the static engine is tested on (pyproject.toml declares the same range): it
-# reads StaticCache's per-layer write position (``cumulative_length``) and its ``early_initialization``.
-TESTED_TRANSFORMERS = ("5.17", "5.24")
-
-
-def _check_static_cache(cache: Any) -> None:
-    """Refuse, in one line, a transformers whose StaticCache lacks what the static engine uses."""
-    layers = getattr(cache, "layers", None) or [None]
-    if not hasattr(cache, "early_initialization") or not hasattr(layers[0], "cumulative_length"):
-        import transformers
-
-        low, high = TESTED_TRANSFORMERS
-        raise DflashkitError(
-            f"the static decode engine uses StaticCache internals of transformers {low}-{high}, which "
-            f"transformers {transformers.__version__} does not have: install transformers>={low},<={high}, "
-            "or use the dynamic engine (--engine dynamic)"
-        )
-
-
-class StaticTargetCache:
-    """The target's K/V cache for the static engine: transformers' StaticCache, allocated once for
-    ``capacity`` positions and never reallocated (compiled steps and CUDA graphs keep its addresses).
-
-    Nothing is ever cropped or reallocated. A step at ``start`` first sets every layer's write position to
-    ``start`` (``seek``), then writes its rows at start, start+1, ...; its queries sit at those
-    positions, and the causal mask lets a query at p read rows 0..p only, so rows left beyond by a
-    longer earlier step (rejected drafts) are never read, and the next step overwrites them.
-    "Keep the first n positions" is therefore just "the next step starts at n". A verified token tree
-    keeps its accepted path by copying those rows down to consecutive positions (``keep_rows``, in place).
-    """
-
-    def __init__(self, config: Any, capacity: int, dtype: torch.dtype, device: torch.device):
-        from transformers import StaticCache
-
-        self.capacity = capacity
-        self.hf = StaticCache(config=config, max_cache_len=capacity)
-        _check_static_cache(self.hf)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.hf.early_initialization(1, config.num_key_value_heads, head_dim, dtype, torch.device(device))
-
-    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
-        """Move the rows ``start + r`` for r in ``rows`` (increasing) to start, start+1, ..., in place (the
-        next step then starts at start + len(rows): ``dflashkit.infer.engine``)."""
-        _move_rows([(layer.keys, layer.values) for layer in self.hf.layers], start, rows)
-
-    def seek(self, start: Tensor) -> None:
-        """Make the next write land at position ``start`` (a 0-d tensor: a compiled step must not
-        specialise on it). In place, so the tensors keep their addresses."""
-        for layer in self.hf.layers:
-            layer.cumulative_length.copy_(start)
 
 
 class TargetModel:
     """A frozen HF causal LM with the accessors DFlash needs. Build with ``TargetModel.load``.
 
     Loaded lazily (``load(lazy=True)``), the target holds its weights as the checkpoint's tensors and its
-    config.json's fields until something needs the transformers model itself (features, the dynamic and
-    static engines, the tokens' embedding or head): the graphs engines read only ``decoder_weights``, so a
+    config.json's fields until something needs the transformers model itself (features, the reference
+    engine, the tokens' embedding or head): the graphs engine reads only ``decoder_weights``, so a
     served target never imports transformers' model code, most of a target's load (NOTES: the warm start).
     The first use of the model loads it then, in one place (``model``), and the tensors read ahead go.
     """
@@ -479,8 +421,8 @@ class TargetModel:
 
     def _hook(self, i: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if torch.compiler.is_compiling():  # a compiled ``walk`` returns its features itself; and a
-                return  # per-thread capture in a graph would be a guard that every eager call flips
+            if torch.compiler.is_compiling():  # a per-thread capture in a compiled graph would be a
+                return  # guard that every eager call flips
             wanted = getattr(self._capture, "wanted", None)
             if wanted is not None and i in wanted:
                 wanted[i] = output[0] if isinstance(output, tuple) else output
@@ -587,61 +529,6 @@ class TargetModel:
         boolean visibility [t, S], in the target's dtype, as transformers' sdpa and eager kernels add it."""
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
         return mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[None, None]
-
-    def check_static(self) -> None:
-        """Refuse a target that ``walk`` cannot run exactly as its own forward does."""
-        model_type = getattr(self.config, "model_type", None)
-        sliding = "sliding_attention" in (getattr(self.config, "layer_types", None) or [])
-        if model_type not in STATIC_MODEL_TYPES or sliding:
-            what = "has sliding-window layers" if sliding else f"is a {model_type!r} model"
-            raise DflashkitError(
-                f"{self.name} {what}; the static decode engine runs {', '.join(STATIC_MODEL_TYPES)} targets "
-                "with full attention only: use the dynamic engine (--engine dynamic)"
-            )
-
-    def new_static_cache(self, capacity: int) -> StaticTargetCache:
-        self.check_static()
-        return StaticTargetCache(self.model.config, capacity, self.dtype, self.device)
-
-    def walk(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        cache: StaticTargetCache,
-        layer_ids: Sequence[int],
-        *,
-        last_only: bool = False,
-        mask: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """The decoder's forward over new tokens [1, t] at ``positions`` [1, t], written into ``cache`` at
-        rows ``positions[0, 0]`` .. +t-1, as a plain walk over the layers: traceable whole by
-        torch.compile. The tokens see the cache and each other causally (consecutive positions), or as
-        ``mask`` says (a token tree: an additive [1, 1, t, capacity] mask, ``tree_mask``; its root first,
-        the rows in node order, the rotary positions root + depth). Returns logits [t, V] (or [1, V] of the
-        last position with ``last_only``) and the features [1, t, n*H] (raw outputs of ``layer_ids``, in id
-        order, as ``forward_step`` returns)."""
-        from transformers.masking_utils import create_causal_mask
-
-        cache.seek(positions[0, 0])
-        h = self.decoder.embed_tokens(input_ids)
-        if mask is None:
-            mask = create_causal_mask(self.config, h, None, cache.hf, positions)  # positional: 5.17 and 5.24
-        rotary = self.decoder.rotary_emb(h, position_ids=positions)
-        wanted = []
-        for i, layer in enumerate(self.layers):
-            h = layer(
-                h,
-                attention_mask=mask,
-                position_ids=positions,
-                position_embeddings=rotary,
-                use_cache=True,
-                **{self._cache_kwarg: cache.hf},
-            )
-            h = h[0] if isinstance(h, tuple) else h
-            if i in layer_ids:
-                wanted.append(h)
-        last = self.decoder.norm(h[:, -1:] if last_only else h)
-        return self.lm_head(last)[0], torch.cat(wanted, dim=-1)
 
     # --- identity ------------------------------------------------------------------------------
 

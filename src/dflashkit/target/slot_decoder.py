@@ -79,8 +79,8 @@ class DecoderWeights:
     kv_heads: int
     head_dim: int
     eps: float
-    # the rotary table as real (cos, sin) pairs [max_positions, head_dim / 2, 2]: what a compiled step
-    # reads (Inductor generates no code for complex numbers)
+    # the rotary table as real (cos, sin) pairs [max_positions, head_dim / 2, 2]: what the Triton kernels read
+    # (``dflashkit.infer.kernels.decoder``)
     rotary_pairs: Tensor = field(init=False, repr=False)
     lm_head_packed: Tensor | None = field(default=None, repr=False)  # ``pack_for_cpu``
 
@@ -357,15 +357,6 @@ def apply_rotary(x: Tensor, rotary: Tensor) -> Tensor:
     return torch.view_as_real(pairs * rotary.unsqueeze(-2)).flatten(-2).to(x.dtype)
 
 
-def apply_rotary_pairs(x: Tensor, pairs: Tensor) -> Tensor:
-    """``apply_rotary`` in real arithmetic, with the table as (cos, sin) pairs [..., head_dim/2, 2]: what a
-    compiled step runs (one fused kernel; Inductor generates no code for complex numbers)."""
-    xp = x.float().reshape(*x.shape[:-1], -1, 2)
-    a, b = xp[..., 0], xp[..., 1]
-    cos, sin = pairs[..., 0].unsqueeze(-2), pairs[..., 1].unsqueeze(-2)
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
-
-
 # the counters a SlotCache holds for the decoder kernels: the embedded target's block step uses 48, an 8B
 # target's ~400 (its gate/up columns over 32-column tiles)
 KERNEL_COUNTS = 1024
@@ -444,18 +435,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def linear_as_reduction(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T written as a product and a sum over the inner dimension, accumulated in float32 (as a
-    GEMM accumulates). Under torch.compile this is a reduction kernel Inductor generates itself, so the
-    work around it (the casts, SwiGLU's activation, the residual add) fuses into it where a cuBLAS call
-    stays a kernel of its own: fewer kernels a step for the few rows of a decode step, where kernel count,
-    not bytes, bounds a small target. Eagerly it materialises [rows, out, in]: compiled steps only."""
-    y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
 
 
 def forward(
@@ -586,7 +565,6 @@ def decode(
     Packed prompts (``forward_packed``): one row of tokens, ``packing`` says each token's slot and
     position (``slots`` and ``starts``, then [1, T], are those per token)."""
     rows, chunk = tokens.shape
-    compiling = torch.compiler.is_compiling()  # real (cos, sin) pairs when compiling
     x, rotary, attend, rows_at = _step_plan(
         w,
         cache,
@@ -598,9 +576,7 @@ def decode(
         positions=positions,
         mask=mask,
         packing=packing,
-        pairs=compiling,
     )
-    rotate = apply_rotary_pairs if compiling else apply_rotary
     nq, nk, d = w.heads, w.kv_heads, w.head_dim
     kept = []
     for i, layer in enumerate(w.layers):
@@ -613,7 +589,7 @@ def decode(
                 [rms_norm(qk[:, :, :nq], layer.q_norm, w.eps), rms_norm(qk[:, :, nq:], layer.k_norm, w.eps)],
                 dim=2,
             )
-        qk = rotate(qk, rotary)  # queries and keys turned in one pass
+        qk = apply_rotary(qk, rotary)  # queries and keys turned in one pass
         write_rows(cache.k[i], rows_at, qk[:, :, nq:].reshape(-1, nk, d))
         write_rows(cache.v[i], rows_at, v.reshape(-1, nk, d))
         out = attend(qk[:, :, :nq], cache.k[i], cache.v[i])  # [R, C, nq * d]
@@ -626,109 +602,9 @@ def decode(
     return x, kept
 
 
-def decoder_layer(
-    x: Tensor,
-    h: Tensor,
-    layer: LayerWeights,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    rotary: Tensor,
-    rows_at: tuple[Tensor, Tensor],
-    attend: Attend,
-    next_norm: Tensor,
-    eps: float,
-    reduce_matmuls: bool,
-) -> tuple[Tensor, Tensor]:
-    """One decoder layer of ``decode_by_layer``: the residual stream x [R, C, hidden] and its normed copy h
-    in, the layer's keys and values written at ``rows_at``, and out the new x and ``rms_norm(x, next_norm)``:
-    the next layer's input norm (the final norm after the last layer), so that every layer, the last
-    included, is the same function of tensors of the same shapes: one compile serves them all. The rotary
-    angles are (cos, sin) pairs. ``reduce_matmuls``: the layer's matmuls as ``linear_as_reduction``, gate and
-    up as two reductions so that SwiGLU fuses into them, the residual adds out of place: what a compiled
-    one-token step wants (Inductor fuses the work around each reduction into it: 1.05 instead of 1.43 ms a
-    token on the H200; a many-token step keeps its matmuls, which cuBLAS does faster: benchmarks/NOTES.md)."""
-    rows, chunk = x.shape[:2]
-    nk, d = k_cache.shape[-2], k_cache.shape[-1]
-    nq = layer.qkv.shape[0] // d - 2 * nk
-    matmul = linear_as_reduction if reduce_matmuls else linear
-    qkv = matmul(h, layer.qkv, layer.qkv_bias).view(rows, chunk, nq + 2 * nk, d)
-    qk, v = qkv[:, :, : nq + nk], qkv[:, :, nq + nk :]
-    if layer.q_norm is not None:  # Qwen3: each head normalised before the rotation
-        qk = torch.cat(
-            [rms_norm(qk[:, :, :nq], layer.q_norm, eps), rms_norm(qk[:, :, nq:], layer.k_norm, eps)], dim=2
-        )
-    qk = apply_rotary_pairs(qk, rotary)
-    write_rows(k_cache, rows_at, qk[:, :, nq:].reshape(-1, nk, d))
-    write_rows(v_cache, rows_at, v.reshape(-1, nk, d))
-    x = x + matmul(attend(qk[:, :, :nq], k_cache, v_cache), layer.o)
-    h = rms_norm(x, layer.post_norm, eps)
-    if reduce_matmuls:  # gate and up as two reductions, SwiGLU fused into them
-        half = layer.gate_up.shape[0] // 2
-        gate, up = matmul(h, layer.gate_up[:half]), matmul(h, layer.gate_up[half:])
-    else:
-        gate, up = matmul(h, layer.gate_up).chunk(2, dim=-1)
-    x = x + matmul(F.silu(gate) * up, layer.down)
-    return x, rms_norm(x, next_norm, eps)
-
-
-LayerStep = Callable[..., tuple[Tensor, Tensor]]  # ``decoder_layer`` or a compiled region of it
-
-
-def decode_by_layer(
-    w: DecoderWeights,
-    cache: SlotCache,
-    tokens: Tensor,
-    slots: Tensor,
-    starts: Tensor,
-    layer_step: LayerStep,
-    *,
-    kv_len: int,
-    attention: Attention = "sdpa",
-    keep: tuple[int, ...] = (),
-    positions: Tensor | None = None,
-    mask: Tensor | None = None,
-    reduce_matmuls: bool = False,
-) -> tuple[Tensor, list[Tensor]]:
-    """``decode`` one layer at a time through ``layer_step`` (``decoder_layer``, or a compiled region of it:
-    the "graphs-layers" engine, whose one compile of one layer serves every layer and every step shape's
-    layers are compiled in seconds, where a whole step unrolls all of them into one graph). Returns the
-    final-normed hidden states [R, C, hidden] (``logits`` would norm them again: take ``head``) and the
-    outputs of the layers ``keep``. The work around the layers (embedding, attention plan, head) runs as it
-    is (captured with the layers on a GPU)."""
-    x, rotary, attend, rows_at = _step_plan(
-        w,
-        cache,
-        tokens,
-        slots,
-        starts,
-        kv_len=kv_len,
-        attention=attention,
-        positions=positions,
-        mask=mask,
-        packing=None,
-        pairs=True,
-    )
-    h = rms_norm(x, w.layers[0].input_norm, w.eps)
-    kept = []
-    for i, layer in enumerate(w.layers):
-        last = i == len(w.layers) - 1
-        next_norm = w.norm if last else w.layers[i + 1].input_norm
-        x, h = layer_step(
-            x, h, layer, cache.k[i], cache.v[i], rotary, rows_at, attend, next_norm, w.eps, reduce_matmuls
-        )
-        if i in keep:
-            kept.append(x)  # a new tensor each layer: nothing changes it later
-    return h, kept
-
-
-def head(w: DecoderWeights, h: Tensor) -> Tensor:
-    """The vocabulary head over final-normed hidden states (``decode_by_layer``'s): float32 logits."""
-    return linear(h, w.lm_head, packed=w.lm_head_packed).float()
-
-
 def head_into(w: DecoderWeights, h: Tensor, out: Tensor) -> None:
-    """``head`` written into the float32 logits ``out``: the copy casts (for bf16 weights, one kernel a step
-    fewer than ``head``'s cast and then a copy)."""
+    """The vocabulary head over final-normed hidden states ``h``, written into the float32 logits ``out``: the
+    copy casts (for bf16 weights, one kernel a step fewer than a cast and then a copy)."""
     out.copy_(linear(h, w.lm_head, packed=w.lm_head_packed))
 
 
@@ -744,10 +620,9 @@ def _step_plan(
     positions: Tensor | None,
     mask: Tensor | None,
     packing: Packing | None,
-    pairs: bool,
 ) -> tuple[Tensor, Tensor, Attend, tuple[Tensor, Tensor]]:
     """What every layer of a step shares, built once: the embedded tokens [R, C, hidden], their rotary
-    angles (``pairs``: as real (cos, sin) pairs, what a compiled step reads), the attention plan and each new
+    angles, the attention plan and each new
     token's cache row as its slot and position (``decode`` says what the arguments mean)."""
     rows, chunk = tokens.shape
     if packing is not None:
@@ -756,8 +631,7 @@ def _step_plan(
         written = (starts[:, None] + torch.arange(chunk, device=tokens.device)[None, :]).clamp(
             max=cache.capacity - 1
         )
-    table = w.rotary_pairs if pairs else w.rotary
-    rotary = table[written if positions is None else positions]  # [R, C, head_dim/2 (, 2)]
+    rotary = w.rotary[written if positions is None else positions]  # [R, C, head_dim/2]
     x = w.embed[tokens]  # [R, C, hidden]
     nq, nk = w.heads, w.kv_heads
     if mask is not None:

@@ -1,10 +1,10 @@
 """The target's chain steps as hand-written kernels: a decoder layer in six launches.
 
-A one-token step of the embedded target is 30 small layers. Compiled one layer at a time (the "graphs-layers"
-engine) each layer is ~9.6 kernels (the norms, the fused projection, rotary and the cache writes, FlashAttention,
+A one-token step of the embedded target is 30 small layers. Compiled one layer at a time by Inductor (an engine
+retired on 2026-12-07) each layer is ~9.6 kernels (the norms, the fused projection, rotary and the cache writes, FlashAttention,
 the output projection, SwiGLU, the down projection), and replayed as a CUDA graph a step costs what its 288
 kernels cost one after another, ~0.9 us between each (benchmarks/NOTES.md: 0.64 ms of kernel time, 0.84 ms a
-token). Here a layer is six Triton kernels (``kernel_source``), each doing all the work around one matmul or
+token). Here a layer is six Triton kernels (``kernels.decoder_source``), each doing all the work around one matmul or
 the attention:
 
 1. ``qkv``: the input norm, the fused query/key/value projection (Qwen3: each query and key head normalised,
@@ -22,13 +22,13 @@ and after the last layer the plain forward's final norm and head (cuBLAS reads t
 memory's bandwidth). A step of M tokens (one, or a block) is 6 x layers launches, an embedding gather and the
 head's few kernels. One token's matmuls are matrix-vector products over many programs (a few output columns
 each: the weights are what a step reads); a block's go through ``tl.dot`` on the tensor cores. The kernels
-round to the model's dtype where the plain forward (``slot_decoder.decoder_layer``) rounds, so in float32 they
-give its numbers up to summation order (tested against it, and the engine against the dynamic one token for
-token). Measured on the H200: benchmarks/RESULTS.md (2026-12-04) and ``benchmarks/kernel_tiles.py``.
+round to the model's dtype where the plain forward (``slot_decoder.decode``) rounds, so in float32 they give
+its numbers up to summation order (tested against it, and the engine against the reference one token for
+token). Measured on the H200: benchmarks/RESULTS.md.
 
 On a GPU the kernels are compiled by Triton (``triton.jit``); on the CPU they run in Triton's interpreter
 (TRITON_INTERPRET=1 before Triton is first imported), the same source in numpy: slow, for tests.
-``unsupported`` says which targets they cannot run (choose graphs-layers for those).
+``unsupported`` says which targets they cannot run (choose --layers torch for those).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Tiles:
     # programs a multiprocessor, 384 programs in 1.45 waves; 16-row tiles hold ~128, one wave.
     # Measured (one H100, 2026-12-07, kernel_tiles --tree-nodes 20, benchmarks/RESULTS.md): the tree step
     # [1,21] 0.790 / 0.773 -> 0.646 / 0.630 ms, its up kernel 0.312 -> 0.200 ms; one token and a block of 8 level.
-    # In the engine (decode_steps, graphs-kernels, benchmarks/results/decode_steps.json): a tree-of-20 round +29.6% ->
+    # In the engine (decode_steps, Triton layers, benchmarks/results/decode_steps.json): a tree-of-20 round +29.6% ->
     # +12.0% over the chain's, a tree of 31 +40.5% -> +21.8%
     tree_rows: int = 16
     attention_positions: int = 64
@@ -178,7 +178,7 @@ def triton_missing() -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError as e:
-        return f"Triton is not installed ({e}): pip install triton, or choose --engine graphs-layers"
+        return f"Triton is not installed ({e}): pip install triton, or choose --layers torch"
     return None
 
 
@@ -190,12 +190,12 @@ def interpreting() -> bool:
 
 @functools.cache
 def _compiled() -> SimpleNamespace:
-    """The kernels of ``kernel_source`` by name (``triton.jit`` gives the interpreter's functions when
+    """The kernels of ``kernels.decoder_source`` by name (``triton.jit`` gives the interpreter's functions when
     ``interpreting``)."""
     why = triton_missing()
     if why:
         raise DflashkitError(why)
-    from dflashkit.target import kernel_source
+    from dflashkit.infer.kernels import decoder_source as kernel_source
 
     return SimpleNamespace(**{k: getattr(kernel_source, f"{k}_kernel") for k in KERNELS})
 
@@ -207,7 +207,7 @@ def check_runnable(device: torch.device) -> None:
         raise DflashkitError(why)
     if device.type != "cuda" and not interpreting():
         raise DflashkitError(
-            f"the decoder kernels run on a GPU (the target is on {device.type}): choose --engine graphs-layers, "
+            f"the decoder kernels run on a GPU (the target is on {device.type}): choose --layers torch, "
             "or set TRITON_INTERPRET=1 to run them, slowly, in Triton's interpreter"
         )
 

@@ -1,8 +1,8 @@
-"""The drafter's step through the decoder kernels, for the "graphs-kernels" engine.
+"""The drafter's step through the decoder kernels, for the graphs engine's Triton layers.
 
 A DFlash drafter's layer is a Qwen3 decoder layer whose block of B slots attends to the context rows before
 its anchor and to every slot of the block, both ways. That is the target's decoder layer over B new tokens
-under a mask among them that marks them all (``target.kernels``' tree mask, all ones), so the target's six
+under a mask among them that marks them all (``kernels.decoder``' tree mask, all ones), so the target's six
 kernels a layer run it: the drafter's layers fused and reordered as the target's are
 (``slot_decoder.fused_layer``), its keys and values in a cache of the kernels' layout (its own: the keys'
 head dims in the kernels' rotary order, which only these kernels read). A draft step is then
@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dflashkit.model.drafter import DFlashDrafter, rope_inverse_frequencies
-from dflashkit.target.kernels import (
+from dflashkit.infer.kernels.decoder import (
     KeyValueWeights,
     Tiles,
     decode_by_kernels,
@@ -34,6 +33,7 @@ from dflashkit.target.kernels import (
     unsupported,
     write_keys_values,
 )
+from dflashkit.model.drafter import DFlashDrafter, rope_inverse_frequencies
 from dflashkit.target.slot_decoder import (
     DecoderWeights,
     SlotCache,

@@ -1,4 +1,4 @@
-"""A tree round's small steps as one Triton kernel each, for the "graphs-kernels" engine.
+"""A tree round's small steps as one Triton kernel each, for the graphs engine's Triton layers.
 
 Around the target's tree step a tree round has four steps of its own: the build (``tree.build_tree``: after
 a top-k of each drafted slot, every candidate branch scored, the budget's best kept and numbered), the tree's
@@ -15,7 +15,7 @@ launches over many programs, where torch's reduction runs a few), and its tail a
 round's context rows and state, the round's outputs) is ``finish``, one launch. Same outputs as the torch
 functions (tested against them; on the CPU in Triton's interpreter; a tie between two branches' exact scores
 may be broken otherwise than torch's top-k breaks it). Imported only where Triton is
-(``target.kernels.triton_missing``).
+(``kernels.decoder.triton_missing``).
 
 (No ``from __future__ import annotations`` here: Triton reads the ``tl.constexpr`` annotations.)
 """

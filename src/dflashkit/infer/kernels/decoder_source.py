@@ -1,4 +1,4 @@
-"""The Triton source of the target's decoder layer in six kernels (``dflashkit.target.kernels`` launches
+"""The Triton source of the target's decoder layer in six kernels (``dflashkit.infer.kernels.decoder`` launches
 them; read that module first). Imported once Triton is known to be there: ``triton.jit`` compiles them for a
 GPU, or gives the interpreter's functions (TRITON_INTERPRET=1: the CPU tests), so both run this very source.
 
