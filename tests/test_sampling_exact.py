@@ -1,5 +1,5 @@
-"""Exactness at T > 0, statistically: the decode loop's own rounds (`speculative._chain_round` with each
-proposal, `speculative._tree_round` by sample-and-match) commit tokens distributed as the target's, and two
+"""Exactness at T > 0, statistically: the decode loop's own rounds (`round._chain_round` with each
+proposal, `round._tree_round` by sample-and-match) commit tokens distributed as the target's, and two
 biased rules fail the same test (a tree walked by min(1, p/q) on the drafter's top-k marginals, as
 warpfront/hipfire PR #483 does, and a chain that keeps every draft).
 
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflashkit.infer import speculative
-from dflashkit.infer.round import Context, Verified
+from dflashkit.infer import round as rounds
+from dflashkit.infer.round import Context, Round, Verified, separate_round
 from dflashkit.infer.sampling import Sampling, probabilities, propose, race
 from dflashkit.infer.speculative import speculative_generate
 from dflashkit.infer.tree import DraftTree, accepted_path, build_tree
@@ -53,12 +53,19 @@ class TableEngine:
         self.drafter = SimpleNamespace(config=SimpleNamespace(block_size=B))
         self.cache: list[int] = []
         self.branches: list[list[int]] = []
+        self.context: Context | None = None
 
     def reserve(self, prompt_len: int, max_new_tokens: int, width: int | None = None) -> None:
         pass
 
     def _context(self, n: int) -> Context:
-        return Context(torch.zeros(1, n, 1), len(self.cache) - n)
+        self.context = Context(torch.zeros(1, n, 1), len(self.cache) - n)
+        return self.context
+
+    def round(
+        self, anchor: int, s: Sampling, gen: torch.Generator | None, tree_budget: int | None = None
+    ) -> Round:
+        return separate_round(self, anchor, s, gen, tree_budget)  # the loop's own separate calls
 
     def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, Context]:
         self.cache = prompt[0].tolist()
@@ -181,7 +188,7 @@ def _biased_tree_round(dec, anchor, draft_logits, budget, s, gen):
 
 
 def test_min_p_over_q_on_a_top_k_tree_fails_the_test(monkeypatch):
-    monkeypatch.setattr(speculative, "_tree_round", _biased_tree_round)
+    monkeypatch.setattr(rounds, "_tree_round", _biased_tree_round)
     assert decode_p_value(Sampling(temperature=1.0), TRIALS, tree_budget=6) < 1e-6
 
 
@@ -196,6 +203,6 @@ def _keep_every_draft(dec, anchor, draft_logits, s, gen):
 
 @pytest.mark.parametrize("draft_sampling", ["marginal", "argmax"])
 def test_a_chain_that_keeps_every_draft_fails_the_test(monkeypatch, draft_sampling):
-    monkeypatch.setattr(speculative, "_chain_round", _keep_every_draft)
+    monkeypatch.setattr(rounds, "_chain_round", _keep_every_draft)
     s = Sampling(temperature=1.0, rule="rejection", draft_sampling=draft_sampling)
     assert decode_p_value(s, TRIALS) < 1e-6
