@@ -399,7 +399,8 @@ def test_the_frozen_head_path_is_the_autograd_path(name):
     chunks computes it (the trainable-head path, with the head's gradient dropped)."""
     mix = MIXES[name]._replace(temperature=0.8)
     hidden, weight, labels, mask = _inputs(9)
-    target_hidden = hidden.detach() + torch.randn_like(hidden)
+    g = torch.Generator().manual_seed(10)
+    target_hidden = hidden.detach() + torch.randn(b, N * B, H, generator=g, dtype=hidden.dtype)
     frozen = dflash_loss(
         hidden, weight, labels, mask, B, chunk_blocks=3, target_hidden=target_hidden, mix=mix
     )
@@ -416,7 +417,7 @@ def test_the_frozen_head_path_is_the_autograd_path(name):
     )
     (g_auto,) = torch.autograd.grad(trainable.loss, hidden)
     torch.testing.assert_close(frozen.loss, trainable.loss, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(g_frozen, g_auto, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(g_frozen, g_auto, rtol=1e-4, atol=1e-7)  # fp32 logits either way
     torch.testing.assert_close(frozen.ce, trainable.ce)
 
 

@@ -174,16 +174,12 @@ class TrainSection(Section):
     loss_weighting: Literal["decay", "dpace"] = "decay"
     dpace_alpha: float = Field(0.5, ge=0, le=1)
     labels: Literal["target", "dataset"] = "target"
-    # Distillation: the weight alpha of the target's whole distribution in each slot's loss, beside its argmax
-    # (or the dataset token): (1 - alpha) CE(label) + alpha KL(p_target || p_drafter). 0: the label alone.
-    # The target's distribution comes from its last layer (read beside the drafter's layers, through the
-    # target's final norm and lm_head), so it needs the target online: a capture (data.features_dir) holds
-    # the drafter's layers only.
-    distill: float = Field(0.0, ge=0, le=1)  # the older name of train.loss {ce: 1 - alpha, kl: alpha}
+    # Distillation, the older name of train.loss {ce: 1 - alpha, kl: alpha}. 0: off.
+    distill: float = Field(0.0, ge=0, le=1)
     # Each slot's loss: ce (the target's argmax), kl (KL(p_T || q_T)), tv (total variation), lk (LK's
     # adaptive KL/TV), or a weighted mix such as {ce: 0.1, tv: 0.9}; p_T, q_T the target's and the drafter's
-    # distributions at loss_temperature. kl, tv and lk read the target's last layer (online, or a capture
-    # made with this config).
+    # distributions at loss_temperature. kl, tv and lk read the target's last layer (through its final norm
+    # and lm_head: online, or from a capture made with this config, which stores it).
     loss: str | dict[str, float] = "ce"
     loss_temperature: float = Field(1.0, gt=0)
     # The temperature and proposal serving uses: validation reports the served-order expected acceptance

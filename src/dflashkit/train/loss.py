@@ -16,7 +16,7 @@ Each slot's term is a `LossMix` (train.loss) of
 The temperature divides both the target's and the drafter's logits: serving at temperature T drafts from
 q_T, so TV(p_T, q_T) is exactly what a round at T loses. CE keeps the raw logits: its label is a point
 mass, and its argmax does not depend on T. `train.distill = a` (the older key) is the mix
-{ce: 1 - a, kl: a} at T = 1.
+{ce: 1 - a, kl: a}.
 
 Slot weights on top (train.loss_weighting):
 
