@@ -405,8 +405,10 @@ def test_cli(tmp_path: Path, prompts_file: Path, capsys: pytest.CaptureFixture[s
     assert main(argv) == 0
     assert "new tokens/s" in capsys.readouterr().out
     assert read_manifest(out)["counts"]["records"] == 3 and load_dataset(out, "validation") == []
-    assert main(["prepare", "--out", str(out), "--batch-size", "0"]) == 2
-    assert "--batch-size: Input should be greater than or equal to 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # dflashkit.commands.values, while the line is read
+        main(["prepare", "--out", str(out), "--batch-size", "0"])
+    assert refused.value.code == 2
+    assert "argument --batch-size: takes a whole number >= 1, got '0'" in capsys.readouterr().err
     assert main(["prepare", "--out", str(tmp_path / "x"), "--source", str(tmp_path / "missing.jsonl")]) == 2
     assert "neither a file nor" in capsys.readouterr().err
 

@@ -71,11 +71,12 @@ def test_prepare_and_capture_refuse_a_file_as_their_folder(a_file, monkeypatch, 
     _one_line(capsys, "dflashkit capture: error: --out", "cannot be made")
 
 
-def test_train_and_its_dry_run_refuse_a_run_folder_under_a_file(a_file, capsys) -> None:
-    for extra in (["--dry-run"], []):
-        capsys.readouterr()
-        assert main(["train", "--out", str(a_file / "run"), *extra]) == 2
-        _one_line(capsys, "dflashkit train: error: the run folder", "is a file, not a folder")
+def test_train_fanout_and_their_dry_runs_refuse_a_run_folder_under_a_file(a_file, capsys) -> None:
+    for command in ("train", "fanout"):
+        for extra in (["--dry-run"], []):
+            capsys.readouterr()
+            assert main([command, "--out", str(a_file / "run"), *extra]) == 2
+            _one_line(capsys, f"dflashkit {command}: error: the run folder", "is a file, not a folder")
 
 
 def test_convert_and_init_refuse_a_destination_under_a_file(drafter, a_file, capsys) -> None:

@@ -52,14 +52,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         overrides.append("run.allow_env_drift=true")
     if args.out:
         overrides.append(f"run.out_dir={args.out}")
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    # train, fanout and their --dry-run: a run folder that cannot be made is said before anything loads
+    check_folder_can_be_made(cfg.run.out_dir, "the run folder (--out, run.out_dir)")
+    return cfg
 
 
 def _train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     cfg = config_from_args(args)
-    check_folder_can_be_made(cfg.run.out_dir, "the run folder (--out, run.out_dir)")  # --dry-run too
     console = Console()
     if cfg.fanout is not None:  # several drafter variants from one target: `dflashkit fanout`
         return run_fanout(
