@@ -107,7 +107,7 @@ def test_eval_on_the_reference_engine_under_its_earlier_name(
 ):
     """--engine dynamic (an earlier release's name, said in one line): the reference engine decodes both loops,
     losslessly."""
-    args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--engine", "reference")
+    args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--engine", "dynamic")
     assert main(args) == 0
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["engine"] == "reference" and report["lossless"] is True

@@ -38,7 +38,7 @@ REACHED_BY = {
     "attention/checks.py": ("doctor",),
 }
 # Not dflashkit's options: other tools' command lines quoted in a message.
-FOREIGN = ("pip ", "torchrun", "nvidia-smi", "uv ", "llama.cpp")
+FOREIGN = ("pip ", "torchrun", "nvidia-smi", "uv ", "llama.cpp", "vLLM", "SGLang")
 
 
 def _options() -> dict[str, set[str]]:

@@ -99,9 +99,9 @@ def _init(args: argparse.Namespace) -> int:
         mask_token_text,
     )
 
+    check_folder_can_be_made(args.out)  # before the lock beside it is made
     hold_folder(args.out, beside=True)  # one writer; an interrupted init's debris goes (`dflashkit.lock`)
     check_destination(None, args.out, args.force)
-    check_folder_can_be_made(args.out)
     hf_config = load_target_config(args.target)
     ids = None
     if args.target_layer_ids:
@@ -140,9 +140,9 @@ def _convert(args: argparse.Namespace) -> int:
     from dflashkit.model.checkpoint import check_checkpoint_folder, check_destination, convert_checkpoint
 
     check_checkpoint_folder(args.src)  # before loading a target: the paths first
+    check_folder_can_be_made(args.dst, "DST")  # before the lock beside it is made
     hold_folder(args.dst, beside=True)  # one writer; an interrupted convert's debris goes (`dflashkit.lock`)
     check_destination(args.src, args.dst, args.force)
-    check_folder_can_be_made(args.dst, "DST")
     target = None
     if args.target:
         from dflashkit.target.hf import TargetModel

@@ -376,8 +376,8 @@ def _config_from_qwen3(
     if num_target_layers is None:
         raise CheckpointError(
             f"{where}: no num_target_layers (the layer count of the target it was made for; speculators "
-            "does not write it): pass --target TARGET, or record it once with `dflashkit convert` "
-            "DIR OUT --to zlab --target TARGET"
+            "does not write it): pass --target TARGET, or record it once with `dflashkit convert "
+            "DIR OUT --to zlab --target TARGET`"
         )
     heads = d["num_attention_heads"]
     layer_types = d.get("layer_types")
