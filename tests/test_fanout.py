@@ -313,7 +313,10 @@ def test_ready_config_and_dry_run(tiny_dataset, tmp_path, capsys):
     over = [f"data.dir={tiny_dataset}", f"run.out_dir={tmp_path / 'fan'}", "train.max_len=96"]
     for command in ("fanout", "train"):  # `dflashkit train` hands a config with a fanout section over
         assert main([command, "-c", "configs/fanout.yaml", "--dry-run", *over]) == 0
-        assert "every variant checks out" in capsys.readouterr().out
+        said = capsys.readouterr().out
+        assert "every variant checks out" in said
+        # the earlier name says what it is now, once; train says nothing of it
+        assert ("is `dflashkit train` on a config with a fanout section" in said) == (command == "fanout")
     assert main(["train", "-c", "configs/fanout.yaml", "--nproc", "2", *over]) == 2
     assert "drop --nproc" in capsys.readouterr().err
     assert not (tmp_path / "fan").exists()
