@@ -33,6 +33,9 @@ The report (``$OUT/decode_steps.json``) holds the rows and the issue's summary b
 with the fastest autoregressive token of the first dtype: ``round_cost_ar_tokens`` (a round's cost in AR
 tokens), ``ar_tok_s``, ``warm_start_s``; ``tree_tau_gain`` and ``cpu_round_cost_ar_tokens`` come from other
 measurements: kept from ``benchmarks/results/decode_steps.json`` when it has them, else null.
+``--decode-8b-json PATH`` merges issue 64's figures of the engine with the fastest chain round (and every
+engine's under "rows") into PATH: the qwen3-8b shape at its top level, qwen3-4b and qwen3-0.6b under "4b" and
+"0.6b", another shape under its name.
 
     python benchmarks/decode_steps.py                  # GPU
     python benchmarks/decode_steps.py --smoke          # CPU, tiny random target, eager
@@ -565,6 +568,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the warm start's N slowest functions (cProfile of the second process's engine build)",
     )
+    ap.add_argument(
+        "--decode-8b-json",
+        type=Path,
+        metavar="PATH",
+        help="merge this shape's decode figures (issue 64) into PATH: qwen3-8b at its top level, qwen3-4b "
+        'and qwen3-0.6b under "4b" and "0.6b", another shape under its name; the other shapes\' kept',
+    )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-warm-start", action="store_true", help="skip the second process (Triton layers)")
     ap.add_argument(
@@ -685,6 +695,68 @@ def _main(args: argparse.Namespace) -> None:
             "time": time.time(),
         },
     )
+    if args.decode_8b_json:
+        device_name = fp["gpu"]["names"][0] if fp["gpu"]["names"] else device.type
+        figures = decode_figures(rows, args.dtypes.split(",")[0], device_name)
+        merge_decode_figures(args.decode_8b_json, args.shape, figures)
+        print(f"merged {args.shape} into {args.decode_8b_json}: {json.dumps(figures['rows'])}")
+
+
+# where --decode-8b-json keeps a shape's figures: the 8B shape at the top level (issue 64's "Done when")
+DECODE_8B_KEYS = {"qwen3-8b": None, "qwen3-4b": "4b", "qwen3-0.6b": "0.6b"}
+
+
+def row_figures(row: dict, device_name: str) -> dict:
+    """Issue 64's decode figures of one measured row: AR ms/token, the memory floor, the chain round and the
+    tree-15 round (null when not measured) and the draft step in AR tokens, and the layers' backend."""
+    ar = row["ms_per_ar_token"]
+    tree15 = row.get("tree_rounds", {}).get("15")
+    return {
+        "device": device_name,
+        "ar_ms": ar,
+        "floor_ms": row["memory_floor_ms"],
+        "round_cost_ar_tokens": row["ms_per_spec_round"] / ar,
+        "tree15_round_cost_ar_tokens": tree15["round_cost_ar_tokens"] if tree15 else None,
+        "draft_step_ar_tokens": row["calls_ms"][f"draft [1, {row['block_size']}]"] / ar,
+        "backend": "triton" if row.get("layers") == "triton" else "torch",
+    }
+
+
+def decode_figures(rows: list[dict], dtype: str, device_name: str) -> dict:
+    """The figures of the engine with the fastest chain round in ``dtype``, and every engine's under "rows"."""
+    mine = [r for r in rows if r["dtype"] == dtype]
+    if not mine:
+        raise SystemExit(f"--decode-8b-json: no row measured in {dtype}")
+    best = min(mine, key=lambda r: r["ms_per_spec_round"])
+    r0 = mine[0]
+    return {
+        **row_figures(best, device_name),
+        "engine": best["engine"],
+        "dtype": dtype,
+        "block_size": r0["block_size"],
+        "drafter_layers": r0["drafter_layers"],
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": {r["engine"]: row_figures(r, device_name) for r in mine},
+    }
+
+
+def merge_decode_figures(path: Path, shape: str, figures: dict) -> dict:
+    """Write ``figures`` into the JSON at ``path`` where ``DECODE_8B_KEYS`` says (another shape: under its
+    name), keeping what the file holds for the other shapes."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    key = DECODE_8B_KEYS.get(shape, shape)
+    if key is None:  # the top level: replaced, except the other shapes' entries
+        others = set(DECODE_8B_KEYS.values()) - {None}
+        kept = {k: v for k, v in data.items() if k in others or k in TARGET_SHAPES}
+        data = {**figures, **kept}
+    else:
+        data[key] = figures
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
 
 
 def record_faster_layers(target, rows: list[dict]) -> None:

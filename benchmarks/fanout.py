@@ -73,6 +73,21 @@ TARGET_SHAPES = {
             max_position_embeddings=40960,
         ),
     ),
+    # Qwen3-4B
+    "qwen3-4b": (
+        "Qwen3Config",
+        dict(
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=40960,
+        ),
+    ),
     # Qwen3-8B (the 8-GPU fan-out topology's target)
     "qwen3-8b": (
         "Qwen3Config",

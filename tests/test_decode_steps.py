@@ -68,3 +68,47 @@ def test_the_start_builds_the_tree_steps_the_serving_commands_use():
     assert (
         decode_steps.engine_capacity(wide, drafter) == decode_steps.engine_capacity(chain, drafter) + 32 - 8
     )
+
+
+def test_the_decode_8b_json_holds_the_issues_keys(tmp_path):
+    """--decode-8b-json on the CPU smoke run (tiny shape, under "tiny"): issue 64's keys, finite where measured
+    (no memory floor on the CPU), every engine's figures under "rows"; what the file held for the other shapes
+    is kept, and the 8B shape's figures go to the top level beside the 0.6B and 4B shapes'."""
+    import json
+    import math
+    import os
+    import subprocess
+
+    path = tmp_path / "decode_8b.json"
+    path.write_text(json.dumps({"0.6b": {"ar_ms": 1.0}}))
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "decode_steps.py"),
+        "--smoke",
+        "--engines",
+        "graphs,reference",
+    ]
+    cmd += ["--tree-budgets", "15", "--no-record-layers", "--decode-8b-json", str(path)]
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads(path.read_text())
+    assert data["0.6b"] == {"ar_ms": 1.0}
+    tiny = data["tiny"]
+    keys = ("ar_ms", "round_cost_ar_tokens", "tree15_round_cost_ar_tokens", "draft_step_ar_tokens")
+    assert set(tiny["rows"]) == {"graphs", "reference"}
+    for figures in (tiny, *tiny["rows"].values()):
+        assert figures["device"] == "cpu" and figures["backend"] == "torch" and figures["floor_ms"] is None
+        for key in keys if figures is not tiny["rows"]["reference"] else keys[:2] + keys[3:]:
+            assert math.isfinite(figures[key]) and figures[key] > 0, key
+    assert (
+        tiny["rows"]["reference"]["tree15_round_cost_ar_tokens"] is None
+    )  # trees: the graphs engine's alone
+    best = min(tiny["rows"].values(), key=lambda r: r["round_cost_ar_tokens"] * r["ar_ms"])
+    assert tiny["ar_ms"] == best["ar_ms"]
+
+    decode_steps.merge_decode_figures(path, "qwen3-8b", {"ar_ms": 2.0, "rows": {}})
+    decode_steps.merge_decode_figures(path, "qwen3-4b", {"ar_ms": 3.0})
+    data = json.loads(path.read_text())
+    assert data["ar_ms"] == 2.0 and data["4b"] == {"ar_ms": 3.0} and data["0.6b"] == {"ar_ms": 1.0}
+    assert data["tiny"] == tiny
