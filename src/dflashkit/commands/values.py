@@ -28,31 +28,26 @@ def _whole(text: str, what: str) -> int:
         raise argparse.ArgumentTypeError(f"{what}, got {text!r}") from None
 
 
-def count(text: str) -> int:
-    """A number of things (prompts, tokens, turns, layers, processes, a batch): a whole number >= 1."""
-    what = "takes a whole number >= 1"
+def _whole_at_least(text: str, least: int, what: str) -> int:
     n = _whole(text, what)
-    if n < 1:
+    if n < least:
         raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
     return n
+
+
+def count(text: str) -> int:
+    """A number of things (prompts, tokens, turns, layers, processes, a batch): a whole number >= 1."""
+    return _whole_at_least(text, 1, "takes a whole number >= 1")
 
 
 def count_or_all(text: str) -> int:
     """A count where 0 means all of them: a whole number >= 0."""
-    what = "takes a whole number >= 1 (0: all)"
-    n = _whole(text, what)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
-    return n
+    return _whole_at_least(text, 0, "takes a whole number >= 1 (0: all)")
 
 
 def whole_number(text: str) -> int:
     """A retry count or a token id: a whole number >= 0."""
-    what = "takes a whole number >= 0"
-    n = _whole(text, what)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
-    return n
+    return _whole_at_least(text, 0, "takes a whole number >= 0")
 
 
 def temperature(text: str) -> float:
