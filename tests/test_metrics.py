@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dflashkit.model.acceptance import acceptance_stats, add_stats, finalize_stats
 from dflashkit.train.distributed import all_reduce_stats
+from test_train import TINY
 
 
 def _batch(hits_rows, mask_rows, block_valid):
@@ -253,21 +254,7 @@ def test_slot_acceptance_of_each_proposal_by_hand():
         slot_acceptance(p.log(), q.log(), 0.0, "marginal")
 
 
-TINY_RUN = {  # a few steps on the embedded target in float32, evaluated at steps 3 and 6
-    "target.dtype": "float32",
-    "drafter.layers": 1,
-    "drafter.block_size": 4,
-    "drafter.num_target_layers": 2,
-    "train.max_steps": 6,
-    "train.max_len": 96,
-    "train.num_anchors": 12,
-    "train.lr": 3e-3,
-    "train.warmup_ratio": 0.0,
-    "train.eval_every": 3,
-    "train.save_every": 3,
-    "train.cache_features": True,
-    "train.chunk_blocks": 4,
-}
+TINY_RUN = TINY  # a few steps on the embedded target in float32, evaluated at steps 3 and 6
 
 
 DRAFTER_IN_GIT = Path(__file__).resolve().parents[1] / "benchmarks" / "drafters" / "embedded-gpu-more"
