@@ -134,3 +134,32 @@ def test_damaged_tokenizer_files_end_in_one_clear_error(tmp_path):
     (folder / "tokenizer.json").write_text('{"version": "1.0", "model": 3}')
     with pytest.raises(ConfigError, match="tokenizer.json cannot be read as a tokenizer"):
         serving_tokenizer(folder)
+
+
+def test_an_embedded_folder_whose_eos_another_transformers_named_is_mended(tmp_path, monkeypatch):
+    """transformers 5.17's GGUF loader names <|im_start|> SmolLM2's EOS where 5.24 names <|im_end|>; a dataset
+    made on one machine was then refused on the other (template mismatch). The converted folder is pinned to
+    the model's own tokens, and a folder made before the pin is mended on its next use."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from dflashkit.target import embedded
+
+    folder = tmp_path / embedded.DIR_NAME
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
+                 "generation_config.json"):
+        shutil.copy(embedded_dir() / name, folder / name)
+    (folder / "model.safetensors").write_bytes(b"")  # present: embedded_dir() treats the folder as made
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": "<|im_start|>"}))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": 1}))
+    assert AutoTokenizer.from_pretrained(folder).eos_token == "<|im_start|>"  # the drift, as it was met
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
+    assert embedded.embedded_dir() == folder
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id) == ("<|im_end|>", 2, 1)
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert template_identity(tok, False) == template_identity(AutoTokenizer.from_pretrained(embedded_dir()), False)

@@ -31,6 +31,13 @@ DIR_NAME = "smollm2-135m-instruct"  # the transformers folder made under cache_r
 MASK_TOKEN = "<empty_output>"
 MASK_TOKEN_ID = 16
 
+# SmolLM2-135M-Instruct's own special tokens (its hub tokenizer_config and generation_config). What the GGUF
+# loader makes of them varies with the transformers version (5.17 names <|im_start|> the EOS, 5.24 <|im_end|>),
+# and a dataset records its EOS: so the converted folder is pinned to the model's own, whichever version made
+# it, and a folder made before the pin is mended on its next use.
+SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}
+SPECIAL_TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("DFLASHKIT_CACHE", Path.home() / ".cache" / "dflashkit"))
@@ -61,6 +68,7 @@ def embedded_dir() -> Path:
     """A transformers folder (safetensors + tokenizer) for the embedded target, made on first use."""
     dest = cache_root() / DIR_NAME
     if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
+        pin_special_tokens(dest)
         return dest
     src = gguf_path()
     import torch
@@ -79,6 +87,7 @@ def embedded_dir() -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        pin_special_tokens(tmp)
         try:
             os.rename(tmp, dest)  # atomic: another process may have won the race, which is fine
         except OSError:
@@ -87,3 +96,23 @@ def embedded_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def pin_special_tokens(folder: Path) -> None:
+    """Write SmolLM2-Instruct's own BOS/EOS/PAD (`SPECIAL_TOKENS`) into a converted folder's tokenizer,
+    model and generation configs where they differ (each file replaced atomically)."""
+    import json
+
+    from dflashkit.atomic import write_json
+
+    for name, wanted in (
+        ("tokenizer_config.json", SPECIAL_TOKENS),
+        ("config.json", SPECIAL_TOKEN_IDS),
+        ("generation_config.json", SPECIAL_TOKEN_IDS),
+    ):
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        if any(data.get(k) != v for k, v in wanted.items()):
+            write_json(path, {**data, **wanted})
