@@ -148,8 +148,13 @@ def test_an_embedded_folder_whose_eos_another_transformers_named_is_mended(tmp_p
 
     folder = tmp_path / embedded.DIR_NAME
     folder.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
-                 "generation_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+    ):
         shutil.copy(embedded_dir() / name, folder / name)
     (folder / "model.safetensors").write_bytes(b"")  # present: embedded_dir() treats the folder as made
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
@@ -162,4 +167,6 @@ def test_an_embedded_folder_whose_eos_another_transformers_named_is_mended(tmp_p
     tok = AutoTokenizer.from_pretrained(folder)
     assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id) == ("<|im_end|>", 2, 1)
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
-    assert template_identity(tok, False) == template_identity(AutoTokenizer.from_pretrained(embedded_dir()), False)
+    assert template_identity(tok, False) == template_identity(
+        AutoTokenizer.from_pretrained(embedded_dir()), False
+    )
