@@ -334,8 +334,10 @@ def run_speculators_case(s: dict, context: int, anchors: int, steps: int, device
     }  # fmt: skip
 
 
-def ratios(rows: list[dict]) -> list[dict]:
-    """Ours over speculators at each anchor count both ran: ms/step and peak GiB (below 1: ours is faster/smaller)."""
+def ratios(rows: list[dict], device_name: str = "") -> list[dict]:
+    """Ours over speculators at each anchor count both ran: ms/step and peak GiB (below 1: ours is faster/smaller).
+    Each row also carries the keys `benchmarks/results/train_step.json` is read by: ours_ms, speculators_ms,
+    ratio, fraction_of_peak (ours), peak_gib (ours), device."""
     peer = {r["anchors"]: r for r in rows if r["backend"] == "speculators" and "error" not in r}
     out = []
     for r in rows:
@@ -347,6 +349,9 @@ def ratios(rows: list[dict]) -> list[dict]:
             "speculators_ms_per_step": p["ms_per_step"], "ms_ratio": r["ms_per_step"] / p["ms_per_step"],
             "peak_gib": r["peak_gib"], "speculators_peak_gib": p["peak_gib"],
             "peak_ratio": r["peak_gib"] / p["peak_gib"] if p["peak_gib"] else float("nan"),
+            "ours_ms": r["ms_per_step"], "speculators_ms": p["ms_per_step"],
+            "ratio": r["ms_per_step"] / p["ms_per_step"], "fraction_of_peak": r.get("fraction_of_peak"),
+            "device": device_name,
         })  # fmt: skip
     return out
 
@@ -442,7 +447,8 @@ def main() -> None:
                 print(f"  {kind:28} {ms:7.1f} ms")
             for name, ms in pr["top_kernels_ms"]:
                 print(f"    {ms:7.2f} ms  {name}")
-    side_by_side = ratios(rows)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    side_by_side = ratios(rows, device_name)
     if side_by_side:
         print("\nours / speculators, same run, same shapes:")
     for x in side_by_side:
