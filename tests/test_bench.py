@@ -20,6 +20,7 @@ from dflashkit.infer.bench import (
     round_cost,
     run_set,
 )
+from dflashkit.infer.ceilings import TREE_ROUND_COST
 from dflashkit.infer.sampling import Sampling, accept_sampled, probabilities, race, rejection_noise
 from dflashkit.model.config import config_for_target
 from dflashkit.model.drafter import DFlashDrafter
@@ -256,7 +257,7 @@ def test_tree_budget_auto_verifies_trees_greedily_and_chains_when_sampling(
     import dflashkit.infer.engine as engine_module
     import dflashkit.infer.speculative as spec
 
-    def rule(requested, engine, layers, block_size, temperature):
+    def rule(requested, engine, layers, block_size, temperature, sampled_trees=False):
         return requested if requested is not None else (4 if temperature == 0 else 0)
 
     monkeypatch.setattr(engine_module, "resolve_tree_budget", rule)
@@ -282,6 +283,103 @@ def test_tree_budget_auto_verifies_trees_greedily_and_chains_when_sampling(
     assert main([*common, "--temperatures", "1"]) == 0  # the same settings: it joins the folder
     assert calls and all(b is None for _t, b in calls)
     assert "trees of 4 drafted nodes at T=0" in (out / "bench.md").read_text()
+
+
+def _fake_ceilings(tree: float):
+    """A `ceilings.measure` that returns fixed figures: chains of 1.5 (argmax) and 1.6 (marginal) expected tokens
+    a round, a tree of the budget asked ``tree``."""
+
+    def measure(target, drafter, prompts, s, max_new_tokens, eos_ids=(), budget=15, slots=None):
+        tokens = {"argmax": 1.5, "marginal": 1.6, f"tree{budget}": tree}
+        return {
+            "temperature": s.temperature,
+            "prompts": len(prompts),
+            "rounds": 10,
+            "max_p": [0.5, 0.3, 0.1],
+            "expected_tokens": tokens,
+            "tree_budget": budget,
+            "draft_sampling": "marginal",
+        }
+
+    return measure
+
+
+def _served(tiny, monkeypatch, tree: float, engine: str = "reference", **decoder):
+    """run_set at T=0 and T=1 on a decoder with trees of 4, the ceilings' figures fixed (``tree`` tokens for the
+    tree); returns the result and the tree budget of every speculative call past the warm-up, per T."""
+    import dflashkit.infer.ceilings as ceilings_module
+    import dflashkit.infer.speculative as spec
+
+    _folder, target, drafter = tiny
+    monkeypatch.setattr(ceilings_module, "measure", _fake_ceilings(tree))
+    calls: list[tuple[float, object]] = []
+    real = spec.speculative_generate
+
+    def spy(*args, **kwargs):
+        calls.append((args[4].temperature, kwargs.get("tree_budget")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spec, "speculative_generate", spy)
+    dec = _decoder(target, drafter, engine)
+    dec.tree_budget, dec.sampled_trees, dec.ceiling_prompts, dec.max_new_tokens = 4, False, 1, 6
+    for key, value in decoder.items():
+        setattr(dec, key, value)
+    bset = _set(2)
+    result = run_set(dec, bset, [0.0, 1.0], settings={"engine": engine})
+    calls = calls[len(calls) - 2 * bset.responses :]  # run_set's own warm-up left out
+    return result, {t: {b for u, b in calls if u == t} for t in (0.0, 1.0)}
+
+
+def test_ceilings_that_favour_trees_serve_a_sampled_set_with_trees(tiny, monkeypatch):
+    """Under --tree-budget auto with ceilings (trees_by_ceilings), a set at T=1 whose ceilings expect the tree
+    to beat the chain by more than a tree round's cost is served by trees, and its record says so and why."""
+    result, budgets = _served(tiny, monkeypatch, tree=2.0, engine="graphs", trees_by_ceilings=True)
+    assert budgets == {0.0: {4}, 1.0: {4}}
+    t0, t1 = result["temperatures"]["0"], result["temperatures"]["1"]
+    assert t0["rounds_served"] == "tree4" and "rounds_why" not in t0
+    assert t1["rounds_served"] == "tree4" and t1["draft_sampling"] == "marginal"
+    why = t1["rounds_why"]
+    assert why["expected_tokens"] == {"tree4": 2.0, "chain": 1.6} and why["chain"] == "marginal"
+    assert why["tree_round_cost"] == TREE_ROUND_COST
+    assert t1["ceilings"]["tree_budget"] == 4  # measured on the tree it may serve
+
+
+def test_ceilings_that_favour_the_chain_serve_a_sampled_set_with_the_chain(tiny, monkeypatch):
+    """The tree expects more tokens (1.62 against the argmax chain's 1.5), but not more than its round costs
+    against the chain of the proposal served (marginal, 1.6 x TREE_ROUND_COST): the chain; trees at T=0."""
+    result, budgets = _served(tiny, monkeypatch, tree=1.62, trees_by_ceilings=True)
+    assert 1.6 * TREE_ROUND_COST > 1.62
+    assert budgets == {0.0: {4}, 1.0: {None}}
+    t1 = result["temperatures"]["1"]
+    assert t1["rounds_served"] == "chain" and t1["rounds_why"]["expected_tokens"]["tree4"] == 1.62
+    assert result["temperatures"]["0"]["rounds_served"] == "tree4"
+    # the argmax proposal given: the tree against its chain (1.5 x cost < 1.62) pays
+    result, budgets = _served(tiny, monkeypatch, tree=1.62, trees_by_ceilings=True, draft_sampling="argmax")
+    assert budgets[1.0] == {4} and result["temperatures"]["1"]["rounds_why"]["chain"] == "argmax"
+
+
+def test_an_explicit_tree_budget_is_never_overridden_by_the_ceilings(tiny, monkeypatch):
+    """--tree-budget 0 (or N) is served at every temperature whatever the ceilings say; the ceilings choose only
+    under auto with --ceilings N > 0, on an engine that runs trees."""
+    import dflashkit.infer.engine as engine_module
+    from dflashkit.commands.bench import tree_rules
+
+    def rule(requested, engine, layers, block_size, temperature, sampled_trees=False):
+        if requested is not None:
+            return requested
+        return 4 if engine == "graphs" and (temperature == 0 or sampled_trees) else 0
+
+    monkeypatch.setattr(engine_module, "resolve_tree_budget", rule)
+    assert tree_rules(0, "graphs", "triton", 4, 8) == (0, 0, 0)
+    assert tree_rules(6, "graphs", "triton", 4, 8) == (6, 6, 0)
+    assert tree_rules(None, "graphs", "triton", 4, 8) == (4, 0, 4)  # auto: the ceilings choose above T=0
+    assert tree_rules(None, "graphs", "triton", 4, 0) == (4, 0, 0)  # no ceilings: the chain above T=0
+    assert tree_rules(None, "reference", "torch", 4, 8) == (0, 0, 0)  # no trees on this engine
+    # what --tree-budget 0 builds: a decoder of chains, whose ceilings (favouring trees) change nothing
+    result, budgets = _served(tiny, monkeypatch, tree=3.0, tree_budget=None)
+    assert budgets == {0.0: {None}, 1.0: {None}}
+    assert {f["rounds_served"] for f in result["temperatures"].values()} == {"chain"}
+    assert "rounds_why" not in result["temperatures"]["1"]
 
 
 def test_the_graphs_engine_grows_when_a_prompt_needs_more_room(tiny):
@@ -391,6 +489,7 @@ def test_bench_writes_sets_table_json_figure_and_summary(
     assert "dflashkit bench" in text and "held-out" in text and "twoturn" in text
     assert "*" not in text  # every set measured by this command: nothing to mark
     assert "train/serve agreement" in text and "decoded vs trained" in text
+    assert f"the sampling table {summary}" in text and "the sampling table's loss is unknown" in text
 
     result = json.loads((out / "bench.json").read_text())
     assert list(result["sets"]) == ["heldout", "twoturn"]
@@ -408,13 +507,24 @@ def test_bench_writes_sets_table_json_figure_and_summary(
     assert "decoded vs trained" not in text and "not on tree rounds" in text and "--tree-budget 0" in text
     tree_held = json.loads((tmp_path / "bench-tree" / "bench.json").read_text())["sets"]["heldout"]
     assert "training_metric" not in tree_held
+    # measured at T=0 and T=1: --summary writes the sampling table
     table = json.loads(summary.read_text())
-    assert set(table) == {"heldout", "twoturn"}
-    assert table["twoturn"]["tau"] == two["temperatures"]["0"]["tau"] and "speedup" in table["twoturn"]
-    assert table["twoturn"]["round_cost_ar_tokens"] == pytest.approx(
-        table["twoturn"]["tau"] / table["twoturn"]["speedup"]
+    assert set(table) == {"t0", "t1", "ceiling_t1", "loss", "draft_sampling"} and table["loss"] == "unknown"
+    for key in ("0", "1"):
+        fig = two["temperatures"][key]
+        assert table[f"t{key}"]["twoturn"] == {
+            "tau": fig["tau"],
+            "speedup": fig["speedup"],
+            "rounds": "chain",
+        }
+    assert set(table["t0"]) == set(result["summary_t0"]) == set(table["ceiling_t1"]) == {"heldout", "twoturn"}
+    served = {name: res["temperatures"]["1"]["draft_sampling"] for name, res in result["sets"].items()}
+    one = set(served.values())  # one proposal, or one a set
+    assert table["draft_sampling"] == {"t1": one.pop() if len(one) == 1 else served}
+    assert 0 < table["ceiling_t1"]["twoturn"] <= 1
+    assert result["summary_t0"]["twoturn"]["round_cost_ar_tokens"] == pytest.approx(
+        result["summary_t0"]["twoturn"]["tau"] / result["summary_t0"]["twoturn"]["speedup"]
     )
-    assert result["summary_t0"] == table
     detail = json.loads((out / "sets" / "twoturn.json").read_text())["responses_detail"]["0"]
     assert [r["turn"] for r in detail] == [0, 1] and detail[1]["prompt_tokens"] > detail[0]["prompt_tokens"]
     assert (out / "bench.png").stat().st_size > 1000
@@ -449,8 +559,6 @@ def test_bench_says_what_is_missing_before_loading_anything(drafter_run, tmp_pat
             main([*base, option, value])
         assert refused.value.code == 2
         assert f"argument {option}: takes {said}" in capsys.readouterr().err
-    assert main([*base, "--temperatures", "1", "--summary", str(tmp_path / "s.json")]) == 2
-    assert "include 0 in --temperatures" in capsys.readouterr().err
     from dflashkit.data import sources
 
     real = sources.importlib.util.find_spec
@@ -493,3 +601,85 @@ def test_a_slower_speculative_loop_is_said_with_its_round_cost():
     assert [x.split(" at T=")[0] for x in lines] == ["mtbench", "heldout"]
     assert all("at T=1" in x for x in lines)
     assert slower_lines(table, []) == []  # only the sets this command measured
+
+
+# --------------------------------------------------------------------------------------------------
+# --summary: the drafter table (T=0) and the sampling table (any T > 0)
+
+
+def _fabricated_folder(out: Path, drafter_dir: Path, temps: list[float]) -> dict:
+    """A bench folder of two sets measured at ``temps`` (what run_set writes, figures from fixed replies): at
+    T > 0 ceilings, the proposal and the rounds served; MT-Bench served by trees at T=1, GSM8K by the chain."""
+    settings = {"drafter": str(drafter_dir), "target": "tiny", "block_size": 4, "engine": "graphs"}
+    settings |= {"dtype": "bfloat16", "device": "cpu", "max_new_tokens": 8, "tree_budget": 15}
+    settings["trees_at"] = bench.trees_by_ceilings_note()
+    for name, lengths in (("mtbench", [3, 2, 3]), ("gsm8k", [4, 4])):
+        temperatures = {}
+        for t in temps:
+            reply = Response(0, 0, 4, 8, lengths, spec_seconds=1.0, ar_new_tokens=8, ar_seconds=2.0)
+            fig = figures([reply], 4, t)
+            fig["rounds_served"] = "tree15" if t == 0 or (t == 1 and name == "mtbench") else "chain"
+            if t > 0:
+                fig["draft_sampling"] = "argmax" if (t == 1 and name == "gsm8k") else "marginal"
+                fig["ceilings"] = {"max_p": [0.6, 0.4, 0.2] if name == "mtbench" else [0.9, 0.6, 0.3]}
+            temperatures[bench.temperature_key(t)] = fig
+        result = {"set": name, "prompts": 1, "settings": settings, "temperatures": temperatures}
+        bench.write_set(out, {**result, "lossless_fp32": None, "responses_detail": {}})
+    return settings
+
+
+def test_summary_at_t0_alone_is_the_drafter_table(tmp_path):
+    out, path = tmp_path / "bench", tmp_path / "drafter_table.json"
+    settings = _fabricated_folder(out, tmp_path / "run" / "best", [0.0])
+    written = bench.write_outputs(out, settings, "dflashkit bench", path)
+    table = json.loads(path.read_text())
+    assert table == written["summary_t0"] and set(table) == {"mtbench", "gsm8k"}
+    assert table["mtbench"]["tau"] == pytest.approx(8 / 3) and table["mtbench"]["speedup"] == pytest.approx(
+        2.0
+    )
+    assert "| rounds |" in (out / "bench.md").read_text()
+
+
+def test_summary_above_t0_is_the_sampling_table(tmp_path):
+    drafter_dir = tmp_path / "run" / "best"
+    out, path = tmp_path / "bench", tmp_path / "sampling_table.json"
+    settings = _fabricated_folder(out, drafter_dir, [0.0, 0.7, 1.0])
+    bench.write_outputs(out, settings, "dflashkit bench", path)
+    table = json.loads(path.read_text())
+    assert set(table) == {"t0", "t0.7", "t1", "ceiling_t0.7", "ceiling_t1", "loss", "draft_sampling"}
+    assert table["t0"]["mtbench"] == {
+        "tau": pytest.approx(8 / 3),
+        "speedup": pytest.approx(2.0),
+        "rounds": "tree15",
+    }
+    assert table["t1"]["mtbench"]["rounds"] == "tree15" and table["t1"]["gsm8k"]["rounds"] == "chain"
+    assert table["t0.7"]["gsm8k"] == {"tau": 4.0, "speedup": pytest.approx(2.0), "rounds": "chain"}
+    assert table["ceiling_t1"] == {"mtbench": pytest.approx(0.4), "gsm8k": pytest.approx(0.6)}
+    # one proposal at T=0.7; at T=1 the sets served different ones
+    assert table["draft_sampling"] == {"t0.7": "marginal", "t1": {"mtbench": "marginal", "gsm8k": "argmax"}}
+    assert table["loss"] == "unknown"  # best/ holds no config, nor its folder
+    # the run folder's config.yaml names the loss; a checkpoint's own run_config.yaml too
+    drafter_dir.mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("train:\n  loss: lk\n  loss_temperature: 1.0\n")
+    assert bench.training_loss(drafter_dir) == "lk at T=1"
+    (drafter_dir / "run_config.yaml").write_text(
+        "train:\n  loss: ce\n  distill: 0.25\n  loss_temperature: 2\n"
+    )
+    assert bench.training_loss(drafter_dir) == "{ce: 0.75, kl: 0.25} at T=2"
+    (drafter_dir / "run_config.yaml").write_text("train:\n  loss: {ce: 0.1, tv: 0.9}\n")
+    assert bench.training_loss(drafter_dir) == "{ce: 0.1, tv: 0.9} at T=1"
+    (drafter_dir / "run_config.yaml").write_text("train:\n  loss: ce\n")
+    assert bench.training_loss(drafter_dir) == "ce"
+
+
+def test_rounds_of_a_set_written_before_they_were_recorded_come_from_its_settings():
+    fig0, fig1 = {"temperature": 0.0}, {"temperature": 1.0}
+    auto = {"tree_budget": 15, "trees_at": "T=0"}
+    assert [bench.served_rounds(f, auto) for f in (fig0, fig1)] == ["tree15", "chain"]
+    assert [bench.served_rounds(f, {"tree_budget": 31}) for f in (fig0, fig1)] == ["tree31", "tree31"]
+    assert [bench.served_rounds(f, {}) for f in (fig0, fig1)] == ["chain", "chain"]
+    assert bench.served_rounds({"temperature": 1.0, "rounds_served": "tree15"}, auto) == "tree15"
+    note = bench.rounds_note({"tree_budget": 15, "trees_at": bench.trees_by_ceilings_note()})
+    assert note.startswith(", trees of 15 drafted nodes at T=0, and above where") and note.endswith(
+        "(else chains)"
+    )

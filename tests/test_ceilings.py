@@ -111,13 +111,13 @@ def test_auto_proposal_and_trees_read_the_drafters_bench_record(tmp_path):
     assert ceilings.sampled_trees_pay(None)[0] is False
 
     bench = tmp_path / "run" / "bench"
-    _record(bench, drafter_dir, {"argmax": 2.0, "marginal": 1.5, "tree15": 2.2})
+    _record(bench, drafter_dir, {"argmax": 2.0, "marginal": 1.5, "tree15": 2.05})
     proposal, why = ceilings.resolve_draft_sampling("auto", drafter_dir, 1.0, 1.0)
     assert proposal == "argmax" and "2.00 argmax, 1.50 marginal" in why
     assert ceilings.resolve_draft_sampling("auto", drafter_dir, 0.7, 1.0)[0] == "marginal"  # not measured
     assert ceilings.resolve_draft_sampling("auto", drafter_dir, 1.0, 0.9)[0] == "marginal"  # another top-p
     record = ceilings.recorded(drafter_dir, 1.0, 1.0)
-    assert ceilings.sampled_trees_pay(record)[0] is False  # 2.2 < 2.0 * TREE_ROUND_COST
+    assert ceilings.sampled_trees_pay(record)[0] is False  # 2.05 < 2.0 * TREE_ROUND_COST
 
     _record(bench, drafter_dir, {"argmax": 1.6, "marginal": 1.8, "tree15": 2.4})
     record = ceilings.recorded(drafter_dir, 1.0, 1.0)

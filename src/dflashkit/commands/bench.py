@@ -53,7 +53,6 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflashkit.infer import bench
-    from dflashkit.infer.engine import resolve_tree_budget
     from dflashkit.model.checkpoint import load_drafter
     from dflashkit.target.hf import TargetModel
 
@@ -64,8 +63,6 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--draft-sampling auto chooses by the ceilings: give --ceilings N above 0, or a proposal"
         )
-    if args.summary and 0.0 not in temperatures:
-        raise ConfigError("--summary holds the T=0 figures: include 0 in --temperatures")
     data_from_config = False
     if args.config:  # the run config's defaults, resolved here: the sets are read before anything loads
         cfg = load_config(args.config, list(args.overrides or []))
@@ -91,13 +88,10 @@ def _bench(args: argparse.Namespace) -> int:
         args.data = None  # the config's dataset is not here, and only the held-out set needs it
     target, drafter, tokenizer, dtype, manifest = _load(argparse.Namespace(**{**vars(args), "config": None}))
     choose_engine(args, target, console, long_run=True)
-    # the rounds: trees of --tree-budget N at every temperature; auto's rule records what it gives at T=0 and
-    # above, whichever temperatures this command measures (a folder's sets compare like with like)
-    B = drafter.config.block_size
-    greedy_trees, sampled_trees = (
-        resolve_tree_budget(args.tree_budget, args.engine, args.layers, B, t) for t in (0.0, 1.0)
+    greedy_trees, sampled_trees, trees_by_ceilings = tree_rules(
+        args.tree_budget, args.engine, args.layers, drafter.config.block_size, args.ceilings
     )
-    measured_trees = max(greedy_trees if t == 0 else sampled_trees for t in temperatures)
+    measured_trees = max(greedy_trees if t == 0 else sampled_trees or trees_by_ceilings for t in temperatures)
     thinking = _enable_thinking(args, tokenizer, manifest)
     eos_ids = _eos_ids(target, tokenizer)
     drafter_dir = Path(args.drafter)
@@ -117,9 +111,11 @@ def _bench(args: argparse.Namespace) -> int:
     }
     if args.draft_sampling != "marginal":  # only then: results measured before the flag keep their settings
         settings["draft_sampling"] = args.draft_sampling
-    if greedy_trees or sampled_trees:  # only then: chain results measured before trees keep their settings
-        settings["tree_budget"] = max(greedy_trees, sampled_trees)
-        if not sampled_trees:
+    if greedy_trees or sampled_trees or trees_by_ceilings:  # only then: chain results keep their settings
+        settings["tree_budget"] = max(greedy_trees, sampled_trees, trees_by_ceilings)
+        if trees_by_ceilings:
+            settings["trees_at"] = bench.trees_by_ceilings_note()
+        elif not sampled_trees:
             settings["trees_at"] = "T=0"
     out = Path(args.out or drafter_dir.parent / "bench")
     check_folder_can_be_made(out)  # before decoding anything
@@ -141,6 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
             console=console,
             tree_budget=measured_trees or None,
             sampled_trees=bool(sampled_trees),
+            trees_by_ceilings=bool(trees_by_ceilings),
             draft_sampling=args.draft_sampling,
             ceiling_prompts=args.ceilings,
         )
@@ -211,10 +208,21 @@ def _bench(args: argparse.Namespace) -> int:
         console.print(line)
     for line in slower_lines(combined, measured):
         console.print(f"[yellow]{line}[/]")
+    sampling = bench.sampled(combined["sets"])
     console.print(
         f"wrote {out / bench.BENCH_JSON}, {out / bench.BENCH_MD} and {out / bench.BENCH_PNG}"
-        + (f", and the T=0 summary {summary_path}" if summary_path else "")
+        + (
+            f", and the {'sampling table' if sampling else 'T=0 summary'} {summary_path}"
+            if summary_path
+            else ""
+        )
     )
+    if summary_path and sampling and bench.training_loss(drafter_dir) == "unknown":
+        console.print(
+            f"[yellow]the sampling table's loss is unknown: {drafter_dir} has no run_config.yaml and its "
+            "folder no config.yaml (a drafter copied out of its run records no training config)[/]",
+            soft_wrap=True,
+        )
     failed = [
         (name, res["lossless_fp32"])
         for name, res in combined["sets"].items()
@@ -231,6 +239,24 @@ def _bench(args: argparse.Namespace) -> int:
             + f" (see {out / bench.SETS_DIR / (name + '.json')})"
         )
     return 0
+
+
+def tree_rules(
+    requested: int | None, engine: str, layers: str, block_size: int, ceilings: int
+) -> tuple[int, int, int]:
+    """The rounds of --tree-budget (``requested``; None: auto) on this engine, as (the tree budget at T=0, at
+    every T > 0, at T > 0 where each set's ceilings choose; 0: the chain). A number is served at every
+    temperature. Auto's rule records what it gives at T=0 and above, whichever temperatures this command
+    measures (a folder's sets compare like with like): trees at T=0 where they were measured faster
+    (`engine.resolve_tree_budget`), and above, with ``ceilings`` prompts measured, trees where the engine runs
+    them and each set's ceilings at that temperature expect them to pay (`ceilings.trees_pay`)."""
+    from dflashkit.infer.engine import resolve_tree_budget
+
+    greedy, sampled = (resolve_tree_budget(requested, engine, layers, block_size, t) for t in (0.0, 1.0))
+    by_ceilings = 0
+    if requested is None and ceilings > 0 and not sampled:
+        by_ceilings = resolve_tree_budget(None, engine, layers, block_size, 1.0, True)
+    return greedy, sampled, by_ceilings
 
 
 def _device_name(device: Any) -> str:
@@ -284,7 +310,7 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
     """The rich table of every set in the folder (those measured by this command marked *)."""
     from rich.table import Table
 
-    from dflashkit.infer.bench import SET_TITLES, rounds_note
+    from dflashkit.infer.bench import SET_TITLES, rounds_note, served_rounds
 
     s = combined["settings"]
     mixed = set(measured) != set(combined["sets"])  # some sets came from an earlier command: mark ours
@@ -309,6 +335,7 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
         "AR tok/s",
         "spec tok/s",
         "speedup",
+        "rounds",
         "fp32 lossless",
     ):
         if col == "set":  # never cut: the set's name and its mark
@@ -331,6 +358,7 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
                 _fmt(fig["ar_tokens_per_second"], ".1f"),
                 _fmt(fig["spec_tokens_per_second"], ".1f"),
                 _fmt(fig["speedup"], ".2f", "x"),
+                served_rounds(fig, s),
                 lossless if key == "0" else "-",
             )
     return t
@@ -388,7 +416,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  dflashkit bench -c configs/embedded.yaml --check-lossless\n"
         "  dflashkit bench --drafter runs/embedded-gpu/best --data runs/embedded-gpu/data --engine graphs \\\n"
-        "      --sets gsm8k --max-prompts 128 --summary benchmarks/results/drafter_table.json\n"
+        "      --sets gsm8k --max-prompts 128 --temperatures 0 --summary benchmarks/results/drafter_table.json\n"
+        "  dflashkit bench --drafter DIR --data DATA --max-prompts 80 --temperatures 0,0.7,1 \\\n"
+        "      --summary benchmarks/results/sampling_table.json\n"
         "  dflashkit bench --drafter DIR --target /models/Qwen3-8B --prompts my_prompts.jsonl --temperatures 0\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -448,7 +478,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seed of the prompt choice and of the sampling (0)",
     )
     add_engine(p, "bench")
-    add_tree_budget(p)
+    add_tree_budget(
+        p,
+        "for each set and temperature where the ceilings this command measures (--ceilings N) expect a tree's "
+        "extra tokens to pay for its round (its record: rounds_served, rounds_why); with --ceilings 0, the chain",
+    )
     add_draft_sampling(p)
     p.add_argument(
         "--ceilings",
@@ -489,6 +523,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--summary",
         metavar="PATH",
-        help="also write the T=0 figures per set as {set: {tau, speedup, ...}} (e.g. drafter_table.json)",
+        help="also write a summary of every set in OUT, of one of two shapes: with every set measured at T=0 "
+        "only, {set: {tau, speedup, ...}} (e.g. drafter_table.json); with any set measured above T=0, the "
+        'sampling table {"t0": {set: {tau, speedup, rounds}}, "t0.7": ..., "t1": ..., "ceiling_t1": {set: '
+        'E[max p_T], mean over slots}, "loss": the training loss from the drafter\'s run config, '
+        '"draft_sampling": {"t1": proposal, ...}} (e.g. sampling_table.json; rounds: tree15 or chain)',
     )
     p.set_defaults(handler=_bench, overrides=[], temperature=0.0)

@@ -539,7 +539,12 @@ def add_draft_sampling(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_tree_budget(p: argparse.ArgumentParser) -> None:
+def add_tree_budget(
+    p: argparse.ArgumentParser,
+    sampled: str = "where the drafter's bench record at this temperature expects a tree's extra tokens to pay "
+    "for its round",
+) -> None:
+    """--tree-budget; ``sampled``: where auto serves trees when sampling."""
     p.add_argument(
         "--tree-budget",
         type=values.tree_budget,
@@ -548,8 +553,7 @@ def add_tree_budget(p: argparse.ArgumentParser) -> None:
         help="verify a tree of N drafted nodes per round (the best branches of the drafter's per-slot top-k, "
         "one target pass, the longest branch the target agrees with; lossless) instead of the chain (0); "
         "auto (the default): trees of 15 where they were measured faster (greedy decoding on the "
-        "graphs engine with triton layers, a block of at most 16; when sampling, where the drafter's bench "
-        "record at this temperature expects a tree's extra tokens to pay for its round), else the chain",
+        f"graphs engine with triton layers, a block of at most 16; when sampling, {sampled}), else the chain",
     )
 
 

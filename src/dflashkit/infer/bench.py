@@ -203,14 +203,25 @@ class Decoder:
     graphs: bool | None = None  # the graphs engine: capture its steps (None: on a GPU)
     tree_budget: int | None = None  # drafted nodes per tree round (None: chain rounds)
     sampled_trees: bool = True  # trees at T > 0 too (False: trees at T = 0, chains above: --tree-budget auto)
+    # at T > 0, trees of tree_budget where the set's ceilings (measured on its first ``ceiling_prompts``) expect
+    # them to beat the chain (`ceilings.trees_pay`), else the chain: --tree-budget auto with --ceilings N
+    trees_by_ceilings: bool = False
     draft_sampling: str = "marginal"  # a chain round's proposal at T > 0, or "auto": the ceilings' choice
     ceiling_prompts: int = 0  # prompts of each set whose ceilings are measured at T > 0 (`infer.ceilings`)
     console: Any = None
     _engine: Any = field(default=None, repr=False)
 
     def rounds(self, temperature: float) -> int | None:
-        """The tree budget of a round at ``temperature`` (None: the chain)."""
+        """The tree budget of a round at ``temperature`` (None: the chain); above T=0 under
+        ``trees_by_ceilings``, `run_set` chooses per set."""
         return self.tree_budget if temperature == 0 or self.sampled_trees else None
+
+    def sampled_rounds(self) -> tuple[int | None, ...]:
+        """The rounds a set may be served with at T > 0: its tree budget, or the chain (None), or both when
+        the set's ceilings choose."""
+        if self.trees_by_ceilings and self.tree_budget:
+            return (None, self.tree_budget)
+        return (self.rounds(1.0),)
 
     def prompt_ids(self, conv: Conversation, turn: int, replies: Sequence[str]) -> list[int]:
         if conv.prefixes:
@@ -272,9 +283,10 @@ class Decoder:
         for t in temperatures:
             for proposal in self.proposals() if t > 0 else ("marginal",):
                 s = Sampling(t, self.top_p, "rejection", 0, proposal)  # type: ignore[arg-type]
-                speculative_generate(
-                    self.target, self.drafter, ids, n, s, engine=engine, tree_budget=self.rounds(t)
-                )
+                for budget in self.sampled_rounds() if t > 0 else (self.rounds(t),):
+                    speculative_generate(
+                        self.target, self.drafter, ids, n, s, engine=engine, tree_budget=budget
+                    )
             layers = self.drafter.config.target_layer_ids
             autoregressive_generate(self.target, ids, n, s, layer_ids=layers, engine=engine)
 
@@ -286,13 +298,16 @@ class Decoder:
         """The ceilings (`infer.ceilings.measure`) on the first turns of the set's first ``ceiling_prompts``
         conversations at ``temperature`` on the reference engine; None when none are asked for."""
         from dflashkit.infer.ceilings import measure
+        from dflashkit.infer.engine import AUTO_TREE_BUDGET
         from dflashkit.infer.sampling import Sampling
 
         if not self.ceiling_prompts or temperature <= 0 or not bset.conversations:
             return None
         prompts = [self.prompt_ids(c, 0, []) for c in bset.conversations[: self.ceiling_prompts]]
         s = Sampling(temperature=temperature, top_p=self.top_p, seed=self.seed)
-        return measure(self.target, self.drafter, prompts, s, self.max_new_tokens, self.eos_ids)
+        # the tree the set may be served with (choosing by them), else the one --tree-budget auto builds
+        budget = self.tree_budget if self.trees_by_ceilings and self.tree_budget else AUTO_TREE_BUDGET
+        return measure(self.target, self.drafter, prompts, s, self.max_new_tokens, self.eos_ids, budget)
 
     def reply_text(self, tokens: list[int]) -> str:
         eos = set(self.eos_ids)
@@ -309,11 +324,13 @@ def decode_set(
     stop_at_difference: bool = False,
     progress: Callable[[Response], None] | None = None,
     draft_sampling: str = "marginal",
+    trees: bool | None = None,
 ) -> list[Response]:
     """Decode every response of ``bset`` at ``temperature``: speculatively, and autoregressively when
     ``baseline`` or ``compare`` (greedy only: record where the two outputs first differ; with
     ``stop_at_difference`` stop at the first response that differs). Each response gets its own sampling seed;
-    a sampled chain round proposes by ``draft_sampling`` (`sampling.propose`)."""
+    a sampled chain round proposes by ``draft_sampling`` (`sampling.propose`). ``trees``: rounds of the
+    decoder's tree budget (True) or chains (False); None: the decoder's rounds at this temperature."""
     from dflashkit.infer.evaluate import first_difference
     from dflashkit.infer.speculative import (
         Sampling,
@@ -328,6 +345,7 @@ def decode_set(
 
     rule = "rejection" if temperature > 0 else "exact"
     B = dec.drafter.config.block_size
+    budget = dec.rounds(temperature) if trees is None else (dec.tree_budget if trees else None)
     stopper = Stopper(dec.eos_ids)
     engine = dec.ready(dec.capacity(bset))
     out: list[Response] = []
@@ -346,7 +364,7 @@ def decode_set(
                 s,
                 stopper,
                 engine=engine,
-                tree_budget=dec.rounds(temperature),
+                tree_budget=budget,
             )
             r = Response(
                 c,
@@ -556,6 +574,81 @@ def summary(sets: dict[str, dict[str, Any]], temperature: str = SUMMARY_TEMPERAT
     return table
 
 
+def training_loss(drafter_dir: Path) -> str:
+    """The loss a drafter was trained with, as its run config says (train.loss, or train.distill's older
+    {ce, kl} mix; with the temperature of a distribution loss): "ce", "lk at T=1", "{ce: 0.1, tv: 0.9} at T=1".
+    Read from the folder's run_config.yaml (a checkpoint) or its run folder's config.yaml (best/ inside a run);
+    "unknown" when neither is there (best/ itself records no config: a drafter copied out of its run)."""
+    import yaml
+
+    for path in (drafter_dir / "run_config.yaml", drafter_dir.parent / "config.yaml"):
+        try:
+            data = yaml.safe_load(path.read_text()) if path.is_file() else None
+        except (OSError, yaml.YAMLError):
+            continue
+        train = data.get("train") if isinstance(data, dict) else None
+        if not isinstance(train, dict):
+            continue
+        distill = float(train.get("distill") or 0.0)
+        loss = {"ce": 1 - distill, "kl": distill} if distill > 0 else train.get("loss", "ce")
+        if isinstance(loss, dict):
+            weights = {str(k): float(v) for k, v in loss.items()}
+            name = "{" + ", ".join(f"{k}: {v:g}" for k, v in weights.items()) + "}"
+        else:
+            weights, name = {str(loss): 1.0}, str(loss)
+        if any(k != "ce" and w > 0 for k, w in weights.items()):  # against the target's distribution at T
+            name += f" at T={float(train.get('loss_temperature', 1.0)):g}"
+        return name
+    return "unknown"
+
+
+def sampling_table(sets: dict[str, dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    """The sampling table (issue 60's shape): per temperature "t<T>" ("t0", "t0.7", "t1") {set: {tau, speedup,
+    rounds}}, rounds "tree<N>" or "chain"; per T > 0 whose ceilings were measured "ceiling_t<T>" {set: E[max p_T]
+    (the argmax chain's per-slot ceiling, the mean over the measured slots)}; "loss", the drafter's training
+    loss (`training_loss`); "draft_sampling" per T > 0, the proposal served, or {set: proposal} where sets
+    served different ones."""
+    temps = sorted({k for res in sets.values() for k in res["temperatures"]}, key=float)
+    table: dict[str, Any] = {}
+    for key in temps:
+        table[f"t{key}"] = {
+            name: {
+                "tau": fig["tau"],
+                "speedup": fig["speedup"],
+                "rounds": served_rounds(fig, res.get("settings", settings)),
+            }
+            for name, res in sets.items()
+            if (fig := res["temperatures"].get(key)) is not None
+        }
+    for key in temps:
+        ceilings = {
+            name: statistics.fmean(c["max_p"])
+            for name, res in sets.items()
+            if (c := res["temperatures"].get(key, {}).get("ceilings")) and c.get("max_p")
+        }
+        if ceilings:
+            table[f"ceiling_t{key}"] = ceilings
+    table["loss"] = training_loss(Path(settings["drafter"]))
+    proposals: dict[str, Any] = {}
+    for key in temps:
+        if float(key) <= 0:
+            continue
+        served = {
+            name: res["temperatures"][key].get("draft_sampling", settings.get("draft_sampling", "marginal"))
+            for name, res in sets.items()
+            if key in res["temperatures"]
+        }
+        one = set(served.values())
+        proposals[f"t{key}"] = one.pop() if len(one) == 1 else served
+    table["draft_sampling"] = proposals
+    return table
+
+
+def sampled(sets: dict[str, dict[str, Any]]) -> bool:
+    """Whether any set was measured above T=0 (then --summary writes the sampling table)."""
+    return any(float(k) > 0 for res in sets.values() for k in res["temperatures"])
+
+
 def combined(out: Path, settings: dict[str, Any], command: str) -> dict[str, Any]:
     """bench.json: the settings, every set in ``out`` without its per-response lists, and the T=0 summary."""
     sets = read_sets(out)
@@ -620,13 +713,32 @@ def plot(bench: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def served_rounds(fig: dict[str, Any], settings: dict[str, Any]) -> str:
+    """What a set's rounds were at one temperature, "tree<N>" or "chain": as recorded (``rounds_served``), or
+    for a result written before the key, from the settings' rule."""
+    if fig.get("rounds_served"):
+        return str(fig["rounds_served"])
+    budget = settings.get("tree_budget")
+    trees = budget and (fig.get("temperature") == 0 or settings.get("trees_at") != "T=0")
+    return f"tree{budget}" if trees else "chain"
+
+
+def trees_by_ceilings_note() -> str:
+    """The settings' ``trees_at`` under --tree-budget auto with --ceilings N: trees at T=0, and above where each
+    set's ceilings expect them to pay (the round cost named: a folder's sets were chosen by one rule)."""
+    from dflashkit.infer.ceilings import TREE_ROUND_COST
+
+    return f"T=0, and above where the set's ceilings expect over {TREE_ROUND_COST:g}x the chain's tokens"
+
+
 def rounds_note(settings: dict[str, Any]) -> str:
-    """ ", trees of N drafted nodes" (and "at T=0, chains above" under --tree-budget auto) when the rounds
-    verified trees; nothing for chains."""
+    """ ", trees of N drafted nodes" (and "at T=0, chains above" under --tree-budget auto; above T=0 by the
+    ceilings when they chose) when the rounds verified trees; nothing for chains."""
     budget = settings.get("tree_budget")
     if not budget:
         return ""
-    where = f" at {settings['trees_at']}, chains above" if settings.get("trees_at") else ""
+    at = settings.get("trees_at")
+    where = "" if not at else f" at {at}, chains above" if at == "T=0" else f" at {at} (else chains)"
     return f", trees of {budget} drafted nodes{where}"
 
 
@@ -641,8 +753,8 @@ def markdown_table(bench: dict[str, Any]) -> str:
         f"`{bench['command']}`",
         "",
         "| set | T | prompts (replies) | tau | tau p10-p90 | AR tok/s | spec tok/s | speedup | round (AR tokens) "
-        "| fp32 lossless |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| rounds | fp32 lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x: float | None, spec: str) -> str:
@@ -659,7 +771,7 @@ def markdown_table(bench: dict[str, Any]) -> str:
                 f"| {SET_TITLES.get(name, name)} | {key} | {res['prompts']} ({fig['responses']}) | "
                 f"{f(fig['tau'], '.2f')} | {f(sp['p10'], '.2f')}-{f(sp['p90'], '.2f')} | "
                 f"{f(fig['ar_tokens_per_second'], '.1f')} | {f(fig['spec_tokens_per_second'], '.1f')} | "
-                f"{f(fig['speedup'], '.2f')}x | {f(round_cost(fig), '.2f')} | {lossless} |"
+                f"{f(fig['speedup'], '.2f')}x | {f(round_cost(fig), '.2f')} | {served_rounds(fig, s)} | {lossless} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -667,17 +779,18 @@ def markdown_table(bench: dict[str, Any]) -> str:
 def write_outputs(
     out: Path, settings: dict[str, Any], command: str, summary_path: Path | None
 ) -> dict[str, Any]:
-    """bench.json, bench.md and bench.png from every set in ``out``; the T=0 summary at ``summary_path`` when asked."""
+    """bench.json, bench.md and bench.png from every set in ``out``; the summary at ``summary_path`` when asked:
+    the sampling table (`sampling_table`) when the folder's sets were measured above T=0, else the T=0
+    summary {set: {tau, speedup, ...}} (the drafter table)."""
     bench = combined(out, settings, command)
     _write_json(out / BENCH_JSON, bench)
     (out / BENCH_MD).write_text(markdown_table(bench))
     plot(bench, out / BENCH_PNG)
     if summary_path is not None:
-        if not bench["summary_t0"]:
-            raise DflashkitError(
-                f"--summary holds T=0 figures, and {out} has none: include 0 in --temperatures"
-            )
-        _write_json(summary_path, bench["summary_t0"])
+        sets = read_sets(out)
+        if not sets:
+            raise DflashkitError(f"--summary: {out} holds no measured set")
+        _write_json(summary_path, sampling_table(sets, settings) if sampled(sets) else bench["summary_t0"])
     return bench
 
 
@@ -736,7 +849,12 @@ def run_set(
 ) -> dict[str, Any]:
     """Decode ``bset`` at each temperature; with ``lossless`` (a float32 decoder) also check greedy
     losslessness: inside the T=0 pass when ``lossless`` is ``dec`` itself, else in a pass of its own over the
-    first ``lossless_limit`` conversations. Returns the set's result (what sets/<name>.json holds)."""
+    first ``lossless_limit`` conversations. Under ``dec.trees_by_ceilings`` each T > 0 is served by trees or
+    the chain as the set's ceilings choose (`ceilings.trees_pay`). Returns the set's result (what
+    sets/<name>.json holds: at each temperature ``rounds_served``, "tree<N>" or "chain", and under the ceilings'
+    choice ``rounds_why``, the expected tokens it compared)."""
+    from dflashkit.infer.ceilings import trees_pay
+
     B = dec.drafter.config.block_size
     result: dict[str, Any] = {
         "set": bset.name,
@@ -761,12 +879,21 @@ def run_set(
         proposal = dec.draft_sampling
         if proposal == "auto":  # the proposal whose chain the ceilings expect more tokens from
             proposal = ceilings["draft_sampling"] if ceilings else "marginal"
-        responses = decode_set(dec, bset, t, compare=compare, progress=report, draft_sampling=proposal)
-        result["temperatures"][key] = figures(responses, B, t)
+        trees, why = None, None
+        if t > 0 and dec.trees_by_ceilings and dec.tree_budget:  # trees where the ceilings expect them to pay
+            trees, why = trees_pay(ceilings, proposal) if ceilings else (False, None)
+        responses = decode_set(
+            dec, bset, t, compare=compare, progress=report, draft_sampling=proposal, trees=trees
+        )
+        fig = result["temperatures"][key] = figures(responses, B, t)
+        budget = dec.rounds(t) if trees is None else (dec.tree_budget if trees else None)
+        fig["rounds_served"] = f"tree{budget}" if budget else "chain"
+        if why is not None:
+            fig["rounds_why"] = why
         if t > 0:
-            result["temperatures"][key]["draft_sampling"] = proposal
+            fig["draft_sampling"] = proposal
         if ceilings is not None:
-            result["temperatures"][key]["ceilings"] = ceilings
+            fig["ceilings"] = ceilings
         result["responses_detail"][key] = [
             {**r.__dict__, "key": bset.conversations[r.conversation].key} for r in responses
         ]

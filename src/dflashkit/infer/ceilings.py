@@ -19,7 +19,8 @@ ancestor mask, so for each slot k:
 A slot's conditional acceptance is E[w_k x] / E[w_k] (slots reached more often weigh more: the served order).
 The decode itself moves on by sample-and-match over that tree (every committed token a target draw), so the
 rounds sit where a decode at T puts them. `choose_proposal` picks the proposal with more expected tokens;
-`dflashkit bench` records these figures per set and temperature, and `recorded` reads them back for
+`dflashkit bench` records these figures per set and temperature and serves each set by them (`choose_proposal`, and
+`trees_pay` under `--tree-budget auto`); `recorded` reads them back for generate's and eval's
 `--draft-sampling auto` and `--tree-budget auto`.
 """
 
@@ -39,10 +40,12 @@ from dflashkit.infer.sampling import DraftSampling, Sampling, choose, new_genera
 from dflashkit.infer.tree import DraftTree, build_tree
 
 TOP_K = 4  # tree children per slot reported
-# A tree round of AUTO_TREE_BUDGET (15) nodes costs 1.156 chain rounds on the graphs engine with Triton layers (+15.6%, one
-# H100, greedy: the comment at engine.AUTO_TREE_BUDGET); a sampled tree pays where its expected tokens a round
-# exceed the chain's by more.
-TREE_ROUND_COST = 1.156
+# What a tree round of AUTO_TREE_BUDGET (15) nodes costs in chain rounds on the graphs engine with Triton layers: measured
+# +1.9% (benchmarks/decode_steps.py, greedy, block 16, one H100, 2026-12-07, commit 38baa5d) and +0.7-1.3% on real
+# prompts (benchmarks/tree_vs_chain.py, same day); a sampled tree round, whose target draws at every node, is
+# not timed apart: a margin of 3%. A sampled tree pays where its expected tokens a round exceed the chain's by
+# more (`sampled_trees_pay` for a bench record, `trees_pay` for a set's ceilings measured in the same run).
+TREE_ROUND_COST = 1.03
 # What --draft-sampling auto takes with no recorded measurement, and why (one line).
 DEFAULT_PROPOSAL: DraftSampling = "marginal"
 DEFAULT_WHY = (
@@ -304,3 +307,19 @@ def sampled_trees_pay(record: dict[str, Any] | None) -> tuple[bool, str]:
         f"{chain:.2f}; a tree round costs {TREE_ROUND_COST:.3f} chain rounds: "
         + ("trees" if pays else "the chain")
     )
+
+
+def trees_pay(figures: dict[str, Any], proposal: str) -> tuple[bool, dict[str, Any]]:
+    """Whether a set's ceilings (`measure`, at one temperature) expect trees of their budget to beat the chain
+    of ``proposal``: the tree's expected tokens a round above the chain's by more than TREE_ROUND_COST. Returns
+    it and why, as recorded beside the figures: both expected tokens and the round cost."""
+    tokens = figures["expected_tokens"]
+    name = f"tree{figures['tree_budget']}"
+    tree, chain = tokens.get(name), tokens[proposal]
+    pays = tree is not None and tree > chain * TREE_ROUND_COST
+    why = {
+        "expected_tokens": {name: tree, "chain": chain},
+        "chain": proposal,
+        "tree_round_cost": TREE_ROUND_COST,
+    }
+    return pays, why

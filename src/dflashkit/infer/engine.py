@@ -421,10 +421,11 @@ def resolve_tree_budget(
 ) -> int:
     """The drafted nodes a round verifies (0: the chain). ``requested`` None is `--tree-budget auto`: trees of
     AUTO_TREE_BUDGET nodes where they were measured faster than the chain (greedy decoding on the graphs
-    engine with Triton layers and a block of at most AUTO_TREE_MAX_BLOCK; at T > 0 only where a recorded
-    measurement says so, ``sampled_trees``: `ceilings.sampled_trees_pay`), else the chain: at T = 1 a sampled
-    tree accepted no more than the chain (1.68 against 1.73 on MT-Bench, benchmarks/RESULTS.md, 2026-12-05),
-    and elsewhere a tree's round costs more than its tau gains. A number is taken as given."""
+    engine with Triton layers and a block of at most AUTO_TREE_MAX_BLOCK; at T > 0 only where a measurement
+    says so, ``sampled_trees``: `ceilings.sampled_trees_pay` on a bench record, or bench's choice per set by
+    the ceilings it measures, `ceilings.trees_pay`), else the chain: at T = 1 a sampled tree accepted no more
+    than the chain (1.68 against 1.73 on MT-Bench, benchmarks/RESULTS.md, 2026-12-05), and elsewhere a tree's
+    round costs more than its tau gains. A number is taken as given."""
     if requested is not None:
         return requested
     measured = temperature == 0 or sampled_trees
