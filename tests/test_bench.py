@@ -480,7 +480,7 @@ def test_a_failed_fp32_check_ends_the_command_with_one_line_after_writing_its_fi
 
 def test_a_slower_speculative_loop_is_said_with_its_round_cost():
     from dflashkit.commands.bench import slower_lines
-    from dflashkit.infer.evaluate import slower_than_autoregressive
+    from dflashkit.infer.bench import slower_than_autoregressive
 
     assert slower_than_autoregressive("x", 2.0, 1.3) is None  # it paid
     assert slower_than_autoregressive("x", 2.0, None) is None  # no baseline measured

@@ -20,7 +20,7 @@ from dflashkit.commands.infer import (
     engine_label,
 )
 from dflashkit.config import PATHS_RULE, load_config
-from dflashkit.errors import ConfigError
+from dflashkit.errors import ConfigError, DataError
 from dflashkit.lock import hold_folder
 
 DEFAULT_SETS = "mtbench,gsm8k,humaneval,heldout"
@@ -86,6 +86,11 @@ def _bench(args: argparse.Namespace) -> int:
         )
         for spec in specs
     ]
+    for spec, s in zip(specs, sets, strict=True):
+        if s.malformed:
+            console.print(f"skipped {s.malformed} malformed records of {spec} (--skip-malformed)")
+        if not s.conversations:  # nothing to measure: said before any file is written
+            raise DataError(f"no prompts to evaluate in {spec}; give a file or a split that holds some")
     heldout = any(s.name == "heldout" for s in sets)
     if data_from_config and not heldout and not (Path(args.data) / "manifest.json").is_file():
         args.data = None  # the config's dataset is not here, and only the held-out set needs it
@@ -338,7 +343,7 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
 
 def slower_lines(combined: dict[str, Any], measured: list[str]) -> list[str]:
     """A line for each set and temperature this command measured where speculation lost to the baseline."""
-    from dflashkit.infer.evaluate import slower_than_autoregressive
+    from dflashkit.infer.bench import slower_than_autoregressive
 
     lines = []
     for name in measured:
