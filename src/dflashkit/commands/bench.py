@@ -15,6 +15,7 @@ from dflashkit.commands.infer import (
     _load,
     add_draft_sampling,
     add_engine,
+    add_model_options,
     add_tree_budget,
     choose_engine,
     engine_label,
@@ -397,16 +398,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "  dflashkit bench --drafter DIR --target /models/Qwen3-8B --prompts my_prompts.jsonl --temperatures 0\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--config", "-c", help="training run config: defaults for target, drafter (its best/), data"
-    )
-    p.add_argument("--drafter", help="drafter checkpoint folder (z-lab or speculators layout)")
-    p.add_argument("--target", help="'embedded' or an HF model folder (default: embedded)")
-    p.add_argument(
-        "--data",
-        help="the drafter's dataset folder: the heldout set is its held-out split; its template settings are "
-        "checked and reused (default: data.dir of --config)",
-    )
+    add_model_options(p, " (the heldout set is its held-out split)")
     p.add_argument(
         "--sets",
         default=None,
@@ -465,12 +457,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "where --draft-sampling auto and --tree-budget auto read them; default 8, 0: none)",
     )
     p.add_argument(
-        "--dtype", choices=["auto", "float32", "bfloat16"], help="target/drafter dtype (auto: bf16 on GPU)"
-    )
-    p.add_argument(
-        "--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda:1, ..."
-    )
-    p.add_argument(
         "--check-lossless",
         action="store_true",
         help="decode greedily in float32 and require speculative == autoregressive, token for token",
@@ -481,11 +467,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N",
         help="with --check-lossless on a bf16 run: check the first N prompts of each set (default: all)",
-    )
-    p.add_argument(
-        "--enable-thinking",
-        action="store_true",
-        help="render prompts with the chat template's thinking mode on (default: as the drafter's dataset was)",
     )
     p.add_argument(
         "--skip-malformed", action="store_true", help="with --prompts: skip and count malformed records"

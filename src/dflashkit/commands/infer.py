@@ -32,16 +32,12 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
         args.dtype = args.dtype or cfg.target.dtype
         args.drafter = args.drafter or str(Path(cfg.run.out_dir) / "best")
         args.data = args.data or cfg.data.dir
-        if getattr(args, "max_prompts", None) is None:
-            args.max_prompts = cfg.eval.max_prompts
         if args.max_new_tokens is None:
             args.max_new_tokens = cfg.eval.max_new_tokens
         if args.temperature is None:
             args.temperature = cfg.eval.temperature
     if args.max_new_tokens is None:
         args.max_new_tokens = 128
-    if getattr(args, "max_prompts", 0) is None:
-        args.max_prompts = 80
     if not args.drafter:
         raise ConfigError(
             "name the drafter checkpoint with --drafter DIR (or give --config of a training run)"
@@ -324,14 +320,18 @@ def rounds_markup(g: Any, tokenizer: Any, eos_ids: set[int]) -> str:
     return "".join(parts) + text(g.tokens[pos:])
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_model_options(p: argparse.ArgumentParser, data_help: str = "") -> None:
+    """The options every decoding command shares: the run config, drafter, target, dataset, dtype, device and
+    the chat template's thinking mode."""
     p.add_argument(
         "--config", "-c", help="training run config: defaults for target, drafter (its best/), data"
     )
     p.add_argument("--drafter", help="drafter checkpoint folder (z-lab or speculators layout)")
     p.add_argument("--target", help="'embedded' or an HF model folder (default: embedded)")
     p.add_argument(
-        "--data", help="the drafter's dataset folder: its template settings are checked and reused"
+        "--data",
+        help=f"the drafter's dataset folder{data_help}: its template settings are checked and reused "
+        "(default: data.dir of --config)",
     )
     p.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16"], help="target/drafter dtype (auto: bf16 on GPU)"
@@ -341,6 +341,15 @@ def _common(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (default: CUDA when present, else the CPU), cpu, cuda, cuda:1, ...",
     )
+    p.add_argument(
+        "--enable-thinking",
+        action="store_true",
+        help="render prompts with the chat template's thinking mode on (default: as the drafter's dataset was)",
+    )
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    add_model_options(p)
     p.add_argument(
         "--max-new-tokens",
         type=values.count,
@@ -371,11 +380,6 @@ def _common(p: argparse.ArgumentParser) -> None:
         "sample); the target's distribution either way",
     )
     p.add_argument("--seed", type=values.whole_number, default=0, help="seed of the sampling (default 0)")
-    p.add_argument(
-        "--enable-thinking",
-        action="store_true",
-        help="render prompts with the chat template's thinking mode on (default: as the drafter's dataset was)",
-    )
     add_engine(p, "bench, which decodes many prompts")
     add_tree_budget(p)
     add_draft_sampling(p)
