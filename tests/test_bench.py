@@ -158,7 +158,7 @@ def test_heldout_prompts_are_the_records_before_each_reply(tiny_dataset):
     records = load_dataset(tiny_dataset, "validation")
     hs = bench.heldout_set(str(tiny_dataset), None, None)
     assert len(hs.conversations) == len(records)
-    assert [list(c.prefixes[0]) for c in hs.conversations] == prompt_ids(records)  # what eval decodes
+    assert [list(c.prefixes[0]) for c in hs.conversations] == prompt_ids(records)  # prompts
     one = bench.heldout_set(str(tiny_dataset), 1, None)
     assert len(one.conversations) == 1 and one.source.endswith("(validation split, 1 of 2)")
 

@@ -442,8 +442,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the bench command it amounts to is said in one line, then bench runs it. " + PATHS_RULE,
         epilog="example:\n"
         "  dflashkit eval -c configs/embedded.yaml --prompts validation --check-lossless\n"
-        "  is dflashkit bench -c configs/embedded.yaml --sets heldout --temperatures 0 --max-new-tokens 128 "
-        "--check-lossless ...\n",
+        "  is dflashkit bench --config configs/embedded.yaml --sets heldout --max-prompts 16 "
+        "--max-new-tokens 64 --temperatures 0 ... --check-lossless\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(e)
