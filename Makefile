@@ -17,7 +17,8 @@ demo: $(STAMP)
 	$(VENV)/bin/dflashkit doctor --check
 	$(VENV)/bin/dflashkit prepare -c $(DEMO)
 	$(VENV)/bin/dflashkit train -c $(DEMO) --move-aside
-	$(VENV)/bin/dflashkit eval -c $(DEMO) --prompts validation --dtype bfloat16 --check-lossless
+	$(VENV)/bin/dflashkit bench -c $(DEMO) --sets heldout --temperatures 0 --max-prompts 16 --max-new-tokens 64 \
+		--dtype bfloat16 --check-lossless
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -242,8 +242,8 @@ def main() -> None:
 
     from dflashkit.data.regenerate import eos_token_ids
     from dflashkit.infer import bench
+    from dflashkit.infer.bench import first_difference
     from dflashkit.infer.engine import ready_engine, resolve_engine, resolve_layers
-    from dflashkit.infer.evaluate import first_difference
     from dflashkit.infer.speculative import Sampling, Stopper, autoregressive_generate, speculative_generate
     from dflashkit.model.checkpoint import load_drafter
     from dflashkit.target.hf import TargetModel

@@ -159,7 +159,7 @@ def test_heldout_prompts_are_the_records_before_each_reply(tiny_dataset):
     records = load_dataset(tiny_dataset, "validation")
     hs = bench.heldout_set(str(tiny_dataset), None, None)
     assert len(hs.conversations) == len(records)
-    assert [list(c.prefixes[0]) for c in hs.conversations] == prompt_ids(records)  # what eval decodes
+    assert [list(c.prefixes[0]) for c in hs.conversations] == prompt_ids(records)  # prompts
     one = bench.heldout_set(str(tiny_dataset), 1, None)
     assert len(one.conversations) == 1 and one.source.endswith("(validation split, 1 of 2)")
 
@@ -588,7 +588,7 @@ def test_a_failed_fp32_check_ends_the_command_with_one_line_after_writing_its_fi
 
 def test_a_slower_speculative_loop_is_said_with_its_round_cost():
     from dflashkit.commands.bench import slower_lines
-    from dflashkit.infer.evaluate import slower_than_autoregressive
+    from dflashkit.infer.bench import slower_than_autoregressive
 
     assert slower_than_autoregressive("x", 2.0, 1.3) is None  # it paid
     assert slower_than_autoregressive("x", 2.0, None) is None  # no baseline measured

@@ -1,5 +1,6 @@
-"""`dflashkit eval`: table, JSON and plot; --check-lossless passes on a real drafter and names the first
-prompt and position when outputs differ."""
+"""`dflashkit eval`, the earlier name of `dflashkit bench` on one prompt set: it says so, maps its options to
+bench's (refusing those with none in one line) and bench writes its outputs: the table, bench.json and the plot;
+--check-lossless passes on a real drafter and names the position when outputs differ. And `dflashkit generate`."""
 
 import json
 
@@ -31,59 +32,70 @@ def _eval_args(drafter, data, out, *extra):
     ]  # fmt: skip
 
 
-def test_eval_writes_table_json_and_plot(untrained_drafter, tiny_dataset, tmp_path, capsys):
+def _bench_json(out):
+    return json.loads((out / "bench.json").read_text())
+
+
+def test_eval_says_it_is_bench_now_and_writes_benchs_outputs(
+    untrained_drafter, tiny_dataset, tmp_path, capsys
+):
     assert main(_eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless")) == 0
-    report = json.loads((tmp_path / "eval.json").read_text())
-    assert report["prompts"] == 2 and report["lossless"] is True
-    assert report["mean_acceptance_length"] >= 1.0
-    assert len(report["per_position_acceptance"]) == 3
-    assert sum(report["accept_length_histogram"]) == sum(len(r["accept_lengths"]) for r in report["results"])
-    assert report["speedup"] is not None
-    assert (tmp_path / "eval.png").stat().st_size > 1000
-    out = capsys.readouterr().out
-    assert "mean acceptance length" in out and "lossless" in out
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("dflashkit eval is now `dflashkit bench --sets heldout`")
+    assert "`dflashkit bench --sets heldout --drafter" in out and "--temperatures 0" in out
+    assert "dflashkit bench" in out and "fp32 lossless" in out and "held-out" in out
+    result = _bench_json(tmp_path)
+    assert list(result["sets"]) == ["heldout"] and result["settings"]["max_new_tokens"] == 10
+    held = result["sets"]["heldout"]
+    assert held["prompts"] == 2 and held["lossless_fp32"]["lossless"] is True
+    fig = held["temperatures"]["0"]  # eval's one temperature: T=0 unless given
+    assert list(held["temperatures"]) == ["0"] and fig["tau"] >= 1.0
+    assert len(fig["per_position_acceptance"]) == 3
+    assert sum(fig["accept_length_histogram"]) == fig["rounds"]
+    assert fig["speedup"] is not None
+    assert (tmp_path / "bench.png").stat().st_size > 1000 and (tmp_path / "bench.md").is_file()
 
 
 def test_check_lossless_names_prompt_and_position(
     untrained_drafter, tiny_dataset, tmp_path, capsys, monkeypatch
 ):
-    import dflashkit.infer.evaluate as evaluate_module
+    from dflashkit.infer import speculative
 
-    real = evaluate_module.speculative_generate
+    real = speculative.speculative_generate
 
     def corrupted(*args, **kwargs):
         g = real(*args, **kwargs)
-        g.tokens[3] += 1  # a lossy decoder: the 4th new token differs
+        if len(g.tokens) > 3:
+            g.tokens[3] += 1  # a lossy decoder: the 4th new token differs
         return g
 
-    monkeypatch.setattr(evaluate_module, "speculative_generate", corrupted)
+    monkeypatch.setattr(speculative, "speculative_generate", corrupted)
     assert main(_eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless")) == 2
-    err = capsys.readouterr().err
-    assert "prompt 0" in err and "new token 3" in err and "Traceback" not in err
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("dflashkit eval: error: fp32 lossless check failed on heldout")
+    assert "prompt 0 turn 0" in err and "new token 3" in err and "Traceback" not in err
 
 
 def test_a_bf16_eval_checks_losslessness_on_float32_copies(untrained_drafter, tiny_dataset, tmp_path, capsys):
-    """--dtype bfloat16 --check-lossless: the greedy check runs on float32 copies, the figures in bf16, and
-    the table shows both (the main job's last step)."""
+    """--dtype bfloat16 --check-lossless: the greedy check runs on float32 copies, the figures in bf16."""
     args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--dtype", "bfloat16")
     assert main(args) == 0
-    report = json.loads((tmp_path / "eval.json").read_text())
-    assert report["dtype"] == "bfloat16" and report["lossless"] is True
-    assert report["lossless_check"]["dtype"] == "float32" and report["lossless_check"]["prompts"] == 2
-    assert report["round_cost_ar_tokens"] == pytest.approx(
-        report["mean_acceptance_length"] / report["speedup"]
-    )
+    result = _bench_json(tmp_path)
+    held = result["sets"]["heldout"]
+    assert result["settings"]["dtype"] == "bfloat16" and held["lossless_fp32"]["lossless"] is True
+    assert held["lossless_fp32"]["dtype"] == "float32" and held["lossless_fp32"]["responses"] >= 2
+    fig = held["temperatures"]["0"]
+    assert fig["round_cost_ar_tokens"] == pytest.approx(fig["tau"] / fig["speedup"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "speedup (bfloat16)" in out and "on float32 copies" in out
-    assert "chains (--tree-budget auto)" in out  # auto's rule on the CPU's engine: the chain, said
+    assert "float32 copies" in out
 
 
 def test_eval_with_tree_rounds(untrained_drafter, tiny_dataset, tmp_path, capsys):
     args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--tree-budget", "6")
     assert main(args) == 0
-    report = json.loads((tmp_path / "eval.json").read_text())
-    assert report["tree_budget"] == 6 and report["lossless"] is True
-    assert "trees of 6 drafted nodes" in capsys.readouterr().out
+    result = _bench_json(tmp_path)
+    assert result["settings"]["tree_budget"] == 6 and result["sets"]["heldout"]["lossless_fp32"]["lossless"]
+    assert "trees of 6 drafted nodes" in " ".join(capsys.readouterr().out.split())
     with pytest.raises(SystemExit) as refused:
         main([*args[:-1], "-1"])
     assert refused.value.code == 2
@@ -109,10 +121,45 @@ def test_eval_on_the_reference_engine_under_its_earlier_name(
     losslessly."""
     args = _eval_args(untrained_drafter, tiny_dataset, tmp_path, "--check-lossless", "--engine", "dynamic")
     assert main(args) == 0
-    report = json.loads((tmp_path / "eval.json").read_text())
-    assert report["engine"] == "reference" and report["lossless"] is True
+    result = _bench_json(tmp_path)
+    assert (
+        result["settings"]["engine"] == "reference" and result["sets"]["heldout"]["lossless_fp32"]["lossless"]
+    )
     out = " ".join(capsys.readouterr().out.split())
-    assert "decode engine" in out and "--engine dynamic is now --engine reference" in out
+    assert "reference engine" in out and "--engine dynamic is now --engine reference" in out
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (["--no-baseline"], "--no-baseline has no bench equivalent"),
+        (["--rule", "exact"], "--rule exact has no"),
+    ],
+)
+def test_eval_refuses_an_option_bench_has_no_equivalent_of_in_one_line(
+    untrained_drafter, tiny_dataset, tmp_path, capsys, option, said
+):
+    assert main([*_eval_args(untrained_drafter, tiny_dataset, tmp_path / "out"), *option]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dflashkit eval: error: ") and said in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_keeps_the_config_eval_defaults_in_the_bench_command():
+    from dflashkit.cli import build_parser
+    from dflashkit.commands.infer import bench_words
+    from dflashkit.config import load_config
+
+    args, _ = build_parser().parse_known_args(
+        ["eval", "-c", "configs/embedded.yaml", "--prompts", "validation", "--check-lossless"]
+    )
+    cfg = load_config("configs/embedded.yaml", []).eval
+    words = " ".join(bench_words(args))
+    assert words.startswith("bench --config configs/embedded.yaml --sets heldout")
+    assert f"--max-prompts {cfg.max_prompts} --max-new-tokens {cfg.max_new_tokens}" in words
+    assert f"--temperatures {cfg.temperature:g}" in words and words.endswith("--check-lossless")
+    args.prompts = "my.jsonl"
+    assert "--prompts my.jsonl" in " ".join(bench_words(args))
 
 
 def test_generate_on_the_reference_engine_and_a_retired_one(untrained_drafter, capsys):
@@ -130,7 +177,7 @@ def test_generate_on_the_reference_engine_and_a_retired_one(untrained_drafter, c
     assert "chains (--tree-budget auto)" in " ".join(auto.split())  # the rounds, said
 
 
-def test_eval_keeps_earlier_evaluations_and_compares_like_with_like(
+def test_eval_keeps_earlier_sets_and_compares_like_with_like(
     untrained_drafter, tiny_dataset, tmp_path, capsys
 ):
     import shutil
@@ -144,21 +191,20 @@ def test_eval_keeps_earlier_evaluations_and_compares_like_with_like(
         "data_dir": str(tiny_dataset),
     }
     (best / "metrics.json").write_text(json.dumps(trained))
-    out = tmp_path / "eval"
+    out = tmp_path / "bench"
     mtbench = [a if a != "validation" else "mtbench" for a in _eval_args(best, tiny_dataset, out)]
-    assert main([*mtbench, "--max-prompts", "1", "--no-baseline"]) == 0
+    assert main([*mtbench, "--max-prompts", "1"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "served vs trained" not in text and "comparable" in text
-    first = json.loads((out / "eval.json").read_text())
-    assert first["training_metric"]["comparable"] is False
-    assert main([*_eval_args(best, tiny_dataset, out), "--no-baseline"]) == 0
-    assert "served vs trained" in " ".join(capsys.readouterr().out.split())
-    second = json.loads((out / "eval.json").read_text())
-    assert second["training_metric"]["comparable"] is True and second["prompts"] == 2
-    kept = sorted(out.glob("eval-*.json"))
-    assert [p.name.rsplit("-", 1)[-1] for p in kept] == ["mtbench.json", "validation.json"]
-    assert json.loads(kept[0].read_text()) == first  # the earlier evaluation is still there
-    assert len(list(out.glob("eval-*.png"))) == 2
+    assert "train/serve agreement" not in text  # MT-Bench is not where training measured
+    assert "training_metric" not in _bench_json(out)["sets"]["mtbench"]
+    assert main(_eval_args(best, tiny_dataset, out)) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "train/serve agreement" in text and "decoded vs trained" in text
+    result = _bench_json(out)
+    assert list(result["sets"]) == ["mtbench", "heldout"]  # the earlier set is still there
+    metric = result["sets"]["heldout"]["training_metric"]
+    assert metric["comparable"] is True and metric["acceptance_length"] == 1.2
+    assert result["sets"]["heldout"]["prompts"] == 2
 
 
 def test_generate_hides_end_of_sequence_tokens_and_shows_a_legend(untrained_drafter, capsys):
@@ -178,7 +224,7 @@ def test_the_training_metric_compares_on_another_dataset_holding_out_the_same_pr
     import torch
 
     from dflashkit.data.dataset import held_out_prompts_fingerprint, load_dataset, read_manifest, write_split
-    from dflashkit.infer.evaluate import training_reference
+    from dflashkit.infer.bench import training_reference
 
     fingerprint = held_out_prompts_fingerprint(tiny_dataset)
     assert fingerprint is not None and held_out_prompts_fingerprint(tmp_path / "none") is None

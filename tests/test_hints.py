@@ -28,7 +28,6 @@ REACHED_BY = {
     "train/fanout.py": ("fanout",),
     "infer/": ("eval", "generate", "bench"),
     "infer/bench.py": ("bench",),
-    "infer/evaluate.py": ("eval",),
     "target/slot_decoder.py": ("prepare",),
     "target/kernels.py": ("eval", "generate", "bench"),
     "target/hf.py::default_mask_token_id": ("init", "train"),

@@ -34,31 +34,12 @@ def test_a_measurement_that_is_not_a_number_is_written_as_null(tmp_path: Path) -
 
 def test_the_result_writers_go_through_the_one_helper(tmp_path: Path) -> None:
     from dflashkit.infer import bench
-    from dflashkit.infer.evaluate import EvalReport, write_report
     from dflashkit.runtime import fingerprint
 
     bench._write_json(tmp_path / "b.json", {"tau": math.nan})
     assert _strict((tmp_path / "b.json").read_text()) == {"tau": None}
     fingerprint.save({"torch": {"x": math.nan}}, tmp_path / "fp.json")
     assert _strict((tmp_path / "fp.json").read_text()) == {"torch": {"x": None}}
-    report = EvalReport(
-        drafter="d",
-        target="t",
-        prompts=1,
-        block_size=4,
-        temperature=0.0,
-        rule="rejection",
-        mean_acceptance_length=math.nan,
-        accept_length_histogram=[0, 1, 0, 0, 0],
-        per_position_acceptance=[math.nan, 0.0, 0.0],
-        spec_tokens_per_second=1.0,
-        ar_tokens_per_second=None,
-        speedup=None,
-        lossless=None,
-    )
-    js, _png, kept = write_report(report, tmp_path / "eval")
-    assert _strict(js.read_text())["mean_acceptance_length"] is None
-    assert _strict(kept.read_text())["per_position_acceptance"][0] is None
 
 
 def test_eval_with_nothing_to_measure_leaves_the_last_evaluation(tmp_path: Path, capsys) -> None:

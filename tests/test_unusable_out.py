@@ -52,9 +52,9 @@ def test_a_folder_this_user_may_not_write_is_refused(tmp_path: Path) -> None:
 
 
 def test_eval_refuses_an_out_under_a_file_before_decoding(drafter, a_file, monkeypatch, capsys) -> None:
-    from dflashkit.infer import evaluate
+    from dflashkit.infer import bench
 
-    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: pytest.fail("decoded before the check"))
+    monkeypatch.setattr(bench, "decode_set", lambda *a, **k: pytest.fail("decoded before the check"))
     capsys.readouterr()
     assert main(["eval", "--drafter", str(drafter), "--max-prompts", "1", "--out", str(a_file / "eval")]) == 2
     _one_line(capsys, "dflashkit eval: error: --out", "is a file, not a folder")

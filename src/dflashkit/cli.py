@@ -43,7 +43,7 @@ examples (the embedded default, end to end on a CPU; `make demo` runs these):
   dflashkit prepare -c configs/embedded.yaml               prompts answered by the target: a dataset
   dflashkit train -c configs/embedded.yaml --dry-run       check everything the run needs, train nothing
   dflashkit train -c configs/embedded.yaml                 train a drafter (runs/embedded/best)
-  dflashkit eval -c configs/embedded.yaml --prompts validation --check-lossless
+  dflashkit bench -c configs/embedded.yaml --sets heldout --temperatures 0 --check-lossless
   dflashkit generate -c configs/embedded.yaml "Tell me about the sea"
 
 `dflashkit COMMAND --help` shows each command's options and examples.

@@ -15,12 +15,13 @@ from dflashkit.commands.infer import (
     _load,
     add_draft_sampling,
     add_engine,
+    add_model_options,
     add_tree_budget,
     choose_engine,
     engine_label,
 )
 from dflashkit.config import PATHS_RULE, load_config
-from dflashkit.errors import ConfigError
+from dflashkit.errors import ConfigError, DataError
 from dflashkit.lock import hold_folder
 
 DEFAULT_SETS = "mtbench,gsm8k,humaneval,heldout"
@@ -83,6 +84,11 @@ def _bench(args: argparse.Namespace) -> int:
         )
         for spec in specs
     ]
+    for spec, s in zip(specs, sets, strict=True):
+        if s.malformed:
+            console.print(f"skipped {s.malformed} malformed records of {spec} (--skip-malformed)")
+        if not s.conversations:  # nothing to measure: said before any file is written
+            raise DataError(f"no prompts to evaluate in {spec}; give a file or a split that holds some")
     heldout = any(s.name == "heldout" for s in sets)
     if data_from_config and not heldout and not (Path(args.data) / "manifest.json").is_file():
         args.data = None  # the config's dataset is not here, and only the held-out set needs it
@@ -366,7 +372,7 @@ def bench_table(combined: dict[str, Any], measured: list[str]) -> Any:
 
 def slower_lines(combined: dict[str, Any], measured: list[str]) -> list[str]:
     """A line for each set and temperature this command measured where speculation lost to the baseline."""
-    from dflashkit.infer.evaluate import slower_than_autoregressive
+    from dflashkit.infer.bench import slower_than_autoregressive
 
     lines = []
     for name in measured:
@@ -422,16 +428,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "  dflashkit bench --drafter DIR --target /models/Qwen3-8B --prompts my_prompts.jsonl --temperatures 0\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--config", "-c", help="training run config: defaults for target, drafter (its best/), data"
-    )
-    p.add_argument("--drafter", help="drafter checkpoint folder (z-lab or speculators layout)")
-    p.add_argument("--target", help="'embedded' or an HF model folder (default: embedded)")
-    p.add_argument(
-        "--data",
-        help="the drafter's dataset folder: the heldout set is its held-out split; its template settings are "
-        "checked and reused (default: data.dir of --config)",
-    )
+    add_model_options(p, " (the heldout set is its held-out split)")
     p.add_argument(
         "--sets",
         default=None,
@@ -494,12 +491,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "where --draft-sampling auto and --tree-budget auto read them; default 8, 0: none)",
     )
     p.add_argument(
-        "--dtype", choices=["auto", "float32", "bfloat16"], help="target/drafter dtype (auto: bf16 on GPU)"
-    )
-    p.add_argument(
-        "--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda:1, ..."
-    )
-    p.add_argument(
         "--check-lossless",
         action="store_true",
         help="decode greedily in float32 and require speculative == autoregressive, token for token",
@@ -510,11 +501,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N",
         help="with --check-lossless on a bf16 run: check the first N prompts of each set (default: all)",
-    )
-    p.add_argument(
-        "--enable-thinking",
-        action="store_true",
-        help="render prompts with the chat template's thinking mode on (default: as the drafter's dataset was)",
     )
     p.add_argument(
         "--skip-malformed", action="store_true", help="with --prompts: skip and count malformed records"

@@ -1,4 +1,4 @@
-"""`dflashkit eval` and `dflashkit generate`."""
+"""`dflashkit generate`, and `dflashkit eval`: the earlier name of `dflashkit bench` on one prompt set."""
 
 from __future__ import annotations
 
@@ -6,11 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from dflashkit.atomic import check_folder_can_be_made
 from dflashkit.commands import values
 from dflashkit.config import PATHS_RULE, load_config
-from dflashkit.errors import ConfigError, DataError
-from dflashkit.lock import hold_folder
+from dflashkit.errors import ConfigError
 
 # what --engine and --layers take: dflashkit.infer.engine.ENGINE_CHOICES and LAYER_CHOICES (spelled here so
 # --help needs no torch), and the names of earlier releases (engine.RENAMED, engine.RETIRED: each said in a line)
@@ -34,16 +32,12 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict[str, Any] 
         args.dtype = args.dtype or cfg.target.dtype
         args.drafter = args.drafter or str(Path(cfg.run.out_dir) / "best")
         args.data = args.data or cfg.data.dir
-        if getattr(args, "max_prompts", None) is None:
-            args.max_prompts = cfg.eval.max_prompts
         if args.max_new_tokens is None:
             args.max_new_tokens = cfg.eval.max_new_tokens
         if args.temperature is None:
             args.temperature = cfg.eval.temperature
     if args.max_new_tokens is None:
         args.max_new_tokens = 128
-    if getattr(args, "max_prompts", 0) is None:
-        args.max_prompts = 80
     if not args.drafter:
         raise ConfigError(
             "name the drafter checkpoint with --drafter DIR (or give --config of a training run)"
@@ -96,39 +90,6 @@ def _enable_thinking(args: argparse.Namespace, tokenizer: Any, manifest: dict[st
     return thinking
 
 
-def eval_prompts(args: argparse.Namespace, tokenizer: Any, thinking: bool) -> tuple[list[list[int]], str]:
-    """Token ids of the evaluation prompts, rendered with the chat template."""
-    from dflashkit.data.chat import generation_prompt_ids
-    from dflashkit.data.sources import load_prompts, read_mtbench, select_prompts
-
-    if args.prompts == "validation":
-        from dflashkit.data.dataset import load_dataset, prompt_ids
-
-        if not args.data:
-            raise ConfigError("--prompts validation needs the dataset folder (--data DIR or --config)")
-        ids = prompt_ids(load_dataset(args.data, "validation")[: args.max_prompts])
-        return ids, f"{args.data} (validation split)"
-    if args.prompts == "mtbench":
-        prompts = read_mtbench()
-    else:
-        found = load_prompts(args.prompts, skip_malformed=args.skip_malformed)
-        prompts = found.prompts
-        if found.malformed:
-            print(f"skipped {found.malformed} malformed records of {args.prompts} (--skip-malformed)")
-    prompts = (
-        select_prompts(prompts, args.max_prompts, seed=0)
-        if args.prompts != "mtbench"
-        else prompts[: args.max_prompts]
-    )
-    out = [
-        generation_prompt_ids(
-            tokenizer, p.messages()[: (1 if p.system is None else 2)], enable_thinking=thinking
-        )
-        for p in prompts
-    ]
-    return out, args.prompts
-
-
 def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
     from dflashkit.data.regenerate import eos_token_ids
 
@@ -136,159 +97,70 @@ def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import torch
+    """The earlier name of `dflashkit bench` on one prompt set: its options mapped to bench's, the bench
+    command it amounts to said in one line, then bench runs it."""
     from rich.console import Console
-    from rich.table import Table
 
-    from dflashkit.infer.evaluate import training_reference, write_report
-    from dflashkit.target.context import beyond_context, context_of
+    from dflashkit.commands import bench
 
-    console = Console()
-    target, drafter, tokenizer, dtype, manifest = _load(args)
-    out_dir = Path(args.out or Path(args.drafter).parent / "eval")
-    check_folder_can_be_made(out_dir)  # before decoding anything
-    hold_folder(out_dir)  # one writer per eval folder (`dflashkit.lock`)
-    choose_engine(args, target, console, long_run=True)
-    thinking = _enable_thinking(args, tokenizer, manifest)
-    prompt_ids, source = eval_prompts(args, tokenizer, thinking)
-    if not prompt_ids:  # nothing to measure: said before any file is written
-        raise DataError(f"no prompts to evaluate in {source}; give a file or a split that holds some")
-    sampling = _sampling(args, console)
-    rounds = choose_rounds(args, drafter, sampling.temperature)
-    longest = max((len(p) for p in prompt_ids), default=0)
-    capacity = longest + args.max_new_tokens + _width(args, drafter)
-    warning = beyond_context(longest, args.max_new_tokens, context_of(target.config), "the longest prompt")
-    if warning:
-        console.print(f"[yellow]{warning}[/]", soft_wrap=True)
-    eos_ids = _eos_ids(target, tokenizer)
-    check32 = None
-    if args.check_lossless and dtype != torch.float32:
-        # Greedy outputs are compared in float32, on float32 copies (in bf16 the two loops may part after a
-        # near tie, as any two bf16 kernels may); the figures are then measured in the run's dtype.
-        from dflashkit.model.checkpoint import load_drafter
-        from dflashkit.target.hf import TargetModel
-
-        console.print("lossless check: decoding on float32 copies of the target and the drafter first")
-        t32 = TargetModel.load(
-            args.target or "embedded", dtype=torch.float32, device=target.device, lazy=True
-        )
-        d32 = load_drafter(args.drafter, t32, dtype=torch.float32, device=target.device, verify=False).eval()
-        engine32 = _engine(args, t32, d32, capacity, console)
-        check32 = _decode(
-            args, t32, d32, prompt_ids, sampling, eos_ids, engine32, check=True, console=console
-        )
-        del t32, d32, engine32
-    engine = _engine(args, target, drafter, capacity, console)
-    report = _decode(
-        args,
-        target,
-        drafter,
-        prompt_ids,
-        sampling,
-        eos_ids,
-        engine,
-        check=args.check_lossless and check32 is None,
-        console=console,
+    words, overrides = bench_words(args), list(args.overrides or [])
+    Console().print(
+        "[dim]dflashkit eval is now `dflashkit bench --sets heldout` (the held-out check); this one is "
+        f"`dflashkit {' '.join(words + overrides)}`; the name eval goes in the next release[/]",
+        soft_wrap=True,
     )
-    report.engine = engine_label(args)
-    report.dtype = str(dtype).removeprefix("torch.")
-    if check32 is not None:
-        report.lossless = True
-        report.lossless_check = {
-            "dtype": "float32",
-            "prompts": check32.prompts,
-            "mean_acceptance_length": check32.mean_acceptance_length,
-            "speedup": check32.speedup,
-        }
-    # the training metric is a chain's served-order tau: beside tree rounds it would read as a gap
-    reference = None if args.tree_budget else training_reference(Path(args.drafter), args.prompts, args.data)
-    js, png, kept = write_report(report, out_dir, reference, label=prompts_label(args.prompts))
+    parser = argparse.ArgumentParser(prog="dflashkit")
+    bench.register(parser.add_subparsers(dest="command"))
+    bench_args = parser.parse_args(words)
+    bench_args.overrides = overrides
+    bench_args.command = args.command  # an error still names the command the user typed
+    return bench._bench(bench_args)
 
-    t = Table(
-        title=f"dflashkit eval: {len(prompt_ids)} prompts from {source}, T={sampling.temperature}, rule {sampling.rule}"
+
+# eval's options with no bench equivalent: refused, each in one line
+NO_BENCH_EQUIVALENT = {
+    "no_baseline": "--no-baseline has no bench equivalent: bench always measures the autoregressive baseline",
+    "rule": "--rule exact has no bench equivalent: bench accepts by rejection sampling above T=0",
+}
+
+
+def bench_words(args: argparse.Namespace) -> list[str]:
+    """The `dflashkit bench` command line an eval command amounts to (eval's defaults kept: one temperature,
+    the config's eval section or 128 new tokens and 80 prompts); an option with no equivalent is refused."""
+    if args.no_baseline:
+        raise ConfigError(NO_BENCH_EQUIVALENT["no_baseline"])
+    if args.rule == "exact":
+        raise ConfigError(NO_BENCH_EQUIVALENT["rule"])
+    defaults = load_config(args.config, list(args.overrides or [])).eval if args.config else None
+    temperature = (
+        args.temperature if args.temperature is not None else (defaults.temperature if defaults else 0.0)
     )
-    t.add_column("metric", style="cyan")
-    t.add_column("value", justify="right")
-    t.add_row("mean acceptance length (tau)", f"{report.mean_acceptance_length:.3f}")
-    if reference is not None:
-        t.add_row(*reference.table_row(report.mean_acceptance_length))
-    t.add_row("per-position acceptance", " ".join(f"{p:.2f}" for p in report.per_position_acceptance))
-    t.add_row("tau histogram (1..B)", " ".join(str(c) for c in report.accept_length_histogram[1:]))
-    t.add_row("decode engine", report.engine)
-    t.add_row("rounds", rounds)
-    t.add_row("speculative tokens/s", f"{report.spec_tokens_per_second:.1f} ({report.dtype})")
-    if report.ar_tokens_per_second:
-        t.add_row("autoregressive tokens/s", f"{report.ar_tokens_per_second:.1f} ({report.dtype})")
-        t.add_row(f"speedup ({report.dtype})", f"{report.speedup:.2f}x")
-        t.add_row("round cost (autoregressive tokens)", f"{report.round_cost:.2f}")
-    if args.check_lossless:
-        t.add_row(
-            "lossless (greedy spec == greedy target, float32)",
-            f"[green]yes, every prompt and token[/]{_check_note(report)}",
-        )
-    console.print(t)
-    from dflashkit.infer.evaluate import slower_than_autoregressive
-
-    slower = slower_than_autoregressive(
-        f"T={sampling.temperature}", report.mean_acceptance_length, report.speedup
-    )
-    if slower:
-        console.print(f"[yellow]{slower}[/]")
-    console.print(f"wrote {js} and {png} (this evaluation is also kept as {kept.name}; earlier ones stay)")
-    return 0
-
-
-def _decode(
-    args: argparse.Namespace,
-    target: Any,
-    drafter: Any,
-    prompt_ids: list[list[int]],
-    sampling: Any,
-    eos_ids: list[int],
-    engine: Any,
-    *,
-    check: bool,
-    console: Any,
-) -> Any:
-    """``evaluate`` over the prompts with a progress bar: the EvalReport."""
-    from rich.progress import Progress
-
-    from dflashkit.infer.evaluate import evaluate
-
-    label = f"decoding {len(prompt_ids)} prompts ({str(target.dtype).removeprefix('torch.')})"
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(label, total=len(prompt_ids))
-        return evaluate(
-            target,
-            drafter,
-            prompt_ids,
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            eos_ids=eos_ids,
-            baseline=not args.no_baseline,
-            check_lossless=check,
-            backend="sdpa",
-            progress=lambda i, g: bar.update(
-                task, advance=1, description=f"prompt {i + 1}: tau {g.mean_acceptance_length:.2f}"
-            ),
-            names=(str(args.drafter), target.name),
-            engine=engine,
-            tree_budget=args.tree_budget,
-        )
-
-
-def _check_note(report: Any) -> str:
-    """Where the lossless check ran, when not in the measured run itself."""
-    check = report.lossless_check
-    if not check:
-        return ""
-    speed = f", speedup {check['speedup']:.2f}x there" if check["speedup"] else ""
-    return f" (on float32 copies: tau {check['mean_acceptance_length']:.3f}{speed})"
-
-
-def prompts_label(prompts: str) -> str:
-    """A short name of the evaluated prompts for file names: mtbench, validation or the file's stem."""
-    return prompts if prompts in ("mtbench", "validation") else Path(prompts).stem
+    words = ["bench"]
+    if args.config:
+        words += ["--config", args.config]
+    sets = {"validation": "heldout", "mtbench": "mtbench"}
+    words += ["--sets", sets[args.prompts]] if args.prompts in sets else ["--prompts", args.prompts]
+    given = {
+        "--drafter": args.drafter,
+        "--target": args.target,
+        "--data": args.data,
+        "--dtype": args.dtype,
+        "--device": args.device,
+        "--max-prompts": args.max_prompts or (defaults.max_prompts if defaults else 80),
+        "--max-new-tokens": args.max_new_tokens or (defaults.max_new_tokens if defaults else 128),
+        "--temperatures": f"{temperature:g}",
+        "--top-p": f"{args.top_p:g}",
+        "--seed": args.seed,
+        "--engine": args.engine,
+        "--layers": args.layers,
+        "--tree-budget": args.tree_budget,
+        "--draft-sampling": args.draft_sampling,
+        "--out": args.out,
+    }
+    words += [w for flag, value in given.items() if value is not None for w in (flag, str(value))]
+    flags = {"--check-lossless": args.check_lossless, "--enable-thinking": args.enable_thinking}
+    flags["--skip-malformed"] = args.skip_malformed
+    return words + [flag for flag, on in flags.items() if on]
 
 
 def choose_engine(args: argparse.Namespace, target: Any, console: Any, *, long_run: bool) -> None:
@@ -448,14 +320,18 @@ def rounds_markup(g: Any, tokenizer: Any, eos_ids: set[int]) -> str:
     return "".join(parts) + text(g.tokens[pos:])
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_model_options(p: argparse.ArgumentParser, data_help: str = "") -> None:
+    """The options every decoding command shares: the run config, drafter, target, dataset, dtype, device and
+    the chat template's thinking mode."""
     p.add_argument(
         "--config", "-c", help="training run config: defaults for target, drafter (its best/), data"
     )
     p.add_argument("--drafter", help="drafter checkpoint folder (z-lab or speculators layout)")
     p.add_argument("--target", help="'embedded' or an HF model folder (default: embedded)")
     p.add_argument(
-        "--data", help="the drafter's dataset folder: its template settings are checked and reused"
+        "--data",
+        help=f"the drafter's dataset folder{data_help}: its template settings are checked and reused "
+        "(default: data.dir of --config)",
     )
     p.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16"], help="target/drafter dtype (auto: bf16 on GPU)"
@@ -465,6 +341,15 @@ def _common(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (default: CUDA when present, else the CPU), cpu, cuda, cuda:1, ...",
     )
+    p.add_argument(
+        "--enable-thinking",
+        action="store_true",
+        help="render prompts with the chat template's thinking mode on (default: as the drafter's dataset was)",
+    )
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    add_model_options(p)
     p.add_argument(
         "--max-new-tokens",
         type=values.count,
@@ -495,12 +380,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "sample); the target's distribution either way",
     )
     p.add_argument("--seed", type=values.whole_number, default=0, help="seed of the sampling (default 0)")
-    p.add_argument(
-        "--enable-thinking",
-        action="store_true",
-        help="render prompts with the chat template's thinking mode on (default: as the drafter's dataset was)",
-    )
-    add_engine(p, "eval, which decodes many prompts")
+    add_engine(p, "bench, which decodes many prompts")
     add_tree_budget(p)
     add_draft_sampling(p)
 
@@ -560,17 +440,14 @@ def add_tree_budget(
 def register(subparsers: argparse._SubParsersAction) -> None:
     e = subparsers.add_parser(
         "eval",
-        help="acceptance length and speedup by decoding; --check-lossless",
-        description="Decode prompts speculatively and autoregressively on the same engine: acceptance length "
-        "(mean, histogram, per position), tokens/s and speedup; with --check-lossless, greedy speculative "
-        "output must equal the target's token for token. Each evaluation is kept in the output folder "
-        "(eval-<time>-<prompts>.json/.png); eval.json and eval.png are the newest. The training metric is "
-        "shown beside the result when it was measured on the same prompts (the held-out split of the same "
-        "dataset). " + PATHS_RULE,
-        epilog="examples:\n"
+        help="the earlier name of `bench` on one prompt set (kept for one release)",
+        description="Now `dflashkit bench --sets heldout` (the held-out check and the train/serve agreement); "
+        "--prompts mtbench is bench's --sets mtbench, a file its --prompts FILE. Its options map to bench's; "
+        "the bench command it amounts to is said in one line, then bench runs it. " + PATHS_RULE,
+        epilog="example:\n"
         "  dflashkit eval -c configs/embedded.yaml --prompts validation --check-lossless\n"
-        "  dflashkit eval --drafter runs/embedded/best --data runs/embedded/data --prompts mtbench\n"
-        "  dflashkit eval --drafter DIR --target /models/Qwen3-8B --prompts prompts.jsonl --skip-malformed\n",
+        "  is dflashkit bench --config configs/embedded.yaml --sets heldout --max-prompts 16 "
+        "--max-new-tokens 64 --temperatures 0 ... --check-lossless\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(e)
@@ -597,8 +474,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--no-baseline", action="store_true", help="skip the autoregressive baseline")
     e.add_argument(
         "--out",
-        help="folder for the evaluations: eval.json/eval.png (the newest) and every earlier one "
-        "(default: eval/ beside the drafter folder)",
+        help="bench's output folder (default: bench/ beside the drafter folder)",
     )
     e.set_defaults(handler=_eval, overrides=[])  # section.key=value words anywhere: overrides of --config
 

@@ -40,6 +40,7 @@ from dflashkit.data.dataset import load_dataset
 from dflashkit.data.sources import load_prompts, read_benchmark, select_prompts
 from dflashkit.errors import ConfigError, DflashkitError
 from dflashkit.integrity import CHECKSUMS_FILE
+from dflashkit.model.acceptance import served_tau
 
 SETS: tuple[str, ...] = ("mtbench", "gsm8k", "humaneval", "heldout")
 SET_TITLES = {"mtbench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval", "heldout": "held-out"}
@@ -89,6 +90,7 @@ class BenchSet:
     name: str
     source: str  # where the prompts came from, for the report
     conversations: list[Conversation]
+    malformed: int = 0  # records of a prompts file skipped (--skip-malformed)
 
     @property
     def responses(self) -> int:
@@ -128,15 +130,14 @@ def load_set(
             raise ConfigError("the heldout set is a dataset's held-out split: give --data DIR (or --config)")
         return heldout_set(data_dir, limit, max_turns)
     if spec in SETS:
-        prompts = read_benchmark(spec)
+        prompts, malformed = read_benchmark(spec), 0
         source = {"mtbench": "MT-Bench", "gsm8k": "GSM8K test", "humaneval": "HumanEval"}[spec]
     else:
         found = load_prompts(spec, skip_malformed=skip_malformed)
-        prompts, source = found.prompts, spec
+        prompts, source, malformed = found.prompts, spec, found.malformed
     chosen = _limited(prompts, limit, seed)
-    return BenchSet(
-        set_name(spec), f"{source} ({len(chosen)} of {len(prompts)})", _conversations(chosen, max_turns)
-    )
+    source = f"{source} ({len(chosen)} of {len(prompts)})"
+    return BenchSet(set_name(spec), source, _conversations(chosen, max_turns), malformed)
 
 
 def reply_starts(loss_mask: Any) -> list[int]:
@@ -314,6 +315,13 @@ class Decoder:
         return self.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def decode_set(
     dec: Decoder,
     bset: BenchSet,
@@ -331,7 +339,6 @@ def decode_set(
     ``stop_at_difference`` stop at the first response that differs). Each response gets its own sampling seed;
     a sampled chain round proposes by ``draft_sampling`` (`sampling.propose`). ``trees``: rounds of the
     decoder's tree budget (True) or chains (False); None: the decoder's rounds at this temperature."""
-    from dflashkit.infer.evaluate import first_difference
     from dflashkit.infer.speculative import (
         Sampling,
         Stopper,
@@ -472,6 +479,20 @@ def round_cost(fig: dict[str, Any]) -> float | None:
     return fig["tau"] / fig["speedup"] if fig.get("speedup") else None
 
 
+def slower_than_autoregressive(where: str, tau: float, speedup: float | None) -> str | None:
+    """One line saying so when speculative decoding measured slower than the autoregressive loop on the same
+    engine (speedup < 1), with why in the method's terms: each round accepted fewer tokens (tau) than it costs
+    in autoregressive tokens (tau / speedup). None when it paid, or when no baseline was measured."""
+    if not speedup or math.isnan(speedup) or speedup >= 1.0:
+        return None
+    return (
+        f"{where}: speculative decoding was slower than autoregressive decoding ({speedup:.2f}x): a round "
+        f"gave {tau:.2f} tokens and cost {tau / speedup:.2f} autoregressive tokens. A drafter pays where its "
+        "tau passes that cost: serve it where it was trained to be accepted (a drafter trained on the target's "
+        "argmax is accepted at T=0), or decode without it"
+    )
+
+
 def temperature_key(t: float) -> str:
     """How a temperature keys the JSON: "0", "1", "0.7"."""
     return f"{t:g}"
@@ -506,17 +527,23 @@ def _write_json(path: Path, data: Any) -> None:
     write_json(path, data)
 
 
+def unique_stem(out_dir: Path, stem: str) -> str:
+    k, candidate = 1, stem
+    while (out_dir / f"{candidate}.json").exists():
+        k += 1
+        candidate = f"{stem}-{k}"
+    return candidate
+
+
 def write_set(out: Path, result: dict[str, Any]) -> Path:
     """A finished set's results as sets/<name>.json; an earlier result of that set is kept as
     sets/earlier/<name>-<time>.json."""
-    from dflashkit.infer.evaluate import _unique_stem
-
     path = out / SETS_DIR / f"{result['set']}.json"
     if path.is_file():
         earlier = out / SETS_DIR / EARLIER_DIR
         earlier.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-        stem = _unique_stem(earlier, f"{result['set']}-{stamp}")
+        stem = unique_stem(earlier, f"{result['set']}-{stamp}")
         os.replace(path, earlier / f"{stem}.json")
     _write_json(path, result)
     return path
@@ -819,14 +846,71 @@ def lossless_result(bset: BenchSet, responses: list[Response], dtype: str, engin
     }
 
 
+# --------------------------------------------------------------------------------------------------
+# The training metric beside the decoded one: like with like only
+
+
+@dataclass
+@dataclass
+class TrainingReference:
+    """The drafter's training metric (from its metrics.json) and whether it was measured on the prompts
+    being evaluated: the held-out split of the dataset it was trained on."""
+
+    acceptance_length: float
+    kind: str  # "served order" or "mean over anchors" (a drafter trained before the served-order walk)
+    data_dir: str | None  # the dataset whose held-out split it was measured on (None: not recorded)
+    comparable: bool
+
+
+def training_reference(drafter_dir: Path, prompts: str, data_dir: str | None) -> TrainingReference | None:
+    """The training metric of a drafter folder, compared only where it compares: ``prompts`` is
+    "validation" of the very dataset it was measured on. None when the folder has no metrics.json."""
+    metrics = drafter_dir / "metrics.json"
+    if not metrics.is_file():
+        return None
+    try:
+        trained = json.loads(metrics.read_text())
+        tau = served_tau(trained)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    kind = "served order" if "served_acceptance_length" in trained else "mean over anchors"
+    measured_on = trained.get("data_dir") or _run_data_dir(drafter_dir)
+    same_data = measured_on is None or (
+        data_dir is not None
+        and (
+            Path(measured_on).resolve() == Path(data_dir).resolve()
+            or _holds_out_the_same_prompts(trained.get("held_out_prompts"), data_dir)
+        )
+    )
+    return TrainingReference(tau, kind, measured_on, prompts == "validation" and same_data)
+
+
+def _holds_out_the_same_prompts(fingerprint: object, data_dir: str) -> bool:
+    """Whether the dataset at ``data_dir`` holds out the prompts training measured on (another folder, e.g. a
+    dataset of the held-out set alone, written again with the same prompts)."""
+    from dflashkit.data.dataset import held_out_prompts_fingerprint
+
+    return isinstance(fingerprint, str) and fingerprint == held_out_prompts_fingerprint(data_dir)
+
+
+def _run_data_dir(drafter_dir: Path) -> str | None:
+    """data.dir of the training run a drafter folder belongs to (<run>/config.yaml), if it is there."""
+    import yaml
+
+    config = drafter_dir.parent / "config.yaml"
+    try:
+        data = yaml.safe_load(config.read_text()) if config.is_file() else None
+        return str(data["data"]["dir"]) if isinstance(data, dict) else None
+    except (yaml.YAMLError, KeyError, TypeError):
+        return None
+
+
 def training_metric(
     drafter_dir: Path, data_dir: str | None, decoded_tau: float, bset: BenchSet
 ) -> dict[str, Any] | None:
     """The drafter's training metric (the served-order tau on the held-out split of its dataset) beside the tau
     decoded on that split, and the gap; None when the drafter folder records none."""
     from dataclasses import asdict
-
-    from dflashkit.infer.evaluate import training_reference
 
     ref = training_reference(drafter_dir, "validation", data_dir)
     if ref is None:
