@@ -670,6 +670,9 @@ def test_summary_above_t0_is_the_sampling_table(tmp_path):
     assert bench.training_loss(drafter_dir) == "{ce: 0.1, tv: 0.9} at T=1"
     (drafter_dir / "run_config.yaml").write_text("train:\n  loss: ce\n")
     assert bench.training_loss(drafter_dir) == "ce"
+    # best/metrics.json's record of its training comes first
+    (drafter_dir / "metrics.json").write_text('{"step": 4, "train": {"loss": "tv", "loss_temperature": 0.7}}')
+    assert bench.training_loss(drafter_dir) == "tv at T=0.7"
 
 
 def test_rounds_of_a_set_written_before_they_were_recorded_come_from_its_settings():

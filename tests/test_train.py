@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 
 import pytest
@@ -213,6 +214,13 @@ def test_training_raises_acceptance_above_untrained(trained):
 
     record = json.loads((result.out_dir / "best" / "metrics.json").read_text())
     assert record["held_out_prompts"] == held_out_prompts_fingerprint(cfg.data.dir) is not None
+    # and how it was trained: bench names the loss of a best/ copied out of its run
+    assert record["train"]["loss"] == cfg.train.loss and record["train"]["serve_temperature"] == 0
+    from dflashkit.infer.bench import training_loss
+
+    copied = result.out_dir.parent / "copied-best"
+    shutil.copytree(result.out_dir / "best", copied)
+    assert training_loss(copied) == "ce"
     log = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 40 and "val" in log[-1]
     assert (result.out_dir / "best" / "model.safetensors").is_file()

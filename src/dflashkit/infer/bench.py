@@ -604,11 +604,15 @@ def summary(sets: dict[str, dict[str, Any]], temperature: str = SUMMARY_TEMPERAT
 def training_loss(drafter_dir: Path) -> str:
     """The loss a drafter was trained with, as its run config says (train.loss, or train.distill's older
     {ce, kl} mix; with the temperature of a distribution loss): "ce", "lk at T=1", "{ce: 0.1, tv: 0.9} at T=1".
-    Read from the folder's run_config.yaml (a checkpoint) or its run folder's config.yaml (best/ inside a run);
-    "unknown" when neither is there (best/ itself records no config: a drafter copied out of its run)."""
+    Read from best/'s metrics.json ("train"), the folder's run_config.yaml (a checkpoint) or its run folder's
+    config.yaml; "unknown" when none holds it (a drafter trained before best/ recorded it, copied out of its run)."""
     import yaml
 
-    for path in (drafter_dir / "run_config.yaml", drafter_dir.parent / "config.yaml"):
+    for path in (
+        drafter_dir / "metrics.json",
+        drafter_dir / "run_config.yaml",
+        drafter_dir.parent / "config.yaml",
+    ):
         try:
             data = yaml.safe_load(path.read_text()) if path.is_file() else None
         except (OSError, yaml.YAMLError):

@@ -44,6 +44,8 @@ BEST_KEY = "best_served_acceptance_length"
 # In every checkpoint: the dataset it trained on ({"dir", "splits": {split: sha256}}); a resume refuses
 # a dataset whose splits changed (`check_resume_dataset`).
 DATASET_FILE = "dataset.json"
+# The train settings best/metrics.json records under "train": the loss and the serving it was chosen for.
+TRAINED_WITH = {"loss", "loss_temperature", "distill", "serve_temperature", "serve_draft_sampling"}
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,8 @@ def save_best(run: Run, step: int, metrics: dict[str, Any]) -> None:
             "step": step,
             "data_dir": str(Path(run.cfg.data.dir).resolve()),
             "held_out_prompts": held_out_prompts_fingerprint(run.cfg.data.dir),
+            # how it was trained, for a best/ copied out of its run (bench's sampling table names the loss)
+            "train": run.cfg.train.model_dump(include=TRAINED_WITH),
             **metrics,
         }
         (tmp / BEST_METRICS).write_text(json_text(record) + "\n")
