@@ -237,3 +237,16 @@ def test_a_recursive_trees_expected_tokens_are_those_of_its_walk():
     lengths = torch.tensor([len(recursive_walk(tree, children, p, q, g)[1]) for _ in range(trials)]).double()
     assert expected > 1.2, "the test must see accepted candidates"
     assert abs(float(lengths.mean()) - expected) < 4 * float(lengths.std()) / math.sqrt(trials)
+
+
+def test_the_loop_refuses_recursive_trees_on_the_graphs_engine():
+    """A graphs engine fuses sampled tree rounds by the match rule: asked for recursive trees it refuses."""
+    from dflashkit.errors import DflashkitError
+    from dflashkit.infer.speculative import speculative_generate
+    from test_sampling_exact import PROMPT, TableEngine
+
+    engine = TableEngine()
+    engine.name = "graphs"
+    s = Sampling(temperature=1.0, tree_rule="recursive")
+    with pytest.raises(DflashkitError, match="reference engine only"):
+        speculative_generate(engine.target, engine.drafter, PROMPT, 4, s, engine=engine, tree_budget=6)
