@@ -9,6 +9,9 @@ temperature on the reference engine. Runs on the CPU with the embedded target an
     dflashkit prepare -c HELDOUT.yaml        # a dataset whose validation split holds the held-out records
     python benchmarks/ceilings.py --drafter benchmarks/drafters/embedded-gpu-more --data DIR \\
         --prompts 8 --temperatures 0.7,1 --max-new-tokens 128 --out benchmarks/results/ceilings.json
+
+``--data mtbench`` takes MT-Bench's first turns instead (evenly spaced, the chat template applied): no dataset
+to prepare. The expected tokens include a recursive tree of 15 (``tree15_recursive``, `infer/recursive.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--drafter", default="benchmarks/drafters/embedded-gpu-more")
     p.add_argument(
-        "--data", required=True, help="a dataset folder: its held-out (validation) records' prompts"
+        "--data",
+        required=True,
+        help="a dataset folder (its held-out, validation, records' prompts), or mtbench (its first turns)",
     )
     p.add_argument("--prompts", type=int, default=8, help="held-out records, spread evenly (default 8)")
     p.add_argument("--temperatures", default="0.7,1")
@@ -47,8 +52,22 @@ def main() -> None:
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     target = TargetModel.load("embedded", dtype=dtype, device=device)
     drafter = load_drafter(args.drafter, target, dtype=dtype, device=device, verify=False).eval()
-    held = heldout_set(args.data, args.prompts, max_turns=1)
-    prompts = [list(c.prefixes[0]) for c in held.conversations]
+    if args.data == "mtbench":
+        from dflashkit.data.chat import generation_prompt_ids
+        from dflashkit.data.sources import read_mtbench
+        from dflashkit.target.tokenizer import serving_tokenizer
+
+        tokenizer, questions = serving_tokenizer(target.path), read_mtbench()
+        chosen = questions[:: max(1, len(questions) // args.prompts)][: args.prompts]
+        prompts = [
+            generation_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}], enable_thinking=False)
+            for q in chosen
+        ]
+        source = f"mtbench: first turns of {len(prompts)} questions, every {max(1, len(questions) // args.prompts)}th"
+    else:
+        held = heldout_set(args.data, args.prompts, max_turns=1)
+        prompts = [list(c.prefixes[0]) for c in held.conversations]
+        source = held.source
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -59,7 +78,7 @@ def main() -> None:
         "dtype": args.dtype,
         "drafter": args.drafter,
         "block_size": drafter.config.block_size,
-        "prompts": held.source,
+        "prompts": source,
         "max_new_tokens": args.max_new_tokens,
         "slots": args.slots,
         "temperatures": {},
