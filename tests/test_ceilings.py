@@ -87,6 +87,7 @@ def test_measured_ceilings_hold_together(tiny):
         assert 0 <= fig["marginal_acceptance"][k] <= 1 + 1e-6
     tokens = fig["expected_tokens"]
     assert 1 <= tokens["argmax"] <= 4 and 1 <= tokens["marginal"] <= 4 and tokens["tree5"] >= 1
+    assert 1 <= tokens["tree5_recursive"] <= 4
     assert fig["expected_tokens"]["argmax"] > 1.0, "the test must see accepted drafts"
 
 

@@ -17,6 +17,8 @@ from dflashkit.commands.infer import (
     add_engine,
     add_model_options,
     add_tree_budget,
+    add_tree_rule,
+    check_tree_rule,
     choose_engine,
     engine_label,
 )
@@ -64,6 +66,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--draft-sampling auto chooses by the ceilings: give --ceilings N above 0, or a proposal"
         )
+    check_tree_rule(args, temperatures)  # before anything loads
     data_from_config = False
     if args.config:  # the run config's defaults, resolved here: the sets are read before anything loads
         cfg = load_config(args.config, list(args.overrides or []))
@@ -94,6 +97,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.data = None  # the config's dataset is not here, and only the held-out set needs it
     target, drafter, tokenizer, dtype, manifest = _load(argparse.Namespace(**{**vars(args), "config": None}))
     choose_engine(args, target, console, long_run=True)
+    check_tree_rule(args, temperatures, args.engine)  # auto resolved
     greedy_trees, sampled_trees, trees_by_ceilings = tree_rules(
         args.tree_budget, args.engine, args.layers, drafter.config.block_size, args.ceilings
     )
@@ -117,6 +121,8 @@ def _bench(args: argparse.Namespace) -> int:
     }
     if args.draft_sampling != "marginal":  # only then: results measured before the flag keep their settings
         settings["draft_sampling"] = args.draft_sampling
+    if args.tree_rule != "match":  # only then, as draft_sampling
+        settings["tree_rule"] = args.tree_rule
     if greedy_trees or sampled_trees or trees_by_ceilings:  # only then: chain results keep their settings
         settings["tree_budget"] = max(greedy_trees, sampled_trees, trees_by_ceilings)
         if trees_by_ceilings:
@@ -145,6 +151,7 @@ def _bench(args: argparse.Namespace) -> int:
             sampled_trees=bool(sampled_trees),
             trees_by_ceilings=bool(trees_by_ceilings),
             draft_sampling=args.draft_sampling,
+            tree_rule=args.tree_rule,
             ceiling_prompts=args.ceilings,
         )
 
@@ -481,6 +488,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "extra tokens to pay for its round (its record: rounds_served, rounds_why); with --ceilings 0, the chain",
     )
     add_draft_sampling(p)
+    add_tree_rule(p)
     p.add_argument(
         "--ceilings",
         type=int,

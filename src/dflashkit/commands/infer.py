@@ -72,7 +72,8 @@ def _sampling(args: argparse.Namespace, console: Any):
     proposal, why = resolve_draft_sampling(args.draft_sampling, Path(args.drafter), t, args.top_p)
     if args.draft_sampling == "auto" and t > 0:
         console.print(f"[dim]draft sampling {proposal} (--draft-sampling auto: {why})[/]")
-    return Sampling(temperature=t, top_p=args.top_p, rule=args.rule, seed=args.seed, draft_sampling=proposal)
+    rule = getattr(args, "tree_rule", "match")
+    return Sampling(t, args.top_p, args.rule, args.seed, proposal, rule)
 
 
 def _enable_thinking(args: argparse.Namespace, tokenizer: Any, manifest: dict[str, Any] | None) -> bool:
@@ -155,6 +156,7 @@ def bench_words(args: argparse.Namespace) -> list[str]:
         "--layers": args.layers,
         "--tree-budget": args.tree_budget,
         "--draft-sampling": args.draft_sampling,
+        "--tree-rule": args.tree_rule if args.tree_rule != "match" else None,
         "--out": args.out,
     }
     words += [w for flag, value in given.items() if value is not None for w in (flag, str(value))]
@@ -241,6 +243,7 @@ def _generate(args: argparse.Namespace) -> int:
     console = Console()
     target, drafter, tokenizer, _dtype, manifest = _load(args)
     choose_engine(args, target, console, long_run=False)
+    check_tree_rule(args, [args.temperature or 0.0], args.engine)  # auto resolved, the config's T read
     thinking = _enable_thinking(args, tokenizer, manifest)
     stopper = Stopper(_eos_ids(target, tokenizer), args.stop or [], tokenizer)
     sampling = _sampling(args, console)
@@ -383,6 +386,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_engine(p, "bench, which decodes many prompts")
     add_tree_budget(p)
     add_draft_sampling(p)
+    add_tree_rule(p)
 
 
 def add_engine(p: argparse.ArgumentParser, long_run: str) -> None:
@@ -417,6 +421,40 @@ def add_draft_sampling(p: argparse.ArgumentParser) -> None:
         "target's probability of it) or auto (the default: the one the drafter's latest bench record at this "
         "temperature expects more tokens from; marginal without a record)",
     )
+
+
+def add_tree_rule(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tree-rule",
+        choices=["match", "recursive"],
+        default="match",
+        help="a tree round's rule when sampling (both keep the target's distribution): match (the default: the "
+        "drafter's top tokens as children, the target's draw followed) or recursive (each node's children "
+        "drawn without replacement from the drafter's distribution, accepted by recursive rejection; the "
+        "reference engine only, with --tree-budget N above 0 and a temperature above 0)",
+    )
+
+
+# Why --tree-rule recursive is refused, one line each.
+RECURSIVE_REFUSALS = {
+    "engine": "recursive trees run on the reference engine only: give --engine reference",
+    "greedy": "recursive trees sample: at temperature 0 they are the match rule's trees; give a temperature "
+    "above 0 or --tree-rule match",
+    "budget": "recursive trees need trees: give --tree-budget N above 0",
+}
+
+
+def check_tree_rule(args: argparse.Namespace, temperatures: list[float], engine: str | None = None) -> None:
+    """Refuse --tree-rule recursive where it does not run: a temperature of 0, no tree budget given, or
+    (``engine``: --engine resolved, `choose_engine`) an engine other than the reference."""
+    if getattr(args, "tree_rule", "match") != "recursive":
+        return
+    if engine is not None and engine != "reference":
+        raise ConfigError(RECURSIVE_REFUSALS["engine"])
+    if any(t <= 0 for t in temperatures):
+        raise ConfigError(RECURSIVE_REFUSALS["greedy"])
+    if not args.tree_budget:
+        raise ConfigError(RECURSIVE_REFUSALS["budget"])
 
 
 def add_tree_budget(

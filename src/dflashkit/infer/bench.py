@@ -208,6 +208,7 @@ class Decoder:
     # them to beat the chain (`ceilings.trees_pay`), else the chain: --tree-budget auto with --ceilings N
     trees_by_ceilings: bool = False
     draft_sampling: str = "marginal"  # a chain round's proposal at T > 0, or "auto": the ceilings' choice
+    tree_rule: str = "match"  # a tree round's rule at T > 0: "recursive" on the reference engine only
     ceiling_prompts: int = 0  # prompts of each set whose ceilings are measured at T > 0 (`infer.ceilings`)
     console: Any = None
     _engine: Any = field(default=None, repr=False)
@@ -362,7 +363,7 @@ def decode_set(
             ids = dec.prompt_ids(conv, turn, replies)
             engine = dec.ready(len(ids) + dec.max_new_tokens + round_width(B, dec.tree_budget))
             seed = dec.seed * 1_000_003 + len(out)
-            s = Sampling(temperature, dec.top_p, rule, seed, draft_sampling)  # type: ignore[arg-type]
+            s = Sampling(temperature, dec.top_p, rule, seed, draft_sampling, dec.tree_rule)  # type: ignore[arg-type]
             spec = speculative_generate(
                 dec.target,
                 dec.drafter,

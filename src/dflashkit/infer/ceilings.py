@@ -14,7 +14,13 @@ ancestor mask, so for each slot k:
 - E[max_x p_k(x)], the argmax chain's ceiling (no token accepts more), and p_k's mass on q_k's top-j tokens
   (j = 1..4: a tree's ceiling at slot k with j children), both where the argmax chain stands;
 - the expected tokens of a round: 1 + sum_k E[w_{k+1}] for each chain, and for the tree sum over its nodes of
-  the probability that sample-and-match walks into it (the product of p along its branch).
+  the probability that sample-and-match walks into it (the product of p along its branch);
+- the expected tokens of a recursive tree of the same budget (``tree{budget}_recursive``,
+  `dflashkit.infer.recursive`): each round draws one candidate tree (children without replacement from q, from
+  a generator of its own seeded with the sampling seed, so the other figures' draws are unchanged), whose
+  branches join the verified tree; for those candidates the expected tokens are exact
+  (`recursive.recursive_tree_tokens`); the mean over rounds estimates the expectation over the draws, one
+  draw a round.
 
 A slot's conditional acceptance is E[w_k x] / E[w_k] (slots reached more often weigh more: the served order).
 The decode itself moves on by sample-and-match over that tree (every committed token a target draw), so the
@@ -36,6 +42,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.infer.engine import AUTO_TREE_BUDGET, make_engine
+from dflashkit.infer.recursive import recursive_tree, recursive_tree_tokens
 from dflashkit.infer.sampling import DraftSampling, Sampling, choose, new_generator, probabilities, race
 from dflashkit.infer.tree import DraftTree, build_tree
 
@@ -67,6 +74,7 @@ class SlotSums:
     marginal_reach: list[float] = field(default_factory=list)
     marginal_accept: list[float] = field(default_factory=list)
     tree_tokens: float = 0.0
+    recursive_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("argmax_reach", "argmax_accept", "max_p", "marginal_reach", "marginal_accept"):
@@ -164,6 +172,7 @@ def measure(
     dec = make_engine("reference", target, drafter)
     gen = new_generator(s, target.device)
     eos = set(eos_ids)
+    candidates = torch.Generator(device=target.device).manual_seed(s.seed if s.seed is not None else 0)
     for prompt in prompts:
         logits, context = dec.prefill(torch.tensor([list(prompt)], device=target.device))
         new = [int(choose(logits, s, gen))]
@@ -172,7 +181,9 @@ def measure(
             q = probabilities(dec.draft(context, anchor)[:D], s)
             marginal = race(q, torch.empty_like(q).exponential_(generator=gen))
             built = build_tree(anchor, q, budget)
-            branches = [q.argmax(-1).tolist(), marginal.tolist(), *tree_branches(built)]
+            drawn, children = recursive_tree(anchor, q, budget, candidates)
+            recursive = tree_branches(drawn)
+            branches = [q.argmax(-1).tolist(), marginal.tolist(), *tree_branches(built), *recursive]
             tree, paths = merge_branches(anchor, branches)
             verified = dec.verify_tree(tree.to(target.device))
             p = probabilities(verified.logits, s).cpu()
@@ -184,6 +195,8 @@ def measure(
             fig = round_figures(q.cpu(), p, paths[0], marginal.cpu(), paths[1])
             _add(sums, fig)
             sums.tree_tokens += tree_tokens(built, p, node_of)
+            rows = [0] + [node_of[tuple(b)] for b in recursive]
+            sums.recursive_tokens += recursive_tree_tokens(drawn, children, p[rows], q.cpu())
             path, committed = dec.walk(tree.to(target.device), choose(verified.logits, s, gen))
             context = dec.keep(verified, path)
             new.extend(committed)
@@ -225,7 +238,11 @@ def summary(sums: SlotSums, s: Sampling, prompts: int, budget: int) -> dict[str,
         "argmax_acceptance": per_slot(sums.argmax_accept, sums.argmax_reach),
         "marginal_acceptance": per_slot(sums.marginal_accept, sums.marginal_reach),
         "top_k_mass": {str(j + 1): per_slot(sums.top_mass[j], sums.argmax_reach) for j in range(TOP_K)},
-        "expected_tokens": {**chains, f"tree{budget}": sums.tree_tokens / n},
+        "expected_tokens": {
+            **chains,
+            f"tree{budget}": sums.tree_tokens / n,
+            f"tree{budget}_recursive": sums.recursive_tokens / n,
+        },
         "tree_budget": budget,
     }
     out["draft_sampling"] = choose_proposal(out)

@@ -22,8 +22,11 @@ Acceptance rules (`Sampling.rule`):
 The drafts of a chain round at T > 0 (`Sampling.draft_sampling`, `sampling.propose`): "marginal", each slot
 raced from the drafter's distribution, or "argmax", each slot's most likely token (a one-hot q); both rules
 keep the target's distribution with either.
-A tree round always uses "exact" (a tree's tokens are the drafter's top-k, not samples from q; for fixed
-candidates that rule is the best a lossless rule can do: ``dflashkit.infer.tree``).
+A tree round (`Sampling.tree_rule`) uses "match" by default: the "exact" rule over the tree (a tree's tokens
+are the drafter's top-k, not samples from q; for fixed candidates that rule is the best a lossless rule can
+do: ``dflashkit.infer.tree``). "recursive" (the reference engine only, T > 0): each node's children drawn
+without replacement from q and accepted by recursive rejection (``dflashkit.infer.recursive``); at T = 0 a
+tree round is the match rule's whatever the option.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.errors import DflashkitError
+from dflashkit.infer.recursive import recursive_tree_round
 from dflashkit.infer.sampling import (
     Sampling,
     accept_sampled,
@@ -116,7 +120,9 @@ def separate_round(
     if context is None:
         raise DflashkitError(f"the {engine.name} engine holds no context to draft from: prefill() first")
     draft_logits = engine.draft(context, anchor)  # [B-1, V]
-    if tree_budget:
+    if tree_budget and s.tree_rule == "recursive" and not s.greedy:
+        verified, path, committed = recursive_tree_round(engine, anchor, draft_logits, tree_budget, s, gen)
+    elif tree_budget:
         verified, path, committed = _tree_round(engine, anchor, draft_logits, tree_budget, s, gen)
     else:
         verified, path, committed = _chain_round(engine, anchor, draft_logits, s, gen)

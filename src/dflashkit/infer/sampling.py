@@ -31,6 +31,8 @@ from torch import Tensor
 Rule = Literal["exact", "rejection"]
 DraftSampling = Literal["marginal", "argmax"]
 DRAFT_SAMPLINGS: tuple[DraftSampling, ...] = ("marginal", "argmax")
+TreeRule = Literal["match", "recursive"]
+TREE_RULES: tuple[TreeRule, ...] = ("match", "recursive")
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Sampling:
     rule: Rule = "exact"
     seed: int | None = None
     draft_sampling: DraftSampling = "marginal"  # a chain round's proposal at T > 0 (`propose`)
+    tree_rule: TreeRule = "match"  # a tree round's rule at T > 0 (`dflashkit.infer.recursive`)
 
     @property
     def greedy(self) -> bool:

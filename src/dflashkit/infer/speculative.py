@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflashkit.errors import DflashkitError
 from dflashkit.infer.engine import Engine, make_engine, round_width
 from dflashkit.infer.sampling import Sampling, choose, new_generator
 from dflashkit.model.drafter import DFlashDrafter
@@ -112,6 +113,8 @@ def speculative_generate(
     dec = make_engine(
         engine, target, drafter, capacity=P + max_new_tokens + width, backend=backend, tree_budget=tree_budget
     )
+    if tree_budget and s.tree_rule == "recursive" and not s.greedy and dec.name == "graphs":
+        raise DflashkitError("recursive trees run on the reference engine only")
     dec.reserve(P, max_new_tokens, width)
     gen = new_generator(s, dev)
     _sync(dev)
