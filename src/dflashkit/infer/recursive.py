@@ -70,17 +70,24 @@ def recursive_accept(
             break
         if float(uniforms[i]) * qy < float(p[y]):  # probability min(1, p(y) / q(y))
             return i, int(y)
-        residual = (p - q).clamp_min(0)
-        mass = float(residual.sum())
-        if mass > 0:  # 0 only by rounding (a rejection then has probability 0): keep p
-            p = residual / mass
-        q = q.clone()
-        q[y] = 0
-        left = float(q.sum())
-        if left <= 0:
+        p, q = after_rejection(p, q, int(y))
+        if q is None:
             break
-        q = q / left
     return None, int(race(p.float(), noise))
+
+
+def after_rejection(p: Tensor, q: Tensor, y: int) -> tuple[Tensor, Tensor | None]:
+    """The target's and the drafter's distributions after candidate ``y`` is rejected: the residual
+    norm(max(p - q, 0)) (p kept where it is 0, which only rounding makes: a rejection then has probability
+    0), and q without y, renormalised (None once q's support is used up)."""
+    residual = (p - q).clamp_min(0)
+    mass = float(residual.sum())
+    if mass > 0:
+        p = residual / mass
+    q = q.clone()
+    q[y] = 0
+    left = float(q.sum())
+    return p, (q / left if left > 0 else None)
 
 
 def rule_accepts(p: Tensor, q: Tensor, candidates: Sequence[int]) -> list[float]:
@@ -99,16 +106,9 @@ def rule_accepts(p: Tensor, q: Tensor, candidates: Sequence[int]) -> list[float]
         still *= 1 - a
         if still <= 0:
             break
-        residual = (p - q).clamp_min(0)
-        mass = float(residual.sum())
-        if mass > 0:
-            p = residual / mass
-        q = q.clone()
-        q[y] = 0
-        left = float(q.sum())
-        if left <= 0:
+        p, q = after_rejection(p, q, int(y))
+        if q is None:
             break
-        q = q / left
     return out
 
 
